@@ -1,0 +1,137 @@
+"""Checkpoint readers: an HF model directory (sharded safetensors) or a single GGUF file, both presented as an
+HF-style config dict plus (HF name, lazy tensor) pairs. Tensors are read one at a time from mmapped files, so a
+model never sits in RAM twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from freetoken.engine.formats import gguf_model
+from freetoken.engine.formats.gguf_file import GGUFFile
+from freetoken.engine.models import family_for
+from freetoken.errors import ModelLoadError
+
+TensorItems = Iterator[tuple[str, Callable[[], torch.Tensor]]]
+
+
+class HFCheckpoint:
+    format = "hf"
+
+    def __init__(self, root: Path):
+        self.root = root
+        config_path = root / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(
+                f"{root}: no config.json; an HF model directory needs config.json, *.safetensors and tokenizer.json"
+            )
+        try:
+            self.config = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
+        family_for(self.config.get("model_type"))  # an unsupported architecture fails before any weight I/O
+        self.shards = self._shards()
+
+    def _shards(self) -> dict[str, Path]:
+        """Tensor name → shard file, from the index when there is one."""
+        index = self.root / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+                raise ModelLoadError(f"{index}: malformed safetensors index ({e})") from None
+            for shard in sorted(set(weight_map.values())):
+                if not (self.root / shard).is_file():
+                    raise ModelLoadError(f"{self.root}: shard {shard} named in {index.name} is missing; "
+                                         "re-download the checkpoint")
+            return {name: self.root / shard for name, shard in weight_map.items()}
+        files = sorted(self.root.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{self.root}: no *.safetensors weights found")
+        return {name: f for f in files for name in _open_safetensors(f).keys()}
+
+    def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device) -> TensorItems:
+        by_file: dict[Path, list[str]] = {}
+        for name, f in self.shards.items():
+            by_file.setdefault(f, []).append(name)
+        for f, names in by_file.items():
+            handle = _open_safetensors(f)
+            for name in names:
+                yield name, lambda h=handle, n=name, f=f: _read(h, n, f)
+
+    def tokenizer(self):
+        from freetoken.engine.tokenizer import Tokenizer
+
+        return Tokenizer.from_hf_dir(self.root)
+
+
+def _open_safetensors(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{path}: truncated or not a safetensors file ({e}); re-download it") from None
+
+
+def _read(handle, name: str, path: Path) -> torch.Tensor:
+    from safetensors import SafetensorError
+
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{path}: cannot read tensor {name} ({e}); the file may be truncated") from None
+
+
+class GGUFCheckpoint:
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = GGUFFile(path)
+        self.config = gguf_model.hf_config(self.file)
+        family_for(self.config["model_type"])
+        self.arch = self.file.metadata["general.architecture"]
+
+    def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device) -> TensorItems:
+        for gname in self.file.tensors:
+            name = gguf_model.hf_name(gname, model_type)
+            if name is None:
+                continue
+
+            def load(g=gname) -> torch.Tensor:
+                t = self.file.load(g, dtype=torch.float32 if dtype == torch.float32 else dtype, device=device)
+                return gguf_model.to_hf_layout(g, t, self.config, self.arch)
+
+            yield name, load
+
+    def tokenizer(self):
+        from freetoken.engine.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf_metadata(self.file.metadata)
+
+
+def open_checkpoint(path: Path) -> HFCheckpoint | GGUFCheckpoint:
+    if path.is_file():
+        if path.suffix == ".gguf" or _has_gguf_magic(path):
+            return GGUFCheckpoint(path)
+        raise ModelLoadError(f"{path}: not a model; pass an HF model directory or a .gguf file")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if (path / "config.json").is_file():
+        return HFCheckpoint(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return GGUFCheckpoint(ggufs[0])
+    if ggufs:
+        raise ModelLoadError(f"{path}: several .gguf files ({', '.join(g.name for g in ggufs)}); pass one of them")
+    return HFCheckpoint(path)  # raises the missing-config.json error
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

@@ -1,0 +1,156 @@
+"""The engine's CLI verbs: `ft generate`, `ft chat`, `ft info`.
+
+stdout carries only what the user asked for (the completion, the chat reply, the model description); progress,
+logs and statistics go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from freetoken.engine.sampling import SamplingParams
+from freetoken.errors import FreeTokenError
+
+_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="HF model directory, .gguf file or cached HF repo id (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
+                   help="activation/weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p × the top probability")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+
+
+def _sampling(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                          min_p=a.min_p, seed=a.seed, stop=tuple(a.stop))
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise FreeTokenError(f"--device {name}: no CUDA GPU is visible to torch; use --device cpu")
+    return name
+
+
+def _load(a: argparse.Namespace):
+    from freetoken.engine.loader import load_model
+
+    return load_model(a.model, device=_device(a.device), dtype=_DTYPES[a.dtype])
+
+
+def _messages(system: str | None, history: list[dict]) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + history
+
+
+def generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ft generate", description="Complete one prompt; prints only the completion.")
+    p.add_argument("prompt", help="the prompt ('-' reads it from stdin)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--stats", action="store_true", help="print token counts and speeds to stderr")
+    _model_args(p)
+    _sampling_args(p)
+    a = p.parse_args(argv)
+    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+    params = _sampling(a)
+    lm = _load(a)
+    tok = lm.tokenizer
+    if a.raw:
+        ids = tok.encode(prompt, add_special_tokens=True)
+    else:
+        text = tok.apply_chat_template(_messages(a.system, [{"role": "user", "content": prompt}]))
+        ids = tok.encode(text)
+    last = _stream_to_stdout(lm, ids, params)
+    print()
+    if a.stats and last.timings:
+        _print_stats(last)
+    return 0
+
+
+def _stream_to_stdout(lm, ids: list[int], params: SamplingParams):
+    from freetoken.engine.generator import Generator
+
+    last = None
+    for ev in Generator(lm).stream(ids, params):
+        if ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        last = ev
+    return last
+
+
+def _print_stats(ev) -> None:
+    t = ev.timings
+    decode_tokens = max(ev.completion_tokens - 1, 0)
+    rate = decode_tokens / t.decode_s if t.decode_s > 0 else 0.0
+    print(f"freetoken: prompt {ev.prompt_tokens} tokens, prefill {t.prefill_s:.3f}s, "
+          f"completion {ev.completion_tokens} tokens, decode {rate:.1f} tok/s, finish={ev.finish_reason}",
+          file=sys.stderr)
+
+
+def chat(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ft chat", description="Interactive chat. /reset clears the history, "
+                                "/exit (or Ctrl-D) quits.")
+    _model_args(p)
+    _sampling_args(p)
+    a = p.parse_args(argv)
+    lm = _load(a)
+    params = _sampling(a)
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history.clear()
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = lm.tokenizer.encode(lm.tokenizer.apply_chat_template(_messages(a.system, history)))
+        if interactive:
+            sys.stdout.write("assistant> ")
+        reply: list[str] = []
+        from freetoken.engine.generator import Generator
+
+        for ev in Generator(lm).stream(ids, params):
+            reply.append(ev.text)
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def info(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ft info", description="Describe a model without loading its weights.")
+    p.add_argument("model", nargs="?", default=None, help="HF model directory, .gguf file or cached repo id")
+    a = p.parse_args(argv)
+    from freetoken.engine.model_info import describe
+
+    print(describe(a.model))
+    return 0
+
+
+def main(verb: str, argv: list[str]) -> int:
+    return {"generate": generate, "chat": chat, "info": info}[verb](argv)

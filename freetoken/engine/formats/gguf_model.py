@@ -1,0 +1,146 @@
+"""GGUF checkpoints as HF-shaped models: metadata → an HF-style config dict, tensor names → HF parameter names.
+
+llama.cpp lays some tensors out differently from HF, and this is the one place that undoes it:
+- llama-architecture Q/K rows are interleaved for its rotary kernel; we restore HF's half-split order;
+- routed experts come stacked ([E, out, in]) and map to the executor's stacked slots `model.layers.N.experts.P`;
+- llama3-style RoPE is stored as a `rope_freqs` tensor of per-frequency divisors, kept in the config.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from freetoken.engine.formats.gguf_file import GGUFFile
+from freetoken.errors import UnsupportedArchitectureError
+
+# GGUF general.architecture → HF model_type (llama with experts is Mixtral).
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "{mlp}.gate_proj", "ffn_up": "{mlp}.up_proj", "ffn_down": "{mlp}.down_proj",
+    "ffn_gate_inp": "{mlp}.gate",
+    "ffn_gate_shexp": "{mlp}.shared_expert.gate_proj", "ffn_up_shexp": "{mlp}.shared_expert.up_proj",
+    "ffn_down_shexp": "{mlp}.shared_expert.down_proj", "ffn_gate_inp_shexp": "{mlp}.shared_expert_gate",
+}
+_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)\.(weight|bias)")
+
+
+def stacked_expert_name(layer: int, projection: str) -> str:
+    """Checkpoint-independent name of one layer's stacked routed-expert tensor."""
+    return f"model.layers.{layer}.experts.{projection}"
+
+
+def hf_config(gguf: GGUFFile) -> dict:
+    md = gguf.metadata
+    arch = md.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(GGUF_ARCHITECTURES)} (llama with experts = Mixtral)"
+        )
+
+    def get(key: str, default=None):
+        return md.get(f"{arch}.{key}", default)
+
+    n_experts = int(get("expert_count", 0) or 0)
+    model_type = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and n_experts:
+        model_type = "mixtral"
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = get("vocab_size") or len(md.get("tokenizer.ggml.tokens") or [])
+    cfg = {
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": int(get("attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "intermediate_size": int(get("feed_forward_length", 0) or 0),
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "rope_parameters": _rope_parameters(gguf, get),
+    }
+    if n_experts:
+        cfg.update(_moe_config(gguf, get, model_type, n_experts, cfg["num_hidden_layers"]))
+    if model_type == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    return cfg
+
+
+def _rope_parameters(gguf: GGUFFile, get) -> dict:
+    params: dict = {"rope_theta": float(get("rope.freq_base", 10000.0)), "rope_type": "default"}
+    scaling = get("rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        params.update(rope_type=scaling, factor=float(get("rope.scaling.factor")))
+        if get("rope.scaling.original_context_length"):
+            params["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    elif scaling not in (None, "none"):
+        raise UnsupportedArchitectureError(f"{gguf.path}: RoPE scaling {scaling!r} is not supported")
+    if "rope_freqs.weight" in gguf.tensors:  # llama3-style scaling, precomputed by the converter
+        params["freq_factors"] = gguf.load("rope_freqs.weight").tolist()
+    return params
+
+
+def _moe_config(gguf: GGUFFile, get, model_type: str, n_experts: int, n_layers: int) -> dict:
+    sparse = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors]
+    expert_ff = int(get("expert_feed_forward_length", 0) or get("feed_forward_length"))
+    cfg = {"num_experts": n_experts, "num_local_experts": n_experts,
+           "num_experts_per_tok": int(get("expert_used_count"))}
+    if model_type == "mixtral":
+        cfg["intermediate_size"] = expert_ff
+        return cfg
+    # Qwen3-MoE checkpoints all renormalise the top-k (llama.cpp hard-codes it); Qwen2-MoE does not.
+    cfg["norm_topk_prob"] = bool(get("expert_weights_norm", model_type == "qwen3_moe"))
+    cfg["moe_intermediate_size"] = expert_ff
+    cfg["mlp_only_layers"] = [i for i in range(n_layers) if i not in sparse]
+    cfg["decoder_sparse_step"] = 1
+    if model_type == "qwen2_moe":
+        cfg["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0) or 0)
+        cfg["qkv_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    return cfg
+
+
+def hf_name(gguf_name: str, model_type: str) -> str | None:
+    """HF parameter (or stacked-expert) name for a GGUF tensor; None for tensors that carry no parameter."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None:
+        return None
+    layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
+    if part in _STACKED_EXPERTS:
+        return stacked_expert_name(layer, _STACKED_EXPERTS[part])
+    if part not in _BLOCK_NAMES:
+        return None
+    mlp = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part].format(mlp=mlp)}.{kind}"
+
+
+def to_hf_layout(gguf_name: str, tensor: torch.Tensor, cfg: dict, arch: str) -> torch.Tensor:
+    """Undoes llama.cpp's layout changes for one tensor (see module docstring)."""
+    if arch == "llama" and re.fullmatch(r"blk\.\d+\.attn_[qk]\.(weight|bias)", gguf_name):
+        heads = cfg["num_attention_heads"] if ".attn_q." in gguf_name else cfg["num_key_value_heads"]
+        return _unpermute_rotary(tensor, heads)
+    if gguf_name.endswith("ffn_gate_inp_shexp.weight") and tensor.dim() == 1:
+        return tensor[None, :]  # GGUF stores the [1, H] shared-expert gate as a vector
+    return tensor
+
+
+def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)

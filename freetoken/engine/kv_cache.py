@@ -1,0 +1,120 @@
+"""Paged KV cache: fixed-size pages in one pool per layer, a page table per sequence.
+
+Bookkeeping (`PageAllocator`, `SequenceKV.pages`) is plain Python; the tensors live in `PagedKVCache`. A page
+holds `page_size` consecutive token slots of one sequence; a token's slot is `page * page_size + offset`, so
+K/V pools are addressed flat as [num_pages * page_size, n_kv_heads, head_dim]. Pools grow by doubling when the
+allocator runs dry, so a short chat never pays for the model's full context up front.
+
+Shapes: L cached tokens, T new tokens, Hkv KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class PageAllocator:
+    """Free-list of page ids. Invariant: every page id is either free or owned by exactly one sequence."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def grow(self, new_total: int) -> None:
+        self._free[:0] = list(range(new_total - 1, self.num_pages - 1, -1))
+        self.num_pages = new_total
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"KV cache needs {n} pages, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass(slots=True)
+class SequenceKV:
+    """One sequence's view of the cache: its pages and how many tokens are committed."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+    slots: torch.Tensor | None = None  # flat slot ids of tokens [0, capacity), on the cache's device
+
+    def capacity(self, page_size: int) -> int:
+        return len(self.pages) * page_size
+
+
+class PagedKVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, page_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 initial_pages: int = 64, max_pages: int | None = None):
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
+        self.max_pages = max_pages
+        self.allocator = PageAllocator(initial_pages)
+        shape = (initial_pages * page_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
+
+    def new_sequence(self) -> SequenceKV:
+        return SequenceKV(slots=torch.empty(0, dtype=torch.long, device=self.device))
+
+    def release(self, seq: SequenceKV) -> None:
+        self.allocator.free(seq.pages)
+        seq.pages, seq.length = [], 0
+        seq.slots = torch.empty(0, dtype=torch.long, device=self.device)
+
+    def reserve(self, seq: SequenceKV, n_new: int) -> None:
+        """Makes room for `n_new` more tokens of `seq` (called once per forward, before any layer writes)."""
+        need = -(-(seq.length + n_new) // self.page_size) - len(seq.pages)
+        if need <= 0:
+            return
+        if need > self.allocator.num_free:
+            self._grow(self.allocator.num_pages - self.allocator.num_free + need)
+        new_pages = self.allocator.allocate(need)
+        seq.pages.extend(new_pages)
+        offsets = torch.arange(self.page_size, device=self.device)
+        new_slots = (torch.tensor(new_pages, device=self.device)[:, None] * self.page_size + offsets).flatten()
+        seq.slots = torch.cat([seq.slots, new_slots])
+
+    def _grow(self, pages_needed: int) -> None:
+        new_total = max(pages_needed, 2 * self.allocator.num_pages)
+        if self.max_pages is not None:
+            if pages_needed > self.max_pages:
+                raise MemoryError(f"KV cache needs {pages_needed} pages; its budget is {self.max_pages}")
+            new_total = min(new_total, self.max_pages)
+        extra = (new_total - self.allocator.num_pages) * self.page_size
+        pad = (extra, self.n_kv_heads, self.head_dim)
+        for pools in (self.k, self.v):
+            for i, pool in enumerate(pools):
+                pools[i] = torch.cat([pool, torch.zeros(pad, dtype=self.dtype, device=self.device)])
+        self.allocator.grow(new_total)
+
+    def update(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v [T, Hkv, D] after the committed tokens; returns all keys/values [L + T, Hkv, D]."""
+        start, end = seq.length, seq.length + k.shape[0]
+        self.k[layer].index_copy_(0, seq.slots[start:end], k.to(self.dtype))
+        self.v[layer].index_copy_(0, seq.slots[start:end], v.to(self.dtype))
+        if start == 0:
+            return k, v  # nothing cached before: skip the gather
+        slots = seq.slots[:end]
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+    def commit(self, seq: SequenceKV, n_new: int) -> None:
+        seq.length += n_new
+
+    def truncate(self, seq: SequenceKV, length: int) -> None:
+        """Drops tokens past `length` (rollback); frees pages no longer needed."""
+        keep = -(-length // self.page_size)
+        self.allocator.free(seq.pages[keep:])
+        del seq.pages[keep:]
+        seq.slots = seq.slots[: keep * self.page_size]
+        seq.length = min(seq.length, length)

@@ -1,0 +1,118 @@
+"""`load_model`: from a model source (HF directory, .gguf file, cached HF repo id, or the embedded default) to a
+ready `LoadedModel` on one device, with a progress bar on stderr while weights stream in."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from freetoken.engine.checkpoints import open_checkpoint
+from freetoken.engine.config import MoESpec
+from freetoken.engine.experts import ExpertExecutor
+from freetoken.engine.kv_cache import PagedKVCache
+from freetoken.engine.models import family_for
+from freetoken.engine.models.decoder import DecoderModel
+from freetoken.engine.rope import RotaryEmbedding
+from freetoken.engine.sources import resolve_model_source
+from freetoken.engine.weights import WeightPlacer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: DecoderModel
+    args: object  # the family's ModelArgs
+    family: ModuleType
+    tokenizer: object  # freetoken.engine.tokenizer.Tokenizer
+    moe_spec: MoESpec | None
+    experts: ExpertExecutor | None
+    device: torch.device
+    dtype: torch.dtype
+    source: Path
+    format: str  # "hf" or "gguf"
+    config: dict
+
+    @property
+    def context_length(self) -> int:
+        return self.model.args.max_position_embeddings
+
+    def new_cache(self, page_size: int = 16, initial_tokens: int = 1024,
+                  max_tokens: int | None = None) -> PagedKVCache:
+        a = self.model.args.attention
+        pages = -(-initial_tokens // page_size)
+        max_pages = None if max_tokens is None else -(-max_tokens // page_size)
+        return PagedKVCache(self.model.args.n_layers, a.n_kv_heads, a.head_dim, page_size=page_size,
+                            dtype=self.dtype, device=self.device, initial_pages=pages, max_pages=max_pages)
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] (fp32) of a fresh sequence: a correctness probe, not the serving path."""
+        cache = self.new_cache(initial_tokens=len(token_ids))
+        tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return self.model(tokens, cache, cache.new_sequence()).float()
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None, progress: bool = True) -> LoadedModel:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = dtype or default_dtype(device)
+    path = resolve_model_source(source)
+    ckpt = open_checkpoint(path)
+    family = family_for(ckpt.config.get("model_type"))
+    args = family.ModelArgs.from_config(ckpt.config)
+    spec = args.moe_spec()
+    tokenizer = ckpt.tokenizer()
+
+    start = time.perf_counter()
+    with torch.device("meta"), no_param_init():
+        model = family.Model(args)
+    model = model.to(dtype).to_empty(device=device)
+    model.rotary = RotaryEmbedding(args.decoder.rope).to(device)  # buffers are not in checkpoints
+    placer = WeightPlacer(model, getattr(family, "EXPERT_NAMING", None), spec, dtype, device)
+    items = list(ckpt.tensors(family.MODEL_TYPE, dtype, device))
+    bar = tqdm(items, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
+    for name, load in bar:
+        placer.place(name, load)
+    experts = placer.finish()
+    _attach_experts(model, experts)
+    model.eval()
+    log.info("loaded %s (%s, %s) on %s in %.1fs", path.name, family.MODEL_TYPE, ckpt.format, device,
+             time.perf_counter() - start)
+    return LoadedModel(model, args, family, tokenizer, spec, experts, device, dtype, path, ckpt.format,
+                       ckpt.config)
+
+
+@contextmanager
+def no_param_init():
+    """Skips nn default initialisation: every parameter is overwritten from the checkpoint anyway, and random
+    init (even on the meta device) costs seconds for a large vocabulary."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn
+
+
+def _attach_experts(model: DecoderModel, experts: ExpertExecutor | None) -> None:
+    for module in model.modules():
+        if hasattr(module, "experts") and hasattr(module, "top_k"):
+            module.experts = experts

@@ -1,0 +1,90 @@
+"""`ft info`: what a checkpoint is, read from its config and tensor headers without loading any weights."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.engine.checkpoints import GGUFCheckpoint, HFCheckpoint, open_checkpoint
+from freetoken.engine.config import MoESpec
+from freetoken.engine.loader import no_param_init
+from freetoken.engine.models import family_for
+from freetoken.engine.sources import resolve_model_source
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
+
+
+def describe(source: str | None) -> str:
+    path = resolve_model_source(source)
+    ckpt = open_checkpoint(path)
+    family = family_for(ckpt.config.get("model_type"))
+    args = family.ModelArgs.from_config(ckpt.config)
+    spec: MoESpec | None = args.moe_spec()
+    with torch.device("meta"), no_param_init():
+        model = family.Model(args)
+    dense = sum(p.numel() for p in model.parameters())
+    dec = args.decoder
+    lines = [
+        f"model          {path}",
+        f"format         {ckpt.format}",
+        f"architecture   {family.MODEL_TYPE}",
+        f"layers         {dec.n_layers}",
+        f"hidden size    {dec.hidden_size}",
+        f"attention      {dec.attention.n_heads} heads, {dec.attention.n_kv_heads} KV heads, "
+        f"head dim {dec.attention.head_dim}, RoPE {dec.rope.rope_type} (theta {dec.rope.theta:g})",
+        f"vocabulary     {dec.vocab_size}",
+        f"context        {dec.max_position_embeddings}",
+    ]
+    if spec is None:
+        lines.append(f"parameters     {_count(dense)} (dense)")
+        return "\n".join(lines)
+    routed = spec.total_routed_experts * spec.params_per_expert
+    active = dense + len(spec.moe_layers) * spec.top_k * spec.params_per_expert
+    shared = f", {spec.num_shared_experts} shared (intermediate {spec.shared_expert_intermediate_size})" \
+        if spec.num_shared_experts else ""
+    lines += [
+        f"parameters     {_count(dense + routed)} total, {_count(active)} active per token",
+        f"MoE layers     {len(spec.moe_layers)} of {dec.n_layers}",
+        f"experts        {spec.num_experts} routed per layer, top-{spec.top_k}{shared}; "
+        f"{spec.total_routed_experts} routed in all",
+        f"expert shape   hidden {spec.hidden_size} × intermediate {spec.expert_intermediate_size} "
+        f"({_count(spec.params_per_expert)} parameters)",
+        f"expert bytes   {_expert_bytes(ckpt, spec)}",
+    ]
+    return "\n".join(lines)
+
+
+def _expert_bytes(ckpt: HFCheckpoint | GGUFCheckpoint, spec: MoESpec) -> str:
+    layer = spec.moe_layers[0]
+    if isinstance(ckpt, GGUFCheckpoint):
+        names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+        infos = [ckpt.file.tensors[n] for n in names if n in ckpt.file.tensors]
+        if len(infos) == 3:
+            per_expert = sum(i.n_bytes for i in infos) // spec.num_experts
+            kinds = "/".join(i.type_name for i in infos)
+            return f"{_size(per_expert)} per expert ({kinds}); {_size(per_expert * spec.total_routed_experts)} in all"
+        return "unknown (no stacked expert tensors in this file)"
+    dtype = _hf_expert_dtype(ckpt)
+    per_expert = spec.params_per_expert * _SAFETENSORS_BYTES.get(dtype, 2)
+    return f"{_size(per_expert)} per expert ({dtype}); {_size(per_expert * spec.total_routed_experts)} in all"
+
+
+def _hf_expert_dtype(ckpt: HFCheckpoint) -> str:
+    from safetensors import safe_open
+
+    name = next((n for n in ckpt.shards if ".experts." in n), next(iter(ckpt.shards)))
+    with safe_open(str(ckpt.shards[name]), framework="pt") as f:
+        return f.get_slice(name).get_dtype()
+
+
+def _count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,163 @@
+"""Building blocks shared by the decoder-only families: RMSNorm, GQA attention over the paged KV cache, the
+dense SwiGLU MLP, the decoder layer and the embedding → layers → norm → head stack.
+
+Parameter names mirror Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...), so a checkpoint loads by
+name. A family file supplies its arguments, its MLP/MoE block per layer and its weight-name mapping.
+
+Shapes: T tokens of one sequence, V vocab, Hd hidden, H query heads, Hkv KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
+from freetoken.engine.rope import RopeConfig, RotaryEmbedding, apply_rope
+
+
+@dataclass(slots=True)
+class AttentionArgs:
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    rms_norm_eps: float = 1e-6
+
+
+@dataclass(slots=True)
+class DecoderArgs:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    attention: AttentionArgs
+    rope: RopeConfig
+    rms_norm_eps: float
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype, as the reference implementations do.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: AttentionArgs, layer_idx: int):
+        super().__init__()
+        self.a, self.layer_idx = a, layer_idx
+        self.q_proj = nn.Linear(a.hidden_size, a.n_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
+                seq: SequenceKV) -> torch.Tensor:
+        a, t = self.a, x.shape[0]
+        q = self.q_proj(x).view(t, a.n_heads, a.head_dim)
+        k = self.k_proj(x).view(t, a.n_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(t, a.n_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.update(self.layer_idx, seq, k, v)  # [L + T, Hkv, D]
+        out = _causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=seq.length)
+        return self.o_proj(out.reshape(t, a.n_heads * a.head_dim))
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """q [T, H, D] at positions past..past+T-1; k, v [past + T, Hkv, D] → [T, H, D]."""
+    t = q.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    if t == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+    elif past == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        q_pos = torch.arange(past, past + t, device=q.device)[:, None]
+        mask = torch.arange(past + t, device=q.device)[None, :] <= q_pos  # [T, L + T]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DecoderArgs, layer_idx: int, mlp: nn.Module, mlp_name: str = "mlp"):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args.attention, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)  # HF names differ: `mlp` or mixtral's `block_sparse_moe`
+
+    def forward(self, x, cos, sin, cache, seq):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, seq)
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's inner `model`: embeddings, layers, final norm."""
+
+    def __init__(self, args: DecoderArgs, make_layer: Callable[[int], DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """A causal LM over one sequence at a time; `forward` appends T tokens to `seq` in the paged cache."""
+
+    def __init__(self, args: DecoderArgs, make_layer: Callable[[int], DecoderLayer]):
+        super().__init__()
+        self.args = args
+        self.model = DecoderStack(args, make_layer)
+        self.rotary = RotaryEmbedding(args.rope)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
+                logits_for: str = "all") -> torch.Tensor:
+        """tokens [T] → logits [T, V] ("all") or [1, V] ("last"). Commits the tokens to `seq`."""
+        t = tokens.shape[0]
+        cache.reserve(seq, t)
+        x = self.model.embed_tokens(tokens)
+        positions = torch.arange(seq.length, seq.length + t, device=tokens.device)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, seq)
+        cache.commit(seq, t)
+        if logits_for == "last":
+            x = x[-1:]
+        return F.linear(self.model.norm(x), self.output_weight())

@@ -1,0 +1,61 @@
+"""The sparse MoE block shared by the MoE families: router (softmax → top-k, optional renormalisation), routed
+experts through an `ExpertExecutor`, and an optional shared expert scaled by a sigmoid gate (Qwen2-MoE).
+
+Also the description of how a family names its per-expert checkpoint tensors, so the loader can stack them.
+
+Shapes: N tokens, Hd hidden, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.engine.experts import ExpertExecutor
+from freetoken.engine.models.decoder import DenseMLP
+
+
+@dataclass(slots=True, frozen=True)
+class ExpertNaming:
+    """How routed-expert tensors are named in a family's HF checkpoints."""
+
+    pattern: re.Pattern  # groups: layer, expert, projection
+    projections: dict[str, str]  # checkpoint projection name → gate_proj / up_proj / down_proj
+
+    def match(self, name: str) -> tuple[int, int, str] | None:
+        m = self.pattern.fullmatch(name)
+        if m is None:
+            return None
+        return int(m.group(1)), int(m.group(2)), self.projections[m.group(3)]
+
+
+QWEN_EXPERTS = ExpertNaming(
+    re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
+    {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, layer_idx: int, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 shared_expert_intermediate_size: int = 0):
+        super().__init__()
+        self.layer_idx, self.top_k, self.norm_topk_prob = layer_idx, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        if shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.experts: ExpertExecutor | None = None  # attached by the loader; not an nn.Module on purpose
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        out = self.experts.forward(self.layer_idx, x, topk_ids, topk_weights.to(x.dtype))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

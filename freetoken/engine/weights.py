@@ -1,0 +1,86 @@
+"""Placing checkpoint tensors into a freshly built model and its expert store.
+
+Dense parameters are copied into the model by HF name. Routed experts arrive either one expert at a time (HF
+checkpoints) or stacked per layer (GGUF); both are written into one preallocated [E, out, in] tensor per layer
+and projection, so stacking never holds a second copy. `finish()` checks that nothing is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from freetoken.engine.config import MoESpec
+from freetoken.engine.experts import LayerExperts, ResidentExpertExecutor
+from freetoken.engine.models.moe import ExpertNaming
+from freetoken.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+_STACKED = re.compile(r"model\.layers\.(\d+)\.experts\.(gate_proj|up_proj|down_proj)")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq|lm_head\.weight")  # recomputed / tied: safe to skip
+
+
+class WeightPlacer:
+    def __init__(self, model: nn.Module, naming: ExpertNaming | None, spec: MoESpec | None,
+                 dtype: torch.dtype, device: torch.device):
+        self.params = dict(model.named_parameters())
+        self.naming, self.spec, self.dtype, self.device = naming, spec, dtype, device
+        self.filled: set[str] = set()
+        self.experts: dict[int, dict[str, torch.Tensor]] = {}
+        self.expert_parts: dict[tuple[int, str], set[int]] = {}
+        self.unexpected: list[str] = []
+
+    def place(self, name: str, load) -> None:
+        """`load` is called only for tensors we keep."""
+        if name in self.params:
+            self._copy(name, self.params[name], load())
+            self.filled.add(name)
+        elif (m := _STACKED.fullmatch(name)) and self.spec is not None:
+            layer, proj = int(m.group(1)), m.group(2)
+            self._copy(name, self._expert_slot(layer, proj), load())
+            self.expert_parts[(layer, proj)] = set(range(self.spec.num_experts))
+        elif self.naming is not None and (hit := self.naming.match(name)) and self.spec is not None:
+            layer, expert, proj = hit
+            self._copy(name, self._expert_slot(layer, proj)[expert], load())
+            self.expert_parts.setdefault((layer, proj), set()).add(expert)
+        elif not _IGNORED.fullmatch(name):
+            self.unexpected.append(name)
+
+    def _expert_slot(self, layer: int, proj: str) -> torch.Tensor:
+        spec = self.spec
+        if layer not in spec.moe_layers:
+            raise ModelLoadError(f"checkpoint has routed experts for layer {layer}, which the config makes dense")
+        slots = self.experts.setdefault(layer, {})
+        if proj not in slots:
+            h, i = spec.hidden_size, spec.expert_intermediate_size
+            shape = (spec.num_experts, h, i) if proj == "down_proj" else (spec.num_experts, i, h)
+            slots[proj] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return slots[proj]
+
+    @staticmethod
+    def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
+        if tuple(src.shape) != tuple(dest.shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(src.shape)}, the config implies "
+                                 f"{tuple(dest.shape)}; the checkpoint and its config.json disagree")
+        with torch.no_grad():
+            dest.copy_(src)
+
+    def finish(self) -> ResidentExpertExecutor | None:
+        missing = sorted(set(self.params) - self.filled)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ModelLoadError(f"checkpoint lacks {', '.join(missing[:5])}{more}; the files are incomplete")
+        if self.unexpected:
+            log.warning("ignored %d unexpected tensors, e.g. %s", len(self.unexpected), self.unexpected[0])
+        if self.spec is None:
+            return None
+        for layer in self.spec.moe_layers:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                got = self.expert_parts.get((layer, proj), set())
+                if len(got) != self.spec.num_experts:
+                    raise ModelLoadError(f"checkpoint lacks routed experts of layer {layer} ({proj}: "
+                                         f"{len(got)} of {self.spec.num_experts}); the files are incomplete")
+        return ResidentExpertExecutor({layer: LayerExperts(**parts) for layer, parts in self.experts.items()})

@@ -1,0 +1,65 @@
+"""Paged KV cache: page bookkeeping, growth, rollback, and that paged attention equals one-shot attention."""
+
+import pytest
+import torch
+
+from freetoken.engine.kv_cache import PageAllocator, PagedKVCache
+
+
+def test_allocator_hands_out_each_page_once_and_reuses_freed_pages():
+    alloc = PageAllocator(4)
+    a, b = alloc.allocate(3), alloc.allocate(1)
+    assert sorted(a + b) == [0, 1, 2, 3] and alloc.num_free == 0
+    with pytest.raises(MemoryError):
+        alloc.allocate(1)
+    alloc.free(a)
+    assert sorted(alloc.allocate(3)) == sorted(a)
+
+
+def test_cache_grows_and_returns_written_values_in_order():
+    cache = PagedKVCache(n_layers=2, n_kv_heads=2, head_dim=4, page_size=4, initial_pages=1)
+    seq = cache.new_sequence()
+    written = []
+    for chunk in (3, 1, 6, 1):  # crosses page boundaries and forces the pool to grow twice
+        k = torch.randn(chunk, 2, 4)
+        cache.reserve(seq, chunk)
+        keys, values = cache.update(1, seq, k, -k)
+        cache.commit(seq, chunk)
+        written.append(k)
+        expected = torch.cat(written)
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert seq.length == 11 and len(seq.pages) == 3 and cache.allocator.num_pages >= 3
+
+
+def test_two_sequences_do_not_share_pages():
+    cache = PagedKVCache(n_layers=1, n_kv_heads=1, head_dim=2, page_size=2, initial_pages=2)
+    s1, s2 = cache.new_sequence(), cache.new_sequence()
+    for seq, val in ((s1, 1.0), (s2, 2.0), (s1, 3.0)):
+        cache.reserve(seq, 3)
+        keys, _ = cache.update(0, seq, torch.full((3, 1, 2), val), torch.zeros(3, 1, 2))
+        cache.commit(seq, 3)
+    assert not set(s1.pages) & set(s2.pages)
+    cache.reserve(s1, 0)
+    assert torch.equal(cache.k[0].index_select(0, s1.slots[:6])[:, 0, 0], torch.tensor([1.0] * 3 + [3.0] * 3))
+
+
+def test_truncate_frees_pages_and_rewrites_after_the_cut():
+    cache = PagedKVCache(n_layers=1, n_kv_heads=1, head_dim=1, page_size=2, initial_pages=8)
+    seq = cache.new_sequence()
+    cache.reserve(seq, 7)
+    cache.update(0, seq, torch.arange(7.0).view(7, 1, 1), torch.zeros(7, 1, 1))
+    cache.commit(seq, 7)
+    free_before = cache.allocator.num_free
+    cache.truncate(seq, 3)
+    assert seq.length == 3 and len(seq.pages) == 2 and cache.allocator.num_free == free_before + 2
+    cache.reserve(seq, 1)
+    keys, _ = cache.update(0, seq, torch.full((1, 1, 1), 9.0), torch.zeros(1, 1, 1))
+    assert keys.flatten().tolist() == [0.0, 1.0, 2.0, 9.0]
+
+
+def test_budget_is_enforced():
+    cache = PagedKVCache(n_layers=1, n_kv_heads=1, head_dim=1, page_size=2, initial_pages=1, max_pages=2)
+    seq = cache.new_sequence()
+    cache.reserve(seq, 4)
+    with pytest.raises(MemoryError):
+        cache.reserve(seq, 5)

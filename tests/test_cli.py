@@ -1,0 +1,88 @@
+"""The `ft` console script as a user runs it: a real subprocess of the installed entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FT = shutil.which("ft", path=str(Path(sys.executable).parent)) or shutil.which("ft")
+
+
+def run_ft(*args: str, stdin: str | None = None, env_extra: dict | None = None, timeout: int = 300):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([FT, *args], input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def default_env(smollm2_gguf: Path) -> dict:
+    return {"FREETOKEN_DEFAULT_MODEL": str(smollm2_gguf)}
+
+
+def test_entry_point_is_installed():
+    assert FT is not None, "the `ft` console script is not on PATH next to this Python"
+
+
+def test_generate_answers_with_the_default_model_and_prints_only_the_completion(default_env):
+    r = run_ft("generate", "--stats", "What is the capital of France?", env_extra=default_env)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "freetoken" not in r.stdout and "loading" not in r.stdout  # logs and progress stay on stderr
+    assert "decode" in r.stderr and "tok/s" in r.stderr
+
+
+def test_generate_raw_and_stop_string(default_env):
+    r = run_ft("generate", "--raw", "--max-tokens", "12", "--stop", "\n", "The capital of France is",
+               env_extra=default_env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "\n" not in r.stdout.rstrip("\n")
+
+
+def test_chat_reads_turns_from_stdin(default_env):
+    r = run_ft("chat", "--max-tokens", "20", stdin="What is the capital of France?\n/exit\n", env_extra=default_env)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_info_describes_the_default_model(default_env):
+    r = run_ft("info", env_extra=default_env)
+    assert r.returncode == 0, r.stderr
+    assert "llama" in r.stdout and "134.52M" in r.stdout and "49152" in r.stdout
+
+
+def test_info_of_a_moe_checkpoint_reports_experts(tmp_path):
+    from support.checkpoints import write_hf_checkpoint
+
+    write_hf_checkpoint("qwen3_moe", tmp_path / "m")
+    r = run_ft("info", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    assert "qwen3_moe" in r.stdout and "top-2" in r.stdout and "per expert" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["generate", "--model", "/nonexistent/model", "hi"], "no such file or directory"),
+        (["generate", "--model", "nobody-xyz/not-a-model", "hi"], "not in the Hugging Face cache"),
+        (["generate", "--temperature", "-1", "hi"], "temperature"),
+        (["frobnicate"], "unknown verb"),
+    ],
+)
+def test_bad_input_gives_one_line_and_status_2(args, expected, default_env):
+    r = run_ft(*args, env_extra={**default_env, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and expected in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 8}))
+    r = run_ft("info", str(tmp_path))
+    assert r.returncode == 2
+    assert "gpt_neox" in r.stderr and "qwen3_moe" in r.stderr and "llama" in r.stderr
