@@ -82,7 +82,7 @@ def _check_power(base: Any, exponent: Any) -> None:
 
 
 def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template raised an error: {message}")
+    raise ChatTemplateError(f"chat template raised an error: {_one_line(message)}")
 
 
 def _strftime_now(fmt: str) -> str:
@@ -168,10 +168,8 @@ class ChatTemplate:
             lineno = getattr(exc, "lineno", None)
             where = f" at line {lineno}" if lineno else ""
             raise ChatTemplateError(f"chat template failed to render{where}: {_one_line(exc)}") from None
-        except Exception as exc:  # noqa: BLE001 - untrusted code: anything it raises is the template's fault
-            raise ChatTemplateError(
-                f"chat template failed to render: {type(exc).__name__}: {_one_line(exc)}"
-            ) from None
+        except Exception as exc:  # untrusted code: whatever it raises is the template's fault
+            raise ChatTemplateError(f"chat template failed to render: {type(exc).__name__}: {_one_line(exc)}") from None
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.source)} chars)"

@@ -133,9 +133,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
             r"\p{N}+",
         )
     ),
-    "deepseek-coder": PreTokenizer(
-        (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _char_class(_DEEPSEEK_CJK) + "+", r"\p{N}")
-    ),
+    "deepseek-coder": PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _char_class(_DEEPSEEK_CJK) + "+", r"\p{N}")),
     "deepseek-v3": PreTokenizer(
         (
             r"\p{N}{1,3}",
@@ -301,9 +299,7 @@ def _sentencepiece(
     return backend
 
 
-def _merges_from_scores(
-    tokens: Sequence[str], types: Sequence[int], scores: Sequence[float]
-) -> list[tuple[str, str]]:
+def _merges_from_scores(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float]) -> list[tuple[str, str]]:
     """Every split of a normal piece into two normal pieces, best (highest-scoring) result first.
 
     Sentencepiece's BPE encoder repeatedly joins the adjacent pair whose join has the highest score; a BPE

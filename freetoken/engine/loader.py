@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,7 +87,10 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     model.rotary = RotaryEmbedding(args.decoder.rope).to(device)  # buffers are not in checkpoints
     placer = WeightPlacer(model, getattr(family, "EXPERT_NAMING", None), spec, dtype, device)
     items = list(ckpt.tensors(family.MODEL_TYPE, dtype, device))
-    bar = tqdm(items, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False)
+    # On a terminal the bar redraws often; in a log (no TTY) it writes a line every few seconds at most.
+    interactive = sys.stderr.isatty()
+    bar = tqdm(items, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False,
+               mininterval=0.2 if interactive else 5.0, ascii=not interactive)
     for name, load in bar:
         placer.place(name, load)
     experts = placer.finish()

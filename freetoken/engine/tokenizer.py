@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ END_OF_TURN_TOKENS = (
     "<|end_of_text|>",
     "<end_of_utterance>",
 )
+log = logging.getLogger(__name__)
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -65,6 +67,9 @@ class Tokenizer:
     byte_fallback_ids: frozenset[int]  # `<0xNN>` ids of a byte-fallback vocabulary; empty for byte-level BPE
     chat_template: ChatTemplate | None = None
     tool_use_template: ChatTemplate | None = None  # HF's named "tool_use" template, preferred when tools are given
+    # Why the model's template did not compile: the tokenizer still loads (raw prompts need no template),
+    # and `apply_chat_template` reports this.
+    chat_template_error: str | None = None
 
     # ---- construction ---------------------------------------------------------------------------------------
 
@@ -79,7 +84,10 @@ class Tokenizer:
             eos_id=vocab.eos_token_id,
             extra_eos=eos_ids,
             add_bos=vocab.add_bos,
-            templates={"default": metadata.get("tokenizer.chat_template")},
+            templates={
+                "default": metadata.get("tokenizer.chat_template"),
+                "tool_use": metadata.get("tokenizer.chat_template.tool_use"),  # llama.cpp's name for HF's
+            },
         )
 
     @classmethod
@@ -102,7 +110,8 @@ class Tokenizer:
         bos_id = _token_id_of(backend, config.get("bos_token"))
         eos_id = _token_id_of(backend, config.get("eos_token"))
         gen_eos = generation.get("eos_token_id")
-        extra_eos = {*_optional(eos_id), *(gen_eos if isinstance(gen_eos, list) else _optional(gen_eos))}
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        extra_eos = {*_optional(eos_id), *(i for i in gen_eos if isinstance(i, int))}
         add_bos = config.get("add_bos_token")
         if add_bos is None:
             # No flag: the post-processor in tokenizer.json is what HF uses to add BOS (e.g. Llama 3).
@@ -112,7 +121,7 @@ class Tokenizer:
             backend,
             bos_id=bos_id,
             eos_id=eos_id,
-            extra_eos={int(i) for i in extra_eos},
+            extra_eos=extra_eos,
             add_bos=bool(add_bos),
             templates=_hf_templates(root, config),
         )
@@ -132,9 +141,16 @@ class Tokenizer:
         eos_ids = frozenset(extra_eos | set(_end_of_turn_ids(backend, special)))
         bos = backend.id_to_token(bos_id) if bos_id is not None else None
         eos = backend.id_to_token(eos_id) if eos_id is not None else None
-        compiled = {
-            name: ChatTemplate(source, bos_token=bos, eos_token=eos) for name, source in templates.items() if source
-        }
+        compiled: dict[str, ChatTemplate] = {}
+        error = None
+        for name, source in templates.items():
+            if not source:
+                continue
+            try:
+                compiled[name] = ChatTemplate(source, bos_token=bos, eos_token=eos)
+            except ChatTemplateError as exc:
+                log.warning("the model's %r chat template is unusable: %s", name, exc)
+                error = error or str(exc)
         return cls(
             backend=backend,
             bos_token_id=bos_id,
@@ -145,6 +161,7 @@ class Tokenizer:
             byte_fallback_ids=_byte_fallback_ids(backend),
             chat_template=compiled.get("default"),
             tool_use_template=compiled.get("tool_use"),
+            chat_template_error=None if "default" in compiled else error,
         )
 
     # ---- text <-> ids ---------------------------------------------------------------------------------------
@@ -181,6 +198,8 @@ class Tokenizer:
         enable_thinking: bool | None = None,
     ) -> str:
         template = (self.tool_use_template if tools else None) or self.chat_template
+        if template is None and self.chat_template_error:
+            raise ChatTemplateError(f"{self.chat_template_error} (pass the prompt as plain text with --raw)")
         if template is None:
             raise ChatTemplateError(
                 "this model has no chat template: pass the prompt as plain text with --raw, or give a template"
@@ -283,7 +302,9 @@ def _hf_templates(root: Path, config: Mapping[str, Any]) -> dict[str, str | None
     if raw is None:
         raw = _read_json(root / "chat_template.json").get("chat_template")
     if isinstance(raw, list):
-        templates = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        templates = {
+            t["name"]: t.get("template") for t in raw if isinstance(t, dict) and isinstance(t.get("name"), str)
+        }
     else:
         templates = {"default": raw if isinstance(raw, str) else None}
     jinja = root / "chat_template.jinja"

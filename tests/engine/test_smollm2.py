@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.checkpoints import divergence_report, hf_greedy, hf_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
+from support.checkpoints import divergence_report, hf_greedy, hf_logits
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 N_TOKENS = 24

@@ -39,6 +39,10 @@ CONVERSATION = [
 ]
 
 
+def short(text: str) -> str:
+    return repr(text)[:32]
+
+
 def stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
     decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
     return [decoder.push(i) for i in ids] + [decoder.flush()]
@@ -72,7 +76,7 @@ def smol_reference(smollm2_gguf: Path):
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
 
 
-@pytest.mark.parametrize("text", BYTE_LEVEL_TEXTS)
+@pytest.mark.parametrize("text", BYTE_LEVEL_TEXTS, ids=short)
 def test_smollm2_encodes_like_transformers(smol: Tokenizer, smol_reference, text: str) -> None:
     ids = smol.encode(text)
     assert ids == smol_reference.encode(text, add_special_tokens=False)
@@ -170,7 +174,7 @@ def spm(request) -> tuple:
     return sentencepiece.SentencePieceProcessor(model_proto=proto.getvalue()), metadata
 
 
-@pytest.mark.parametrize("text", SPM_TEXTS)
+@pytest.mark.parametrize("text", SPM_TEXTS, ids=short)
 def test_sentencepiece_vocab_encodes_like_sentencepiece(spm: tuple, text: str) -> None:
     processor, metadata = spm
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
@@ -232,17 +236,22 @@ def hf_dir(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("text", BYTE_LEVEL_TEXTS + SPM_TEXTS)
-def test_hf_dir_encodes_like_transformers(hf_dir: Path, text: str) -> None:
-    reference = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(str(hf_dir))
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir: Path):
+    return pytest.importorskip("transformers").AutoTokenizer.from_pretrained(str(hf_dir))
+
+
+@pytest.mark.parametrize("text", BYTE_LEVEL_TEXTS + SPM_TEXTS, ids=short)
+def test_hf_dir_encodes_like_transformers(hf_dir: Path, hf_reference, text: str) -> None:
+    reference = hf_reference
     tokenizer = Tokenizer.from_hf_dir(hf_dir)
     assert tokenizer.encode(text) == reference.encode(text, add_special_tokens=False)
     assert tokenizer.encode(text, add_special_tokens=True) == reference.encode(text)  # BOS via post-processor
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
-def test_hf_dir_chat_template_and_special_ids(hf_dir: Path) -> None:
-    reference = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(str(hf_dir))
+def test_hf_dir_chat_template_and_special_ids(hf_dir: Path, hf_reference) -> None:
+    reference = hf_reference
     tokenizer = Tokenizer.from_hf_dir(hf_dir)
     expected = reference.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
     assert tokenizer.apply_chat_template(CONVERSATION) == expected
@@ -325,6 +334,17 @@ def test_byte_level_control_and_user_defined_tokens() -> None:
     assert tokenizer.decode(ids, skip_special_tokens=True) == "a<think>b"
     assert tokenizer.eos_token_ids == frozenset({end, eot})
     assert tokenizer.chat_template is None
+
+
+def test_gguf_templates_and_end_of_turn_id() -> None:
+    metadata = byte_level_metadata("gpt2")
+    metadata |= {"tokenizer.chat_template": "{% for %}", "tokenizer.chat_template.tool_use": "tools!"}
+    metadata |= {"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eos_token_id": 8}
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)  # a broken template does not stop --raw use
+    assert tokenizer.eos_token_ids == frozenset({7, 8})
+    with pytest.raises(ChatTemplateError, match="line 1.*--raw"):
+        tokenizer.apply_chat_template(CONVERSATION)
+    assert tokenizer.apply_chat_template(CONVERSATION, tools=[{"name": "f"}]) == "tools!"
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ and the router really discriminates between experts.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -42,6 +43,7 @@ ROPE_VARIANTS = ("default", "llama3", "yarn")
 VOCAB_SIZE = 384
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+BOS_ID, EOS_ID = 0, 2  # the trainer hands out the special tokens first, in order
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -77,7 +79,7 @@ PARITY_CASES: dict[str, dict] = {
 _STD = 0.2
 _COMMON = dict(
     vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=None,
+    rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=None,
 )
 
 
@@ -133,6 +135,11 @@ def _corpus() -> list[str]:
 
 def build_tokenizer() -> Tokenizer:
     """A byte-level BPE with Qwen2's split, trained on a fixed generated corpus: same merges on every run."""
+    return Tokenizer.from_str(_trained_tokenizer_json())
+
+
+@functools.cache
+def _trained_tokenizer_json() -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
@@ -143,7 +150,8 @@ def build_tokenizer() -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer)
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
-    return tok
+    assert [tok.token_to_id(t) for t in (BOS_TOKEN, EOS_TOKEN)] == [BOS_ID, EOS_ID]
+    return tok.to_str()
 
 
 def write_tokenizer(path: Path) -> None:
@@ -180,6 +188,8 @@ def write_hf_checkpoint(family: str, path: Path, *, seed: int = 0, rope: str = "
                         legacy_rope_keys: bool = False) -> PreTrainedModel:
     """Writes a tiny random `family` checkpoint to `path` and returns the transformers model (eval, fp32).
 
+    Weights are split so that there are at least `shards` safetensors files behind an index json.
+
     `legacy_rope_keys` rewrites config.json with transformers 4's `rope_theta` + `rope_scaling` spelling, the one
     most Hub checkpoints still carry; the default is transformers 5's `rope_parameters`.
     """
@@ -192,7 +202,7 @@ def write_hf_checkpoint(family: str, path: Path, *, seed: int = 0, rope: str = "
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(path, max_shard_size=total // shards + 1)
-    GenerationConfig(bos_token_id=0, eos_token_id=2, do_sample=False).save_pretrained(path)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, do_sample=False).save_pretrained(path)
     write_tokenizer(path)
     if legacy_rope_keys:
         _rewrite_rope_keys_legacy(path / "config.json")
@@ -383,8 +393,9 @@ def hf_greedy(model: PreTrainedModel, ids: list[int], n: int) -> list[int]:
 def divergence_report(model: PreTrainedModel, prompt: list[int], ours: list[int], expected: list[int]) -> str:
     """Where two greedy continuations part, and transformers' top-2 logit margin there (a near-tie explains a flip,
     a wide margin means a real bug)."""
-    step = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), min(len(ours), len(expected)))
-    if step == min(len(ours), len(expected)):
+    shorter = min(len(ours), len(expected))
+    step = next((i for i in range(shorter) if ours[i] != expected[i]), shorter)
+    if step == shorter:
         return f"lengths differ: ours {len(ours)}, transformers {len(expected)}"
     logits = hf_logits(model, prompt + expected[:step])[-1]
     top2 = logits.topk(2).values

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from freetoken.engine.generator import Generator
+from freetoken.engine.loader import load_model
+from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import (
     PARITY_CASES,
+    PROMPT_TEXT,
+    build_tokenizer,
     divergence_report,
     hf_greedy,
     hf_logits,
@@ -20,28 +27,23 @@ from support.checkpoints import (
     write_gguf_from_hf,
     write_hf_checkpoint,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from freetoken.engine.generator import Generator
-from freetoken.engine.loader import load_model
-from freetoken.engine.sampling import SamplingParams
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=list(PARITY_CASES))
 def case(request, tmp_path_factory):
-    """(transformers reference, our HF-directory load, our F32 GGUF load) of one checkpoint."""
+    """(transformers model, our HF-directory load, our F32 GGUF load, transformers' 32 greedy tokens)."""
     path = tmp_path_factory.mktemp(request.param)
     reference = write_hf_checkpoint(path=path, **PARITY_CASES[request.param])
     gguf_path = write_gguf_from_hf(path, path / "model-F32.gguf", tensor_type="F32")
     from_dir = load_model(path, device="cpu", dtype=torch.float32)
     from_gguf = load_model(gguf_path, device="cpu", dtype=torch.float32)
-    return reference, from_dir, from_gguf
+    return reference, from_dir, from_gguf, hf_greedy(reference, prompt_ids(), 32)
 
 
 def test_gguf_logits_match_hf_directory_and_transformers(case):
-    reference, from_dir, from_gguf = case
+    reference, from_dir, from_gguf, _ = case
     ids = prompt_ids()
     ours = from_gguf.prefill_logits(ids)
     torch.testing.assert_close(ours, from_dir.prefill_logits(ids), atol=1e-4, rtol=0)
@@ -49,16 +51,27 @@ def test_gguf_logits_match_hf_directory_and_transformers(case):
 
 
 def test_gguf_greedy_tokens_match_transformers(case):
-    reference, _, from_gguf = case
+    reference, _, from_gguf, expected = case
     ids = prompt_ids()
     ours = Generator(from_gguf).generate_ids(ids, GREEDY_32)
-    expected = hf_greedy(reference, ids, 32)
     assert ours == expected, divergence_report(reference, ids, ours, expected)
 
 
 def test_gguf_moe_spec_matches_hf_directory(case):
-    _, from_dir, from_gguf = case
+    _, from_dir, from_gguf, _ = case
     assert from_gguf.moe_spec == from_dir.moe_spec
+
+
+TEXTS = [PROMPT_TEXT, "Héllo wörld 1234 — naïve café\n\n  x\ty <|im_end|>z", "it's WE'LL 99!!"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_vocabulary_encodes_like_tokenizer_json(case, text):
+    _, from_dir, from_gguf, _ = case
+    expected = build_tokenizer().encode(text).ids
+    assert from_gguf.tokenizer.encode(text) == expected
+    assert from_dir.tokenizer.encode(text) == expected
+    assert from_gguf.tokenizer.decode(expected) == text
 
 
 # transformers can read these back: llama fully from GGUF metadata, qwen2moe given its config (transformers' GGUF

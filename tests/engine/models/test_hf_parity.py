@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from freetoken.engine.generator import Generator
+from freetoken.engine.loader import load_model
+from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import (
     PARITY_CASES,
     divergence_report,
@@ -18,10 +22,6 @@ from support.checkpoints import (
     prompt_ids,
     write_hf_checkpoint,
 )
-
-from freetoken.engine.generator import Generator
-from freetoken.engine.loader import load_model
-from freetoken.engine.sampling import SamplingParams
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -38,15 +38,15 @@ EXPECTED_MOE = {
 
 @pytest.fixture(scope="module", params=list(PARITY_CASES))
 def case(request, tmp_path_factory):
-    """(case name, transformers reference model, our LoadedModel) for one checkpoint."""
+    """(case name, transformers model, our LoadedModel, transformers' 32 greedy tokens) of one checkpoint."""
     path = tmp_path_factory.mktemp(request.param)
     reference = write_hf_checkpoint(path=path, **PARITY_CASES[request.param])
     lm = load_model(path, device="cpu", dtype=torch.float32)
-    return request.param, reference, lm
+    return request.param, reference, lm, hf_greedy(reference, prompt_ids(), 32)
 
 
 def test_prefill_logits_match_transformers(case):
-    _, reference, lm = case
+    _, reference, lm, _ = case
     ids = prompt_ids()
     ours = lm.prefill_logits(ids)
     assert ours.dtype == torch.float32
@@ -54,29 +54,27 @@ def test_prefill_logits_match_transformers(case):
 
 
 def test_prefill_logits_of_a_single_token(case):
-    _, reference, lm = case
+    _, reference, lm, _ = case
     torch.testing.assert_close(lm.prefill_logits([5]), hf_logits(reference, [5]), atol=1e-4, rtol=0)
 
 
 def test_greedy_tokens_match_transformers(case):
-    _, reference, lm = case
+    _, reference, lm, expected = case
     ids = prompt_ids()
     ours = Generator(lm).generate_ids(ids, GREEDY_32)
-    expected = hf_greedy(reference, ids, 32)
     assert ours == expected, divergence_report(reference, ids, ours, expected)
 
 
 def test_greedy_across_prefill_chunks_and_pages(case):
     """Prefilling in chunks of 7 into pages of 4 (both straddle each other) changes nothing."""
-    _, reference, lm = case
+    _, reference, lm, expected = case
     ids = prompt_ids()
     ours = Generator(lm, prefill_chunk=7, page_size=4).generate_ids(ids, GREEDY_32)
-    expected = hf_greedy(reference, ids, 32)
     assert ours == expected, divergence_report(reference, ids, ours, expected)
 
 
 def test_moe_spec_describes_the_experts(case):
-    name, _, lm = case
+    name, _, lm, _ = case
     if name not in EXPECTED_MOE:
         assert lm.moe_spec is None
         return
@@ -89,6 +87,6 @@ def test_moe_spec_describes_the_experts(case):
 
 
 def test_loaded_model_reports_device_and_dtype(case):
-    _, _, lm = case
+    _, _, lm, _ = case
     assert lm.device == torch.device("cpu")
     assert lm.dtype == torch.float32
