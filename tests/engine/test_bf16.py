@@ -8,6 +8,8 @@ fp32 model itself had a near-tie that bf16 noise can flip.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from support.checkpoints import PARITY_CASES, hf_logits, prompt_ids, write_hf_checkpoint
@@ -65,9 +67,14 @@ def _hf_greedy_on(model, ids: list[int], device: str) -> list[int]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_default_model_in_bf16_answers(smollm2_gguf, device):
+def test_default_model_in_bf16_is_as_close_to_fp32_as_transformers(smollm2_gguf, smollm2_reference, device):
+    _, fp32_model, ids = smollm2_reference
+    truth = hf_logits(fp32_model, ids)
     lm = load_model(smollm2_gguf, device=device, dtype=torch.bfloat16)
-    tok = lm.tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
-    text, last = Generator(lm).generate_text(ids, SamplingParams(temperature=0, max_tokens=24))
-    assert "Paris" in text and last.finish_reason == "stop", text
+    bf16_ref = copy.deepcopy(fp32_model).to(device, torch.bfloat16)
+    ours_err = _max_err(lm.prefill_logits(ids), truth)
+    with torch.no_grad():
+        theirs_err = _max_err(bf16_ref(torch.tensor([ids], device=device)).logits[0], truth)
+    assert ours_err <= 2 * theirs_err + 0.05, (ours_err, theirs_err)
+    ours = Generator(lm).generate_ids(ids, SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True))
+    _assert_greedy_agrees(ours, _hf_greedy_on(bf16_ref, ids, device), fp32_model, ids, max(ours_err, theirs_err))

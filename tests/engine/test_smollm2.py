@@ -8,26 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import divergence_report, hf_greedy, hf_logits
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 N_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf):
-    """(transformers tokenizer, transformers model, chat-templated prompt ids), loaded once."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                 dtype=torch.float32).eval()
-    text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer, model, ids
+def reference(smollm2_reference):
+    return smollm2_reference
 
 
 @pytest.fixture(scope="module")
