@@ -115,6 +115,9 @@ def chat(argv: list[str]) -> int:
     params = _sampling(a)
     history: list[dict] = []
     interactive = sys.stdin.isatty()
+    from freetoken.engine.generator import Generator
+
+    generator = Generator(lm)  # one generator: its KV cache (and CUDA graphs) are reused turn after turn
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -132,9 +135,7 @@ def chat(argv: list[str]) -> int:
         if interactive:
             sys.stdout.write("assistant> ")
         reply: list[str] = []
-        from freetoken.engine.generator import Generator
-
-        for ev in Generator(lm).stream(ids, params):
+        for ev in generator.stream(ids, params):
             reply.append(ev.text)
             sys.stdout.write(ev.text)
             sys.stdout.flush()

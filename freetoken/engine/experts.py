@@ -67,6 +67,18 @@ def grouped_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids
     return out
 
 
+def gathered_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                            topk_weights: torch.Tensor) -> torch.Tensor:
+    """Runs every (token, expert) pair as one batched matmul over gathered weights: no host synchronisation,
+    so it can be captured in a CUDA graph. Copies K experts' weights per token: meant for decode (small N)."""
+    n, k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    x = hidden.repeat_interleave(k, dim=0)[:, :, None]  # [N*K, H, 1]
+    h = F.silu(torch.bmm(experts.gate_proj[ids], x)) * torch.bmm(experts.up_proj[ids], x)  # [N*K, I, 1]
+    y = torch.bmm(experts.down_proj[ids], h)[:, :, 0]  # [N*K, H]
+    return (y * topk_weights.reshape(-1, 1).to(y.dtype)).view(n, k, -1).sum(dim=1)
+
+
 class ResidentExpertExecutor:
     """All routed experts resident on one device (the model's)."""
 
@@ -75,6 +87,8 @@ class ResidentExpertExecutor:
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            return gathered_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
         return grouped_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
 
     def nbytes(self) -> int:

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 import torch
 
+from freetoken.engine.kv_cache import PagedKVCache
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.sampling import Sampler, SamplingParams
 from freetoken.engine.stops import StopMatcher
 from freetoken.errors import FreeTokenError
+
+if TYPE_CHECKING:
+    from freetoken.engine.cuda_graphs import GraphedDecoder
 
 __all__ = ["GenerationEvent", "Generator", "SamplingParams"]
 
@@ -41,8 +46,22 @@ class GenerationEvent:
 
 
 class Generator:
-    def __init__(self, lm: LoadedModel, *, prefill_chunk: int = 2048, page_size: int = 16):
+    """Generates for one sequence at a time over a KV cache it keeps between calls.
+
+    On CUDA, decode steps replay captured CUDA graphs (`cuda_graphs=None` means: when the model is on CUDA);
+    that needs the KV cache allocated up front, for `max_seq_len` tokens (default: the model's context, at most
+    `DEFAULT_GRAPH_CAPACITY`). Elsewhere the cache grows with the sequence."""
+
+    DEFAULT_GRAPH_CAPACITY = 16384
+
+    def __init__(self, lm: LoadedModel, *, prefill_chunk: int = 2048, page_size: int = 16,
+                 max_seq_len: int | None = None, cuda_graphs: bool | None = None):
         self.lm, self.prefill_chunk, self.page_size = lm, prefill_chunk, page_size
+        self.use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        default = min(lm.context_length, self.DEFAULT_GRAPH_CAPACITY) if self.use_graphs else lm.context_length
+        self.capacity = min(max_seq_len or default, lm.context_length)
+        self._cache: PagedKVCache | None = None
+        self._graphs: GraphedDecoder | None = None
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         return [t for ev in self.stream(prompt_ids, params, decode_text=False) for t in ev.token_ids]
@@ -54,28 +73,37 @@ class Generator:
             last = ev
         return "".join(parts), last
 
+    def _cache_for(self, n_tokens: int) -> PagedKVCache:
+        if self._cache is None:
+            initial = self.capacity if self.use_graphs else n_tokens
+            self._cache = self.lm.new_cache(self.page_size, initial_tokens=initial, max_tokens=self.capacity)
+            if self.use_graphs:
+                from freetoken.engine.cuda_graphs import GraphedDecoder
+
+                self._graphs = GraphedDecoder(self.lm, self._cache)
+        return self._cache
+
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], params: SamplingParams, *,
                decode_text: bool = True) -> Iterator[GenerationEvent]:
         if not prompt_ids:
             raise FreeTokenError("the prompt is empty; give at least one token")
-        context = self.lm.context_length
-        if len(prompt_ids) >= context:
-            raise FreeTokenError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
-        budget = min(params.max_tokens, context - len(prompt_ids))
+        if len(prompt_ids) >= self.capacity:
+            raise FreeTokenError(f"the prompt has {len(prompt_ids)} tokens; this generator holds at most "
+                                 f"{self.capacity} (the model's context is {self.lm.context_length})")
+        budget = min(params.max_tokens, self.capacity - len(prompt_ids))
         lm, t0 = self.lm, time.perf_counter()
-        cache = lm.new_cache(self.page_size, initial_tokens=len(prompt_ids) + budget)
+        cache = self._cache_for(len(prompt_ids) + budget)
         seq = cache.new_sequence()
         sampler = Sampler(params, lm.device)
         eos = frozenset() if params.ignore_eos else frozenset(lm.tokenizer.eos_token_ids if lm.tokenizer else ())
         detok = _text_pipeline(lm, params) if decode_text else None
         timings = Timings()
-
-        logits = self._prefill(prompt_ids, cache, seq)
-        timings.prefill_s = time.perf_counter() - t0
-        produced, finish = 0, None
         try:
-            while finish is None:
+            logits = self._prefill(prompt_ids, cache, seq)
+            timings.prefill_s = time.perf_counter() - t0
+            produced = 0
+            while True:
                 token = sampler(logits)
                 produced += 1
                 if produced == 1:
@@ -89,25 +117,29 @@ class Generator:
                     finish = "stop" if stopped else None
                 if finish is None and produced >= budget:
                     finish = "length"
-                if finish == "length" and detok is not None:
-                    text += detok.flush()
+                    text += detok.flush() if detok is not None else ""
                 ids = [] if token in eos else [token]
                 if finish is not None:
                     timings.decode_s = time.perf_counter() - t0 - timings.prefill_s
                     yield GenerationEvent(ids, text, finish, len(prompt_ids), produced, timings)
                     return
                 yield GenerationEvent(ids, text, None, len(prompt_ids), produced)
-                step = torch.tensor([token], dtype=torch.long, device=lm.device)
-                logits = lm.model(step, cache, seq, logits_for="last")[0]
+                logits = self._decode(token, cache, seq)
         finally:
             cache.release(seq)
 
-    def _prefill(self, prompt_ids: list[int], cache, seq) -> torch.Tensor:
+    def _prefill(self, prompt_ids: list[int], cache: PagedKVCache, seq) -> torch.Tensor:
         tokens = torch.tensor(prompt_ids, dtype=torch.long, device=self.lm.device)
         logits = None
         for start in range(0, len(prompt_ids), self.prefill_chunk):
-            logits = self.lm.model(tokens[start:start + self.prefill_chunk], cache, seq, logits_for="last")
+            logits = self.lm.forward(tokens[start:start + self.prefill_chunk], cache, seq, logits_for="last")
         return logits[0]
+
+    def _decode(self, token: int, cache: PagedKVCache, seq) -> torch.Tensor:
+        if self._graphs is not None:
+            return self._graphs.step(seq, token)
+        step = torch.tensor([token], dtype=torch.long, device=self.lm.device)
+        return self.lm.forward(step, cache, seq, logits_for="last")[0]
 
 
 class _TextPipeline:

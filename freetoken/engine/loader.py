@@ -19,7 +19,8 @@ from tqdm import tqdm
 from freetoken.engine.checkpoints import open_checkpoint
 from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import ExpertExecutor
-from freetoken.engine.kv_cache import PagedKVCache
+from freetoken.engine.attention import SequenceAttention
+from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.models import family_for
 from freetoken.engine.models.decoder import DecoderModel
 from freetoken.engine.rope import RotaryEmbedding
@@ -55,12 +56,20 @@ class LoadedModel:
         return PagedKVCache(self.model.args.n_layers, a.n_kv_heads, a.head_dim, page_size=page_size,
                             dtype=self.dtype, device=self.device, initial_pages=pages, max_pages=max_pages)
 
+    def forward(self, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
+                logits_for: str = "all") -> torch.Tensor:
+        """Appends `tokens` [T] to `seq` in `cache` and returns their logits ([T, V], or [1, V] for "last")."""
+        ctx = SequenceAttention(cache, seq, tokens.shape[0], self.device)
+        logits = self.model(tokens, ctx, logits_for)
+        ctx.commit()
+        return logits
+
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, V] (fp32) of a fresh sequence: a correctness probe, not the serving path."""
         cache = self.new_cache(initial_tokens=len(token_ids))
         tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return self.model(tokens, cache, cache.new_sequence()).float()
+        return self.forward(tokens, cache, cache.new_sequence()).float()
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

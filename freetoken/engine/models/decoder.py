@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
+from freetoken.engine.attention import SequenceAttention, StaticDecodeAttention
 from freetoken.engine.rope import RopeConfig, RotaryEmbedding, apply_rope
 
 
@@ -69,8 +69,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                seq: SequenceKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         a, t = self.a, x.shape[0]
         q = self.q_proj(x).view(t, a.n_heads, a.head_dim)
         k = self.k_proj(x).view(t, a.n_kv_heads, a.head_dim)
@@ -78,24 +77,11 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.update(self.layer_idx, seq, k, v)  # [L + T, Hkv, D]
-        out = _causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=seq.length)
+        out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, a.n_heads * a.head_dim))
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """q [T, H, D] at positions past..past+T-1; k, v [past + T, Hkv, D] → [T, H, D]."""
-    t = q.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-    if t == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
-    elif past == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:
-        q_pos = torch.arange(past, past + t, device=q.device)[:, None]
-        mask = torch.arange(past + t, device=q.device)[None, :] <= q_pos  # [T, L + T]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+AttentionContext = SequenceAttention | StaticDecodeAttention
 
 
 class DenseMLP(nn.Module):
@@ -118,8 +104,8 @@ class DecoderLayer(nn.Module):
         self.mlp_name = mlp_name
         self.add_module(mlp_name, mlp)  # HF names differ: `mlp` or mixtral's `block_sparse_moe`
 
-    def forward(self, x, cos, sin, cache, seq):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, seq)
+    def forward(self, x, cos, sin, ctx: AttentionContext):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
 
 
@@ -134,7 +120,7 @@ class DecoderStack(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """A causal LM over one sequence at a time; `forward` appends T tokens to `seq` in the paged cache."""
+    """A causal LM; the attention context decides where keys and values live (see attention.py)."""
 
     def __init__(self, args: DecoderArgs, make_layer: Callable[[int], DecoderLayer]):
         super().__init__()
@@ -147,17 +133,12 @@ class DecoderModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
-                logits_for: str = "all") -> torch.Tensor:
-        """tokens [T] → logits [T, V] ("all") or [1, V] ("last"). Commits the tokens to `seq`."""
-        t = tokens.shape[0]
-        cache.reserve(seq, t)
+    def forward(self, tokens: torch.Tensor, ctx: AttentionContext, logits_for: str = "all") -> torch.Tensor:
+        """tokens [T] at `ctx.positions` → logits [T, V] ("all") or [1, V] ("last")."""
         x = self.model.embed_tokens(tokens)
-        positions = torch.arange(seq.length, seq.length + t, device=tokens.device)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary(ctx.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, seq)
-        cache.commit(seq, t)
+            x = layer(x, cos, sin, ctx)
         if logits_for == "last":
             x = x[-1:]
         return F.linear(self.model.norm(x), self.output_weight())

@@ -1,0 +1,80 @@
+"""Where attention reads and writes its keys and values: the contexts a model forward runs in.
+
+A model's attention layer hands q, k, v to the context and gets the attention output back; the context owns
+the KV cache traffic and the causal mask. Two contexts:
+- `SequenceAttention`: T new tokens of one sequence appended to the paged cache (prefill, eager decode).
+- `StaticDecodeAttention`: one token whose position and slots live in device buffers with fixed shapes, so the
+  whole decode step can be captured once in a CUDA graph and replayed (see cuda_graphs.py).
+
+Shapes: T new tokens, W window of key slots, H query heads, Hkv KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
+
+
+class SequenceAttention:
+    def __init__(self, cache: PagedKVCache, seq: SequenceKV, n_new: int, device: torch.device):
+        cache.reserve(seq, n_new)
+        self.cache, self.seq, self.n_new = cache, seq, n_new
+        self.positions = torch.arange(seq.length, seq.length + n_new, device=device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.update(layer, self.seq, k, v)  # [L + T, Hkv, D]
+        return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.seq.length)
+
+    def commit(self) -> None:
+        self.cache.commit(self.seq, self.n_new)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """q [T, H, D] at positions past..past+T-1; k, v [past + T, Hkv, D] → [T, H, D]."""
+    t = q.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    if t == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+    elif past == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        q_pos = torch.arange(past, past + t, device=q.device)[:, None]
+        mask = torch.arange(past + t, device=q.device)[None, :] <= q_pos  # [T, L + T]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class StaticDecodeAttention:
+    """One decode token attending over a fixed window of W slots; slots past the sequence are masked out.
+
+    `prepare(seq)` fills the buffers on the host side before each replay; nothing inside `attend` depends on
+    Python values, so it is safe to capture."""
+
+    def __init__(self, cache: PagedKVCache, window: int):
+        device = cache.device
+        self.cache, self.window = cache, window
+        self.positions = torch.zeros(1, dtype=torch.long, device=device)
+        self.write_slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.read_slots = torch.zeros(window, dtype=torch.long, device=device)
+        self.key_positions = torch.arange(window, device=device)
+
+    def prepare(self, seq: SequenceKV) -> None:
+        """Points the buffers at token `seq.length` (its slot must already be reserved)."""
+        n = seq.length
+        if n + 1 > self.window:
+            raise ValueError(f"position {n} is outside this decode window of {self.window} slots")
+        self.positions.fill_(n)
+        self.write_slot.copy_(seq.slots[n:n + 1])
+        self.read_slots[:n + 1].copy_(seq.slots[:n + 1])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
+        k_pool.index_copy_(0, self.write_slot, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, self.write_slot, v.to(v_pool.dtype))
+        keys = k_pool.index_select(0, self.read_slots).to(q.dtype).transpose(0, 1)  # [Hkv, W, D]
+        values = v_pool.index_select(0, self.read_slots).to(q.dtype).transpose(0, 1)
+        mask = (self.key_positions <= self.positions)[None, :]  # [1, W]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1)
