@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from freetoken.engine.attention import SequenceAttention
 from freetoken.engine.checkpoints import open_checkpoint
 from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import ExpertExecutor
-from freetoken.engine.attention import SequenceAttention
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.models import family_for
 from freetoken.engine.models.decoder import DecoderModel

@@ -12,6 +12,7 @@ import argparse
 import time
 
 import torch
+
 from freetoken.kernels.gguf_dequant.reference import BLOCK_SIZES, dequantize
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

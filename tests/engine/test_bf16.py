@@ -12,11 +12,11 @@ import copy
 
 import pytest
 import torch
-from support.checkpoints import PARITY_CASES, hf_logits, prompt_ids, write_hf_checkpoint
 
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
+from support.checkpoints import PARITY_CASES, hf_logits, prompt_ids, write_hf_checkpoint
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 N_TOKENS = 16

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
 
 from freetoken.engine.attention import StaticDecodeAttention
 from freetoken.engine.experts import LayerExperts, gathered_expert_forward, grouped_expert_forward
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
+from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
 
 
 def test_gathered_experts_equal_grouped_experts():

@@ -6,8 +6,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from freetoken.kernels.gguf_dequant.reference import BLOCK_SIZES, dequantize
 from gguf import GGMLQuantizationType as Q
+
+from freetoken.kernels.gguf_dequant.reference import BLOCK_SIZES, dequantize
 
 QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
 # byte offsets of each block's fp16 scale fields (d, and m / dmin where the type has one)
