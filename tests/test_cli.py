@@ -86,3 +86,14 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     r = run_ft("info", str(tmp_path))
     assert r.returncode == 2
     assert "gpt_neox" in r.stderr and "qwen3_moe" in r.stderr and "llama" in r.stderr
+
+
+def test_chat_survives_a_turn_that_outgrows_the_context(tmp_path):
+    from support.checkpoints import write_hf_checkpoint
+
+    write_hf_checkpoint("llama", tmp_path / "m")  # context 256 tokens
+    turns = "word " * 400 + "\nhello\n/exit\n"
+    r = run_ft("chat", "--model", str(tmp_path / "m"), "--max-tokens", "4", stdin=turns)
+    assert r.returncode == 0, r.stderr
+    assert "context" in r.stderr and "/reset" in r.stderr
+    assert r.stdout.strip()  # the second turn was answered

@@ -131,16 +131,26 @@ def chat(argv: list[str]) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        ids = lm.tokenizer.encode(lm.tokenizer.apply_chat_template(_messages(a.system, history)))
-        if interactive:
-            sys.stdout.write("assistant> ")
-        reply: list[str] = []
-        for ev in generator.stream(ids, params):
-            reply.append(ev.text)
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        try:
+            reply = _chat_turn(lm, generator, _messages(a.system, history), params, interactive)
+        except FreeTokenError as e:  # e.g. the history outgrew the context: keep the session, say what to do
+            history.pop()
+            print(f"ft chat: {e}; /reset starts a fresh conversation", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": reply})
+
+
+def _chat_turn(lm, generator, messages: list[dict], params: SamplingParams, interactive: bool) -> str:
+    ids = lm.tokenizer.encode(lm.tokenizer.apply_chat_template(messages))
+    if interactive:
+        sys.stdout.write("assistant> ")
+    reply: list[str] = []
+    for ev in generator.stream(ids, params):
+        reply.append(ev.text)
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    print()
+    return "".join(reply)
 
 
 def info(argv: list[str]) -> int:
