@@ -264,3 +264,32 @@ def test_default_model_override(tmp_path: Path, home: Path, monkeypatch: pytest.
     monkeypatch.setenv("FREETOKEN_DEFAULT_MODEL", str(tmp_path / "absent.gguf"))
     with pytest.raises(ModelSourceError, match="FREETOKEN_DEFAULT_MODEL"):
         sources.ensure_default_model()
+
+
+# --- end to end: a cached repo id and GGUF experts through the loader and `ft info` ------------------------
+
+
+def test_cached_repo_id_loads_like_its_directory(hf_cache: Path, tmp_path: Path) -> None:
+    import torch
+
+    from freetoken.engine.loader import load_model
+    from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
+
+    local = tmp_path / "local"
+    write_hf_checkpoint(path=local, **PARITY_CASES["qwen2_moe"])
+    add_snapshot(hf_cache, "acme/tiny-moe", {f.name: f.read_bytes() for f in local.iterdir()})
+    by_id, by_dir = load_model("acme/tiny-moe", progress=False), load_model(local, progress=False)
+    assert by_id.source.name == SHA and by_id.moe_spec == by_dir.moe_spec
+    ids = prompt_ids()
+    assert torch.equal(by_id.prefill_logits(ids), by_dir.prefill_logits(ids))
+
+
+def test_info_reads_expert_bytes_from_a_quantised_gguf(tmp_path: Path) -> None:
+    from freetoken.engine.model_info import describe
+    from support.checkpoints import PARITY_CASES, write_gguf_from_hf, write_hf_checkpoint
+
+    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["mixtral"])
+    write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    text = describe(str(tmp_path / "m.gguf"))
+    # 3 matrices of 64 x 64 (mixtral: intermediate 64) in Q8_0 blocks of 34 bytes per 32 weights = 12.75 KiB
+    assert "mixtral" in text and "Q8_0/Q8_0/Q8_0" in text and "12.75 KiB per expert" in text
