@@ -97,3 +97,27 @@ def test_chat_survives_a_turn_that_outgrows_the_context(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "context" in r.stderr and "/reset" in r.stderr
     assert r.stdout.strip()  # the second turn was answered
+
+
+def test_generate_with_an_expert_cache_smaller_than_the_experts(tmp_path):
+    """A MoE model with 192 MiB of routed experts served through a 64 MiB expert cache, on the CPU."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from support.checkpoints import VOCAB_SIZE, write_tokenizer
+
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB_SIZE, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, moe_intermediate_size=512, num_experts=32,
+                         num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    model.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    expert_bytes = 4 * 32 * 3 * 256 * 512 * 4  # fp32 on the CPU
+    assert expert_bytes == 192 * 2**20  # three times the cache
+    args = ["generate", "--model", str(tmp_path), "--raw", "--max-tokens", "8", "--temperature", "0", "--stats"]
+    resident = run_ft(*args, "the quick brown fox")
+    cached = run_ft(*args, "--expert-cache", "64MiB", "the quick brown fox")
+    assert resident.returncode == 0 and cached.returncode == 0, cached.stderr
+    assert cached.stdout == resident.stdout  # lossless
+    assert "expert cache: 42 of 128 experts" in cached.stderr and "evictions" in cached.stderr

@@ -13,6 +13,7 @@ import torch
 
 from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
+from freetoken.units import parse_bytes
 
 _DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -24,6 +25,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
                    help="activation/weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--expert-cache", default=None, metavar="SIZE",
+                   help="keep routed experts in host memory with a device cache of SIZE (e.g. 8GiB, 64MiB, 0); "
+                        "default: all experts on the device")
+    p.add_argument("--expert-policy", default="freq", choices=["freq", "lru"],
+                   help="expert-cache eviction policy (default: freq)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +59,9 @@ def _device(name: str) -> str:
 def _load(a: argparse.Namespace):
     from freetoken.engine.loader import load_model
 
-    return load_model(a.model, device=_device(a.device), dtype=_DTYPES[a.dtype])
+    cache = None if a.expert_cache is None else parse_bytes(a.expert_cache)
+    return load_model(a.model, device=_device(a.device), dtype=_DTYPES[a.dtype], expert_cache=cache,
+                      expert_policy=a.expert_policy)
 
 
 def _messages(system: str | None, history: list[dict]) -> list[dict]:
@@ -81,6 +89,11 @@ def generate(argv: list[str]) -> int:
     print()
     if a.stats and last.timings:
         _print_stats(last)
+        counters = getattr(lm.experts, "counters", None)
+        if counters is not None:
+            print(f"freetoken: expert cache hit rate {counters.hit_rate:.1%} ({counters.hits} hits, "
+                  f"{counters.misses} misses, {counters.evictions} evictions, "
+                  f"{counters.bytes_copied / 2**20:.1f} MiB copied)", file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,7 @@ Shapes: N tokens, H hidden, I expert intermediate, E experts, K experts per toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,8 +34,13 @@ class LayerExperts:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate_proj, self.up_proj, self.down_proj))
 
+    def weights_of(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gate_proj[expert], self.up_proj[expert], self.down_proj[expert]
+
 
 class ExpertExecutor(Protocol):
+    capturable: bool  # whether forward can run inside CUDA-graph capture (no host synchronisation)
+
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [N, H], topk_ids [N, K] (int), topk_weights [N, K] → weighted sum of expert outputs [N, H]."""
@@ -46,25 +52,47 @@ def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
+@dataclass(slots=True)
+class ExpertGroup:
+    """The (token, expert) pairs routed to one expert."""
+
+    expert: int
+    tokens: torch.Tensor  # [n] token indices
+    weights: torch.Tensor  # [n] routing weights
+
+
+def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                    dtype: torch.dtype) -> list[ExpertGroup]:
+    """Sorts the (token, expert) pairs by expert; one host sync per call (the per-expert counts)."""
+    k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    token_of_pair = order // k
+    weight_of_pair = topk_weights.reshape(-1)[order].to(dtype)
+    groups, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            groups.append(ExpertGroup(e, token_of_pair[start:start + count], weight_of_pair[start:start + count]))
+            start += count
+    return groups
+
+
+def run_groups(hidden: torch.Tensor, groups: list[ExpertGroup],
+               weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Runs each expert once on its tokens; `weights_of(e)` gives (gate, up, down) wherever they live."""
+    out = torch.zeros_like(hidden)
+    for g in groups:
+        y = expert_mlp(hidden[g.tokens], *weights_of(g.expert))
+        out.index_add_(0, g.tokens, y * g.weights[:, None])
+    return out
+
+
 def grouped_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor) -> torch.Tensor:
     """Groups the (token, expert) pairs by expert and runs each expert once on its tokens."""
-    n, k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=experts.num_experts).tolist()  # one host sync per layer
-    token_of_pair = order // k
-    weight_of_pair = topk_weights.reshape(-1)[order].to(hidden.dtype)
-    out = torch.zeros_like(hidden)
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        tokens = token_of_pair[start:start + count]
-        y = expert_mlp(hidden[tokens], experts.gate_proj[e], experts.up_proj[e], experts.down_proj[e])
-        out.index_add_(0, tokens, y * weight_of_pair[start:start + count, None])
-        start += count
-    return out
+    groups = group_by_expert(topk_ids, topk_weights, experts.num_experts, hidden.dtype)
+    return run_groups(hidden, groups, experts.weights_of)
 
 
 def gathered_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
@@ -81,6 +109,8 @@ def gathered_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_id
 
 class ResidentExpertExecutor:
     """All routed experts resident on one device (the model's)."""
+
+    capturable = True  # has a sync-free path, so decode steps can be captured in CUDA graphs
 
     def __init__(self, layers: dict[int, LayerExperts]):
         self.layers = layers

@@ -57,7 +57,8 @@ class Generator:
     def __init__(self, lm: LoadedModel, *, prefill_chunk: int = 2048, page_size: int = 16,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None):
         self.lm, self.prefill_chunk, self.page_size = lm, prefill_chunk, page_size
-        self.use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        capturable = getattr(lm.experts, "capturable", True)
+        self.use_graphs = lm.device.type == "cuda" and capturable if cuda_graphs is None else cuda_graphs
         default = min(lm.context_length, self.DEFAULT_GRAPH_CAPACITY) if self.use_graphs else lm.context_length
         self.capacity = min(max_seq_len or default, lm.context_length)
         self._cache: PagedKVCache | None = None

@@ -19,10 +19,11 @@ from tqdm import tqdm
 from freetoken.engine.attention import SequenceAttention
 from freetoken.engine.checkpoints import open_checkpoint
 from freetoken.engine.config import MoESpec
-from freetoken.engine.experts import ExpertExecutor
+from freetoken.engine.experts import ExpertExecutor, ResidentExpertExecutor
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.models import family_for
 from freetoken.engine.models.decoder import DecoderModel
+from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.rope import RotaryEmbedding
 from freetoken.engine.sources import resolve_model_source
 from freetoken.engine.weights import WeightPlacer
@@ -77,7 +78,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, progress: bool = True) -> LoadedModel:
+               dtype: torch.dtype | None = None, progress: bool = True, expert_cache: int | None = None,
+               expert_policy: str = "freq") -> LoadedModel:
+    """Loads a model onto `device`. `expert_cache` (bytes) keeps routed experts in host memory with a cache
+    of that many bytes on the device; None keeps every expert resident on the device."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -94,7 +98,10 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
         model = family.Model(args)
     model = model.to(dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(args.decoder.rope).to(device)  # buffers are not in checkpoints
-    placer = WeightPlacer(model, getattr(family, "EXPERT_NAMING", None), spec, dtype, device)
+    offload = expert_cache is not None and spec is not None
+    placer = WeightPlacer(model, getattr(family, "EXPERT_NAMING", None), spec, dtype, device,
+                          expert_device=torch.device("cpu") if offload else None,
+                          pin_experts=offload and device.type == "cuda")
     items = list(ckpt.tensors(family.MODEL_TYPE, dtype, device))
     # On a terminal the bar redraws often; in a log (no TTY) it writes a line every few seconds at most.
     interactive = sys.stderr.isatty()
@@ -102,13 +109,28 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
                mininterval=0.2 if interactive else 5.0, ascii=not interactive)
     for name, load in bar:
         placer.place(name, load)
-    experts = placer.finish()
+    layers = placer.finish()
+    experts = _executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy)
     _attach_experts(model, experts)
     model.eval()
     log.info("loaded %s (%s, %s) on %s in %.1fs", path.name, family.MODEL_TYPE, ckpt.format, device,
              time.perf_counter() - start)
     return LoadedModel(model, args, family, tokenizer, spec, experts, device, dtype, path, ckpt.format,
                        ckpt.config)
+
+
+def _executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: torch.device, cache_bytes: int | None,
+              policy: str) -> ExpertExecutor | None:
+    if layers is None:
+        return None
+    if cache_bytes is None:
+        return ResidentExpertExecutor(layers)
+    per_expert = spec.bytes_per_expert(dtype)
+    slots = min(cache_bytes // per_expert, spec.total_routed_experts)
+    log.info("expert cache: %d of %d experts on %s (%.1f MiB), the rest in host memory (%.1f MiB)", slots,
+             spec.total_routed_experts, device, slots * per_expert / 2**20,
+             spec.total_routed_experts * per_expert / 2**20)
+    return OffloadedExpertExecutor(layers, device, slots, policy)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from freetoken.engine.config import MoESpec
-from freetoken.engine.experts import LayerExperts, ResidentExpertExecutor
+from freetoken.engine.experts import LayerExperts
 from freetoken.engine.models.moe import ExpertNaming
 from freetoken.errors import ModelLoadError
 
@@ -25,9 +25,12 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq|lm_head\.weight")  # recomputed /
 
 class WeightPlacer:
     def __init__(self, model: nn.Module, naming: ExpertNaming | None, spec: MoESpec | None,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, expert_device: torch.device | None = None,
+                 pin_experts: bool = False):
         self.params = dict(model.named_parameters())
         self.naming, self.spec, self.dtype, self.device = naming, spec, dtype, device
+        self.expert_device = expert_device or device
+        self.pin_experts = pin_experts
         self.filled: set[str] = set()
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
         self.expert_parts: dict[tuple[int, str], set[int]] = {}
@@ -57,8 +60,17 @@ class WeightPlacer:
         if proj not in slots:
             h, i = spec.hidden_size, spec.expert_intermediate_size
             shape = (spec.num_experts, h, i) if proj == "down_proj" else (spec.num_experts, i, h)
-            slots[proj] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            slots[proj] = self._expert_tensor(shape)
         return slots[proj]
+
+    def _expert_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.pin_experts:
+            try:
+                return torch.empty(shape, dtype=self.dtype, pin_memory=True)
+            except RuntimeError as e:  # e.g. the locked-memory limit: still correct, only copies get slower
+                log.warning("cannot pin host memory for experts (%s); using pageable memory", e)
+                self.pin_experts = False
+        return torch.empty(shape, dtype=self.dtype, device=self.expert_device)
 
     @staticmethod
     def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
@@ -68,7 +80,8 @@ class WeightPlacer:
         with torch.no_grad():
             dest.copy_(src)
 
-    def finish(self) -> ResidentExpertExecutor | None:
+    def finish(self) -> dict[int, LayerExperts] | None:
+        """Checks completeness; returns each MoE layer's stacked experts (None for a dense model)."""
         missing = sorted(set(self.params) - self.filled)
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -83,4 +96,4 @@ class WeightPlacer:
                 if len(got) != self.spec.num_experts:
                     raise ModelLoadError(f"checkpoint lacks routed experts of layer {layer} ({proj}: "
                                          f"{len(got)} of {self.spec.num_experts}); the files are incomplete")
-        return ResidentExpertExecutor({layer: LayerExperts(**parts) for layer, parts in self.experts.items()})
+        return {layer: LayerExperts(**parts) for layer, parts in self.experts.items()}

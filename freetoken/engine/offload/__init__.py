@@ -1,0 +1,1 @@
+"""Expert offloading: routed experts live in host RAM; a byte-budgeted GPU cache holds the hot ones."""

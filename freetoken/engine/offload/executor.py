@@ -1,0 +1,98 @@
+"""`OffloadedExpertExecutor`: every routed expert in host memory, the hot ones in a slot cache on the device.
+
+Per layer and step: the experts the tokens route to are looked up; hits compute from their slot, misses are
+copied into a slot (the policy picks the victim; experts of the current step are never evicted) and computed
+there. When the cache has fewer free-able slots than the step needs (budget 0, or a prefill touching every
+expert), the remaining experts stream through one staging buffer. Results equal the resident executor's: the
+same weights, the same arithmetic, only their location differs.
+
+This is the fetch-on-demand core; the copy is issued on the compute stream, so it does not yet overlap compute.
+
+Shapes: S slots, E experts, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from freetoken.engine.experts import ExpertGroup, LayerExperts, group_by_expert, run_groups
+from freetoken.engine.offload.expert_cache import ExpertCache
+from freetoken.engine.offload.policy import make_policy
+
+log = logging.getLogger(__name__)
+
+
+class OffloadedExpertExecutor:
+    capturable = False  # looks routing up on the host every layer
+
+    def __init__(self, host: dict[int, LayerExperts], device: torch.device, num_slots: int,
+                 policy: str = "freq"):
+        first = next(iter(host.values()))
+        self.host, self.device = host, torch.device(device)
+        self.num_experts = first.num_experts
+        self.cache = ExpertCache(num_slots, make_policy(policy))
+        self.slots = self._allocate(num_slots, first)
+        self.staging = self._allocate(1, first)
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in (first.gate_proj, first.up_proj,
+                                                                           first.down_proj))
+
+    def _allocate(self, n: int, like: LayerExperts) -> LayerExperts:
+        def buf(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=self.device)
+
+        return LayerExperts(buf(like.gate_proj), buf(like.up_proj), buf(like.down_proj))
+
+    @property
+    def counters(self):
+        return self.cache.counters
+
+    def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
+        self.cache.begin_step((layer, g.expert) for g in groups)
+        cached: dict[int, int] = {}
+        streamed: list[ExpertGroup] = []
+        for g in groups:
+            slot = self._slot_for(layer, g.expert)
+            if slot is None:
+                streamed.append(g)
+            else:
+                cached[g.expert] = slot
+        out = run_groups(hidden, [g for g in groups if g.expert in cached],
+                         lambda e: self.slots.weights_of(cached[e]))
+        for g in streamed:  # only when the cache cannot hold this step's experts
+            self._copy(layer, g.expert, self.staging, 0)
+            out += run_groups(hidden, [g], lambda e: self.staging.weights_of(0))
+        return out
+
+    def _slot_for(self, layer: int, expert: int) -> int | None:
+        slot = self.cache.lookup((layer, expert))
+        if slot is not None:
+            return slot
+        admitted = self.cache.admit((layer, expert))
+        if admitted is None:
+            return None
+        slot, _ = admitted
+        self._copy(layer, expert, self.slots, slot)
+        return slot
+
+    def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
+        src = self.host[layer]
+        for d, s in zip(dest.weights_of(slot), src.weights_of(expert), strict=True):
+            d.copy_(s, non_blocking=True)  # pinned host memory → asynchronous DMA on the compute stream
+        self.cache.counters.bytes_copied += self.expert_bytes
+
+    def resize(self, num_slots: int) -> None:
+        """Changes the number of device slots while serving: shrinking evicts the coldest experts, growing keeps
+        every cached one. Weights are never reloaded: survivors are moved between slots on the device."""
+        moves = self.cache.resize(num_slots)
+        first = next(iter(self.host.values()))
+        new = self._allocate(num_slots, first)
+        moved_from = {new_slot: old for _, old, new_slot in moves}
+        for new_slot in self.cache.slot_of.values():
+            old = moved_from.get(new_slot, new_slot)
+            for d, s in zip(new.weights_of(new_slot), self.slots.weights_of(old), strict=True):
+                d.copy_(s)
+        self.slots = new

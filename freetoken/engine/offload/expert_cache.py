@@ -1,0 +1,87 @@
+"""Which (layer, expert) sits in which GPU cache slot: the bookkeeping half of the expert cache, no torch.
+
+Invariants: a key holds at most one slot and a slot at most one key; free slots + occupied slots = capacity;
+within one step (`begin_step` … the step's admissions) keys the step needs are never evicted. The tensors the
+slots index live in the executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from freetoken.engine.offload.policy import CachePolicy
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_copied: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class ExpertCache:
+    def __init__(self, capacity: int, policy: CachePolicy):
+        self.capacity, self.policy = capacity, policy
+        self.slot_of: dict[Hashable, int] = {}
+        self.free_slots: list[int] = list(range(capacity - 1, -1, -1))
+        self.counters = CacheCounters()
+        self._protected: set[Hashable] = set()
+
+    def begin_step(self, needed: Iterable[Hashable]) -> None:
+        """Marks the keys the coming computation needs; none of them can be evicted until the next step."""
+        self._protected = set(needed)
+
+    def lookup(self, key: Hashable) -> int | None:
+        """The key's slot on a hit (counted, and the policy told), None on a miss (counted)."""
+        slot = self.slot_of.get(key)
+        if slot is None:
+            self.counters.misses += 1
+            return None
+        self.counters.hits += 1
+        self.policy.touch(key)
+        return slot
+
+    def admit(self, key: Hashable) -> tuple[int, Hashable | None] | None:
+        """A slot for a missed key: a free one, or one taken from the policy's victim. Returns (slot, evicted
+        key or None), or None when every slot holds a protected key (the caller computes it another way)."""
+        evicted = None
+        if not self.free_slots:
+            evicted = self.policy.victim(self._protected)
+            if evicted is None:
+                return None
+            self._drop(evicted)
+            self.counters.evictions += 1
+        slot = self.free_slots.pop()
+        self.slot_of[key] = slot
+        self.policy.admit(key)
+        return slot, evicted
+
+    def _drop(self, key: Hashable) -> None:
+        self.free_slots.append(self.slot_of.pop(key))
+        self.policy.remove(key)
+
+    def resize(self, capacity: int) -> list[Hashable]:
+        """Grows (keeping everything) or shrinks (evicting the coldest, then compacting into the first
+        `capacity` slots). Returns the moves the caller must apply to its tensors, as (key, old, new) tuples."""
+        moves = []
+        while len(self.slot_of) > capacity:
+            self._drop(self.policy.victim())
+            self.counters.evictions += 1
+        if capacity < self.capacity:
+            spare = sorted(s for s in range(capacity) if s not in set(self.slot_of.values()))
+            for key, slot in sorted(self.slot_of.items(), key=lambda kv: kv[1]):
+                if slot >= capacity:
+                    new = spare.pop(0)
+                    self.slot_of[key] = new
+                    moves.append((key, slot, new))
+        self.capacity = capacity
+        used = set(self.slot_of.values())
+        self.free_slots = [s for s in range(capacity - 1, -1, -1) if s not in used]
+        return moves

@@ -1,0 +1,85 @@
+"""Expert-cache bookkeeping and eviction policies: plain Python, checked against their definitions."""
+
+import random
+
+import pytest
+
+from freetoken.engine.offload.expert_cache import ExpertCache
+from freetoken.engine.offload.policy import FrequencyPolicy, LRUPolicy, make_policy
+
+
+def test_lru_evicts_the_least_recently_used():
+    cache = ExpertCache(2, LRUPolicy())
+    cache.admit("a"), cache.admit("b")
+    cache.begin_step(["c"])
+    assert cache.lookup("a") == cache.slot_of["a"]  # a is now the most recent
+    slot, evicted = cache.admit("c")
+    assert evicted == "b" and cache.slot_of == {"a": cache.slot_of["a"], "c": slot}
+    assert (cache.counters.hits, cache.counters.evictions) == (1, 1)
+
+
+def test_frequency_keeps_popular_keys_through_a_burst_of_one_offs():
+    cache = ExpertCache(2, FrequencyPolicy())
+    cache.admit("hot")
+    for _ in range(5):
+        cache.lookup("hot")
+    for cold in ["c1", "c2", "c3", "c4"]:
+        cache.begin_step([cold])
+        if cache.lookup(cold) is None:
+            cache.admit(cold)
+    assert "hot" in cache.slot_of
+
+
+def test_frequency_counts_age_so_popularity_can_shift():
+    policy = FrequencyPolicy(half_life=4)
+    policy.admit("old")
+    for _ in range(7):
+        policy.touch("old")
+    for _ in range(40):  # many halvings later "old" is worth less than a fresh key used twice
+        policy.admit("new")
+        policy.touch("new")
+        policy.remove("new")
+    policy.admit("new")
+    policy.touch("new")
+    assert policy.victim() == "old"
+
+
+def test_protected_keys_are_never_evicted_and_a_full_protected_cache_refuses():
+    cache = ExpertCache(2, LRUPolicy())
+    cache.admit("a"), cache.admit("b")
+    cache.begin_step(["a", "b", "c"])
+    assert cache.admit("c") is None
+    assert set(cache.slot_of) == {"a", "b"}
+
+
+def test_zero_capacity_admits_nothing():
+    cache = ExpertCache(0, make_policy("freq"))
+    cache.begin_step(["a"])
+    assert cache.lookup("a") is None and cache.admit("a") is None and cache.counters.misses == 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "freq"])
+def test_random_workload_keeps_the_slot_invariants(policy):
+    rng = random.Random(0)
+    cache = ExpertCache(5, make_policy(policy))
+    for step in range(500):
+        needed = rng.sample(range(12), 3)
+        cache.begin_step(needed)
+        for key in needed:
+            if cache.lookup(key) is None:
+                assert cache.admit(key) is not None  # 3 needed ≤ 5 slots: always room
+        slots = list(cache.slot_of.values())
+        assert len(slots) == len(set(slots)) and all(0 <= s < 5 for s in slots)
+        assert len(slots) + len(cache.free_slots) == 5
+        if step == 250:
+            moves = cache.resize(3)
+            assert len(cache.slot_of) <= 3 and all(new < 3 for _, _, new in moves)
+            cache.resize(5)
+    c = cache.counters
+    assert c.hits + c.misses == 500 * 3 and 0 < c.hit_rate < 1
+
+
+def test_growing_keeps_every_entry():
+    cache = ExpertCache(2, LRUPolicy())
+    cache.admit("a"), cache.admit("b")
+    assert cache.resize(4) == [] and set(cache.slot_of) == {"a", "b"} and len(cache.free_slots) == 2
