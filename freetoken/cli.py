@@ -18,6 +18,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("freetoken.engine.commands", "complete one prompt and print the completion"),
     "chat": ("freetoken.engine.commands", "interactive chat with streaming output"),
     "info": ("freetoken.engine.commands", "describe a model: architecture, parameters, experts"),
+    "bench": ("freetoken.bench.cli", "benchmarks on synthetic real-shape models (ft bench decode)"),
 }
 
 USAGE = "usage: ft <verb> [options]   (ft <verb> --help for a verb's options)\n\nverbs:\n" + "\n".join(

@@ -82,9 +82,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
                expert_policy: str = "freq") -> LoadedModel:
     """Loads a model onto `device`. `expert_cache` (bytes) keeps routed experts in host memory with a cache
     of that many bytes on the device; None keeps every expert resident on the device."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     path = resolve_model_source(source)
     ckpt = open_checkpoint(path)
@@ -94,10 +92,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     tokenizer = ckpt.tokenizer()
 
     start = time.perf_counter()
-    with torch.device("meta"), no_param_init():
-        model = family.Model(args)
-    model = model.to(dtype).to_empty(device=device)
-    model.rotary = RotaryEmbedding(args.decoder.rope).to(device)  # buffers are not in checkpoints
+    model = empty_model(family, args, dtype, device)
     offload = expert_cache is not None and spec is not None
     placer = WeightPlacer(model, getattr(family, "EXPERT_NAMING", None), spec, dtype, device,
                           expert_device=torch.device("cpu") if offload else None,
@@ -110,8 +105,8 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     for name, load in bar:
         placer.place(name, load)
     layers = placer.finish()
-    experts = _executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy)
-    _attach_experts(model, experts)
+    experts = build_executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy)
+    attach_experts(model, experts)
     model.eval()
     log.info("loaded %s (%s, %s) on %s in %.1fs", path.name, family.MODEL_TYPE, ckpt.format, device,
              time.perf_counter() - start)
@@ -119,8 +114,24 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
                        ckpt.config)
 
 
-def _executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: torch.device, cache_bytes: int | None,
-              policy: str) -> ExpertExecutor | None:
+def resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def empty_model(family: ModuleType, args, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    """The family's model on `device` with uninitialised parameters (filled by the caller) and live buffers."""
+    with torch.device("meta"), no_param_init():
+        model = family.Model(args)
+    model = model.to(dtype).to_empty(device=device)
+    model.rotary = RotaryEmbedding(args.decoder.rope).to(device)  # buffers are not in checkpoints
+    return model
+
+
+def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: torch.device, cache_bytes: int | None,
+                   policy: str = "freq", miss_path: str = "copy") -> ExpertExecutor | None:
     if layers is None:
         return None
     if cache_bytes is None:
@@ -130,7 +141,7 @@ def _executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: torch.de
     log.info("expert cache: %d of %d experts on %s (%.1f MiB), the rest in host memory (%.1f MiB)", slots,
              spec.total_routed_experts, device, slots * per_expert / 2**20,
              spec.total_routed_experts * per_expert / 2**20)
-    return OffloadedExpertExecutor(layers, device, slots, policy)
+    return OffloadedExpertExecutor(layers, device, slots, policy, miss_path)
 
 
 @contextmanager
@@ -147,7 +158,7 @@ def no_param_init():
             cls.reset_parameters = fn
 
 
-def _attach_experts(model: DecoderModel, experts: ExpertExecutor | None) -> None:
+def attach_experts(model: DecoderModel, experts: ExpertExecutor | None) -> None:
     for module in model.modules():
         if hasattr(module, "experts") and hasattr(module, "top_k"):
             module.experts = experts

@@ -6,7 +6,10 @@ there. When the cache has fewer free-able slots than the step needs (budget 0, o
 expert), the remaining experts stream through one staging buffer. Results equal the resident executor's: the
 same weights, the same arithmetic, only their location differs.
 
-This is the fetch-on-demand core; the copy is issued on the compute stream, so it does not yet overlap compute.
+Misses take one of two paths (`miss_path`): "copy" fetches the expert into the cache, "cpu" computes it on the
+host where it lives, sending only activations (the CPU-only strategy when the cache has no slots). Choosing
+between them per miss from measured bandwidths is the planner's job, built on these two paths. Copies are issued
+on the compute stream, so they do not yet overlap compute.
 
 Shapes: S slots, E experts, H hidden, I expert intermediate.
 """
@@ -27,10 +30,14 @@ log = logging.getLogger(__name__)
 class OffloadedExpertExecutor:
     capturable = False  # looks routing up on the host every layer
 
+    MISS_PATHS = ("copy", "cpu")
+
     def __init__(self, host: dict[int, LayerExperts], device: torch.device, num_slots: int,
-                 policy: str = "freq"):
+                 policy: str = "freq", miss_path: str = "copy"):
+        if miss_path not in self.MISS_PATHS:
+            raise ValueError(f"miss_path must be one of {self.MISS_PATHS}, got {miss_path!r}")
         first = next(iter(host.values()))
-        self.host, self.device = host, torch.device(device)
+        self.host, self.device, self.miss_path = host, torch.device(device), miss_path
         self.num_experts = first.num_experts
         self.cache = ExpertCache(num_slots, make_policy(policy))
         self.slots = self._allocate(num_slots, first)
@@ -53,23 +60,32 @@ class OffloadedExpertExecutor:
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
         self.cache.begin_step((layer, g.expert) for g in groups)
         cached: dict[int, int] = {}
-        streamed: list[ExpertGroup] = []
+        missed: list[ExpertGroup] = []
         for g in groups:
             slot = self._slot_for(layer, g.expert)
             if slot is None:
-                streamed.append(g)
+                missed.append(g)
             else:
                 cached[g.expert] = slot
         out = run_groups(hidden, [g for g in groups if g.expert in cached],
                          lambda e: self.slots.weights_of(cached[e]))
-        for g in streamed:  # only when the cache cannot hold this step's experts
+        if missed and self.miss_path == "cpu":
+            out += self._on_cpu(layer, hidden, missed)
+        for g in missed if self.miss_path == "copy" else ():  # the cache could not hold this step's experts
             self._copy(layer, g.expert, self.staging, 0)
             out += run_groups(hidden, [g], lambda e: self.staging.weights_of(0))
         return out
 
+    def _on_cpu(self, layer: int, hidden: torch.Tensor, groups: list[ExpertGroup]) -> torch.Tensor:
+        """Computes missed experts where their weights live; only activations cross the link."""
+        host = self.host[layer]
+        cpu_groups = [ExpertGroup(g.expert, g.tokens.cpu(), g.weights.cpu()) for g in groups]
+        self.cache.counters.cpu_experts += len(groups)
+        return run_groups(hidden.to("cpu"), cpu_groups, host.weights_of).to(hidden.device)
+
     def _slot_for(self, layer: int, expert: int) -> int | None:
         slot = self.cache.lookup((layer, expert))
-        if slot is not None:
+        if slot is not None or self.miss_path == "cpu":
             return slot
         admitted = self.cache.admit((layer, expert))
         if admitted is None:

@@ -19,6 +19,7 @@ class CacheCounters:
     misses: int = 0
     evictions: int = 0
     bytes_copied: int = 0
+    cpu_experts: int = 0  # misses computed on the host instead of copied
 
     @property
     def hit_rate(self) -> float:

@@ -1,0 +1,1 @@
+"""`ft bench`: synthetic real-shape models and the decode benchmark with its same-run baselines."""

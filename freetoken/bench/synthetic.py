@@ -1,0 +1,89 @@
+"""Random-weight models with the exact shapes of named real MoE models, built in memory, nothing downloaded.
+
+Bytes moved and FLOPs spent equal the real model's; routing of random weights is close to uniform, which is
+pessimistic for caching, so every result reports its hit rate. `layers` truncates the stack for quick runs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from freetoken.engine.experts import LayerExperts
+from freetoken.engine.loader import LoadedModel, attach_experts, build_executor, empty_model, resolve_device
+from freetoken.engine.models import family_for
+
+SHAPES: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+    ),
+    # Small enough for a CPU test run, same structure as qwen3-30b-a3b.
+    "tiny-moe": dict(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=64, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    ),
+}
+
+
+def synthetic_config(shape: str, layers: int | None = None) -> dict:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    cfg = dict(SHAPES[shape])
+    if layers:
+        cfg["num_hidden_layers"] = min(layers, cfg["num_hidden_layers"])
+    return cfg
+
+
+def _fill_(t: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
+    bound = std * math.sqrt(3.0)  # uniform with the given standard deviation: cheaper than normal at 60 GB
+    return t.uniform_(-bound, bound, generator=gen)
+
+
+def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                    expert_cache: int | None = None, policy: str = "freq", miss_path: str = "copy",
+                    layers: int | None = None, seed: int = 0) -> LoadedModel:
+    """A seeded random model of `shape`; experts resident on `device`, or in host memory (pinned on CUDA)
+    behind an expert cache of `expert_cache` bytes."""
+    device = resolve_device(device)
+    cfg = synthetic_config(shape, layers)
+    family = family_for(cfg["model_type"])
+    args = family.ModelArgs.from_config(cfg)
+    spec = args.moe_spec()
+    model = empty_model(family, args, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else _fill_(p, 0.02, gen)
+    offload = expert_cache is not None
+    host = host_experts(spec, dtype, torch.device("cpu") if offload else device,
+                        pin=offload and device.type == "cuda", seed=seed + 1)
+    experts = build_executor(host, spec, dtype, device, expert_cache, policy, miss_path)
+    attach_experts(model, experts)
+    model.eval()
+    return LoadedModel(model, args, family, None, spec, experts, device, dtype, Path(f"synthetic/{shape}"),
+                       "synthetic", cfg)
+
+
+def host_experts(spec, dtype: torch.dtype, device: torch.device, pin: bool, seed: int) -> dict[int, LayerExperts]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, i, e = spec.hidden_size, spec.expert_intermediate_size, spec.num_experts
+    layers = {}
+    for layer in spec.moe_layers:
+        tensors = [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+                   for shape in ((e, i, h), (e, i, h), (e, h, i))]
+        for t in tensors:
+            _fill_(t, 0.02, gen)
+        layers[layer] = LayerExperts(*tensors)
+    return layers
