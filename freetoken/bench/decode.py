@@ -1,6 +1,7 @@
 """`ft bench decode`: decode speed of a synthetic real-shape MoE model under each expert strategy, same run.
 
-Strategies: `resident` (every expert on the device: the upper bound), `copy` (fetch-on-demand into the expert
+Strategies: `resident` (every expert on the device: the upper bound), `resident-graphs` (the same, decode steps
+replayed as CUDA graphs), `copy` (fetch-on-demand into the expert
 cache of each --budgets size), `cpu` (misses computed on the host; with budget 0 the CPU-only baseline). The
 prompt is prefilled with the copy path for every strategy; only decode is timed. Each row reports tok/s, the
 decode hit rate, the bytes that crossed PCIe per token and the copy-path floor (miss bytes over the pinned
@@ -60,32 +61,52 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-def run_decode(lm, context: int, tokens: int, miss_path: str) -> tuple[float, object, object, list[int]]:
-    """Prefills `context` random tokens (copy path), then times `tokens` greedy decode steps."""
+def run_decode(lm, context: int, tokens: int, miss_path: str,
+               graphs: bool = False) -> tuple[float, object, object, list[int]]:
+    """Prefills `context` random tokens (copy path), then times `tokens` decode steps.
+
+    Decode is teacher-forced with random tokens: a random model's own greedy output quickly repeats one token,
+    which would route every step to the same experts and flatter the cache. The argmax of each step is still
+    recorded, as the lossless check across strategies."""
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, lm.args.decoder.vocab_size, (context,), generator=gen).to(lm.device)
-    cache = lm.new_cache(initial_tokens=context + tokens + 16, max_tokens=context + tokens + 16)
+    ids = torch.randint(0, lm.args.decoder.vocab_size, (context + tokens,), generator=gen)
+    prompt, feed = ids[:context].to(lm.device), ids[context:].tolist()
+    capacity = context + tokens + 16
+    cache = lm.new_cache(initial_tokens=capacity, max_tokens=capacity)
     seq = cache.new_sequence()
     executor = lm.experts
     with torch.inference_mode():
         if isinstance(executor, OffloadedExpertExecutor):
             executor.miss_path = "copy"
         for start in range(0, context, 2048):
-            logits = lm.forward(prompt[start:start + 2048], cache, seq, "last")
+            lm.forward(prompt[start:start + 2048], cache, seq, "last")
         if isinstance(executor, OffloadedExpertExecutor):
             executor.miss_path = miss_path
+        step = _graph_step(lm, cache) if graphs else _eager_step(lm, cache)
+        if graphs:
+            step(seq, feed[0])  # captures the graph outside the timed loop
+            cache.truncate(seq, context)
         before = replace(executor.counters) if hasattr(executor, "counters") else None
-        token = logits[0].argmax().view(1)
         _sync(lm.device)
         t0 = time.perf_counter()
-        produced = []
-        for _ in range(tokens):
-            token = lm.forward(token, cache, seq, "last")[0].argmax().view(1)
-            produced.append(token.item())  # a real server needs the token on the host every step
+        produced = [int(step(seq, token).argmax()) for token in feed]  # the host needs each token, as a server does
         elapsed = time.perf_counter() - t0
     after = replace(executor.counters) if hasattr(executor, "counters") else None
     cache.release(seq)
     return tokens / elapsed, before, after, produced
+
+
+def _eager_step(lm, cache):
+    def step(seq, token: int) -> torch.Tensor:
+        return lm.forward(torch.tensor([token], device=lm.device), cache, seq, "last")[0]
+
+    return step
+
+
+def _graph_step(lm, cache):
+    from freetoken.engine.cuda_graphs import GraphedDecoder
+
+    return GraphedDecoder(lm, cache).step
 
 
 def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
@@ -97,18 +118,21 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
     rows, reference = [], None
     for strategy in a.strategies:
         # The cpu path never admits into the cache yet, so only its budget-0 form (CPU-only) is meaningful.
-        budgets = {"resident": ["all"], "cpu": ["0"]}.get(strategy, a.budgets)
-        for budget in budgets:
-            if strategy == "resident":
+        budgets = {"resident": ["all"], "resident-graphs": ["all"], "cpu": ["0"]}.get(strategy, a.budgets)
+        policies = a.policies if strategy == "copy" else a.policies[:1]
+        for budget, policy in ((b, p) for b in budgets for p in policies):
+            if strategy.startswith("resident"):
                 executor = ResidentExpertExecutor({layer: _on_device(le, device) for layer, le in host.items()})
             else:
-                executor = build_executor(host, spec, dtype, device, parse_bytes(budget), a.policy, strategy)
+                executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, strategy)
             attach_experts(lm.model, executor)
             lm.experts = executor
             tok_s, before, after, produced = run_decode(lm, a.context, a.tokens,
-                                                        "cpu" if strategy == "cpu" else "copy")
+                                                        "cpu" if strategy == "cpu" else "copy",
+                                                        graphs=strategy == "resident-graphs")
             reference = reference or produced
-            rows.append(_row(strategy, budget, tok_s, before, after, a.tokens, per_expert, bw))
+            label = f"{strategy} ({policy})" if strategy == "copy" else strategy
+            rows.append(_row(label, budget, tok_s, before, after, a.tokens, per_expert, bw))
             rows[-1].same_tokens = produced == reference
             print(_format_row(rows[-1]), file=sys.stderr, flush=True)
             del executor
@@ -150,7 +174,8 @@ def render(rows: list[Row], a: argparse.Namespace, bw: float | None) -> str:
         f"- date: {dt.date.today().isoformat()}; torch {torch.__version__}; commit: {a.commit}",
         f"- command: `{shlex.join(['ft', 'bench', 'decode', *a.argv])}`",
         f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random router weights "
-        f"(near-uniform routing, pessimistic for caching); policy {a.policy}; eager decode (no CUDA graphs)",
+        f"(near-uniform routing, pessimistic for caching); decode teacher-forced with random tokens; "
+        "eager decode except `resident-graphs`",
         f"- pinned host→device bandwidth measured in this run: {bw:.1f} GB/s" if bw else "- no PCIe (CPU run)",
         "",
         "| strategy | expert budget | decode tok/s | hit rate | GB copied / token | CPU experts / token | "
@@ -170,13 +195,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")
-    p.add_argument("--strategies", default="resident,copy,cpu", help="comma-separated: resident, copy, cpu")
-    p.add_argument("--policy", default="freq", choices=["freq", "lru"])
+    p.add_argument("--strategies", default="resident,copy,cpu",
+                   help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu")
+    p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default="unknown", help="commit hash to record in the result")
     p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
     a = p.parse_args(argv)
     a.argv, a.budgets, a.strategies = argv, a.budgets.split(","), a.strategies.split(",")
+    a.policies = a.policies.split(",")
     rows, bw = bench(a)
     table = render(rows, a, bw)
     print(table)
