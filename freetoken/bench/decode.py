@@ -173,8 +173,8 @@ def render(rows: list[Row], a: argparse.Namespace, bw: float | None) -> str:
         "",
         f"- date: {dt.date.today().isoformat()}; torch {torch.__version__}; commit: {a.commit}",
         f"- command: `{shlex.join(['ft', 'bench', 'decode', *a.argv])}`",
-        f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random router weights "
-        f"(near-uniform routing, pessimistic for caching); decode teacher-forced with random tokens; "
+        f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random weights "
+        f"(hit rates as measured); decode teacher-forced with random tokens; "
         "eager decode except `resident-graphs`",
         f"- pinned host→device bandwidth measured in this run: {bw:.1f} GB/s" if bw else "- no PCIe (CPU run)",
         "",
