@@ -112,7 +112,8 @@ def _graph_step(lm, cache):
 def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     bw = h2d_bandwidth(device)
-    lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed)
+    lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
+                         skew=a.skew)
     host, spec = lm.experts.host, lm.moe_spec
     per_expert = spec.bytes_per_expert(dtype)
     rows, reference = [], None
@@ -165,6 +166,10 @@ def _format_row(r: Row) -> str:
             f"{r.cpu_experts_per_token:.1f} | {floor} | {same} |")
 
 
+def _routing(skew: float) -> str:
+    return f"router skewed to Zipf-like popularity (s={skew})" if skew else "near-uniform routing"
+
+
 def render(rows: list[Row], a: argparse.Namespace, bw: float | None) -> str:
     device = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "CPU"
     cfg = SHAPES[a.shape]
@@ -173,8 +178,8 @@ def render(rows: list[Row], a: argparse.Namespace, bw: float | None) -> str:
         "",
         f"- date: {dt.date.today().isoformat()}; torch {torch.__version__}; commit: {a.commit}",
         f"- command: `{shlex.join(['ft', 'bench', 'decode', *a.argv])}`",
-        f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random weights "
-        f"(hit rates as measured); decode teacher-forced with random tokens; "
+        f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random weights, "
+        f"{_routing(a.skew)}; decode teacher-forced with random tokens; "
         "eager decode except `resident-graphs`",
         f"- pinned host→device bandwidth measured in this run: {bw:.1f} GB/s" if bw else "- no PCIe (CPU run)",
         "",
@@ -199,6 +204,8 @@ def main(argv: list[str]) -> int:
                    help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu")
     p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="Zipf exponent of expert popularity (0: near-uniform routing, the pessimistic case)")
     p.add_argument("--commit", default="unknown", help="commit hash to record in the result")
     p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
     a = p.parse_args(argv)

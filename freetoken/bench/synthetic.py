@@ -1,7 +1,8 @@
 """Random-weight models with the exact shapes of named real MoE models, built in memory, nothing downloaded.
 
-Bytes moved and FLOPs spent equal the real model's; routing of random weights is close to uniform, which is
-pessimistic for caching, so every result reports its hit rate. `layers` truncates the stack for quick runs.
+Bytes moved and FLOPs spent equal the real model's. Weights are scaled so that routing stays diverse through
+every layer, as in a trained model (see `_writes_residual`); every result still reports its hit rate.
+`layers` truncates the stack for quick runs.
 """
 
 from __future__ import annotations
@@ -51,11 +52,30 @@ def _fill_(t: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
     return t.uniform_(-bound, bound, generator=gen)
 
 
+def _writes_residual(name: str) -> bool:
+    """Projections that add into the residual stream. Scaling them down (as GPT-2's init does) keeps each
+    token's identity in the stream through every layer: at full scale a deep random network collapses all
+    tokens onto one direction, and the router then sends every token to the same few experts."""
+    return name.endswith(("o_proj.weight", "down_proj.weight"))
+
+
+def _skew_router_(model, exponent: float, gen: torch.Generator) -> None:
+    """Scales router row e of every MoE layer by (1 + rank_e)^-exponent, ranks shuffled per layer: a row with a
+    larger norm wins top-k more often, so popularity falls off like a Zipf law, as in trained MoE models."""
+    for module in model.modules():
+        if hasattr(module, "experts") and hasattr(module, "gate"):
+            w = module.gate.weight
+            ranks = torch.randperm(w.shape[0], generator=gen, device=gen.device).to(w.device)
+            factors = (1.0 + ranks.float()) ** -exponent
+            w.mul_((factors / factors.mean())[:, None].to(w.dtype))  # same mean row norm: only the spread changes
+
+
 def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                     expert_cache: int | None = None, policy: str = "freq", miss_path: str = "copy",
-                    layers: int | None = None, seed: int = 0) -> LoadedModel:
+                    layers: int | None = None, seed: int = 0, skew: float = 0.0) -> LoadedModel:
     """A seeded random model of `shape`; experts resident on `device`, or in host memory (pinned on CUDA)
-    behind an expert cache of `expert_cache` bytes."""
+    behind an expert cache of `expert_cache` bytes. `skew` > 0 makes expert popularity Zipf-like (see
+    `_skew_router_`); 0 routes near-uniformly, the pessimistic case for a cache."""
     device = resolve_device(device)
     cfg = synthetic_config(shape, layers)
     family = family_for(cfg["model_type"])
@@ -63,9 +83,17 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
     spec = args.moe_spec()
     model = empty_model(family, args, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * args.decoder.n_layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else _fill_(p, 0.02, gen)
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("embed_tokens.weight"):
+                _fill_(p, 1.0, gen)  # token identity must dominate what the layers add in common to all tokens
+            else:
+                _fill_(p, residual_std if _writes_residual(name) else 0.02, gen)
+        if skew:
+            _skew_router_(model, skew, gen)
     offload = expert_cache is not None
     host = host_experts(spec, dtype, torch.device("cpu") if offload else device,
                         pin=offload and device.type == "cuda", seed=seed + 1)
@@ -83,7 +111,7 @@ def host_experts(spec, dtype: torch.dtype, device: torch.device, pin: bool, seed
     for layer in spec.moe_layers:
         tensors = [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
                    for shape in ((e, i, h), (e, i, h), (e, h, i))]
-        for t in tensors:
-            _fill_(t, 0.02, gen)
+        for t, std in zip(tensors, (0.02, 0.02, 0.02 / math.sqrt(2 * len(spec.moe_layers))), strict=True):
+            _fill_(t, std, gen)  # the expert down projection writes into the residual stream too
         layers[layer] = LayerExperts(*tensors)
     return layers

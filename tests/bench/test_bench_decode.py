@@ -37,3 +37,28 @@ def test_bench_decode_reports_every_strategy_with_equal_tokens(tmp_path, capsys)
         "resident/all", "copy (freq)/0", "copy (lru)/0", "copy (freq)/1MiB", "copy (lru)/1MiB", "cpu/0"]
     assert all(r.rstrip(" |").endswith("yes") for r in rows)  # fp32 on one device: every strategy is lossless
     assert "tiny-moe" in table and "command" in table
+
+
+def _top_share(skew: float) -> float:
+    """Share of (token, expert) pairs that go to each layer's 4 most popular of 16 experts, averaged."""
+    lm = build_synthetic("tiny-moe", dtype=torch.float32, skew=skew)
+    routed: dict[int, list[torch.Tensor]] = {}
+    forward = lm.experts.forward
+
+    def record(layer, hidden, ids, weights):
+        routed.setdefault(layer, []).append(ids.flatten())
+        return forward(layer, hidden, ids, weights)
+
+    lm.experts.forward = record
+    lm.prefill_logits(torch.randint(0, 512, (512,), generator=torch.Generator().manual_seed(0)).tolist())
+    shares = []
+    for ids in routed.values():
+        counts = torch.bincount(torch.cat(ids), minlength=16).float().sort(descending=True).values
+        shares.append((counts[:4].sum() / counts.sum()).item())
+    return sum(shares) / len(shares)
+
+
+def test_synthetic_routing_is_diverse_and_skew_concentrates_it():
+    uniform, skewed = _top_share(0.0), _top_share(1.0)
+    assert uniform < 0.33  # 4 of 16 experts: 0.25 is perfectly uniform; a collapsed router gives ~1
+    assert skewed > uniform + 0.08
