@@ -7,6 +7,7 @@ still needs must survive the admissions of that same step.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from typing import Protocol
@@ -43,50 +44,83 @@ class LRUPolicy:
 
 
 class FrequencyPolicy:
-    """Evicts the key with the lowest aged use count, least recent first among equals.
+    """Evicts the key with the lowest aged use count; O(log n) per operation.
 
     MoE routing is skewed: a few experts per layer take most tokens. LRU lets a burst of one-off experts flush
-    the popular ones; counting uses keeps them. Counts halve every `half_life` uses so popularity can shift
-    (a new topic, a new agent turn) without old counts pinning the cache forever.
+    the popular ones; counting uses keeps them. Counts age with a half-life of `half_life` uses so popularity can
+    shift (a new topic, a new agent turn). Ageing is done by inflation rather than by halving every count: use
+    number c adds 2^(c / half_life), which ranks keys exactly as halving all counts would, leaves older heap
+    entries comparable, and so lets a lazy min-heap find the victim without a scan.
     """
 
     name = "freq"
+    _RESCALE_EVERY = 64  # half-lives between rescalings that keep the scores finite
 
     def __init__(self, half_life: int = 4096) -> None:
         self.half_life = half_life
-        self._count: dict[Hashable, float] = {}
-        self._last: dict[Hashable, int] = {}
+        self._score: dict[Hashable, float] = {}
+        self._history: dict[Hashable, float] = {}  # scores survive eviction so a returning expert is known
+        self._heap: list[tuple[float, int, Hashable]] = []  # (score, push order, key); stale entries skipped
         self._clock = 0
-        self._history: dict[Hashable, float] = {}  # counts survive eviction so a returning expert is known
+        self._pushes = 0
 
     def _tick(self) -> None:
         self._clock += 1
-        if self._clock % self.half_life == 0:
-            for table in (self._count, self._history):
-                for k in table:
-                    table[k] /= 2
+        if self._clock >= self._RESCALE_EVERY * self.half_life:
+            self._rescale()
+
+    def _bump(self, key: Hashable, base: float) -> None:
+        """Records one use; `base` is the key's score read after `_tick` (so already in the current scale)."""
+        score = base + 2.0 ** (self._clock / self.half_life)
+        self._score[key] = score
+        self._push(score, key)
+        if len(self._heap) > 4 * len(self._score) + 64:
+            self._rebuild()
+
+    def _push(self, score: float, key: Hashable) -> None:
+        self._pushes += 1
+        heapq.heappush(self._heap, (score, self._pushes, key))
+
+    def _rescale(self) -> None:
+        factor = 2.0 ** -self._RESCALE_EVERY
+        self._clock -= self._RESCALE_EVERY * self.half_life
+        for table in (self._score, self._history):
+            for k in table:
+                table[k] *= factor
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = []
+        for key, score in self._score.items():
+            self._push(score, key)
 
     def admit(self, key: Hashable) -> None:
         self._tick()
-        self._count[key] = self._history.pop(key, 0.0) + 1.0
-        self._last[key] = self._clock
+        self._bump(key, self._history.pop(key, 0.0))
 
     def touch(self, key: Hashable) -> None:
         self._tick()
-        self._count[key] += 1.0
-        self._last[key] = self._clock
+        self._bump(key, self._score[key])
 
     def remove(self, key: Hashable) -> None:
-        if key in self._count:
-            self._history[key] = self._count.pop(key)
-            del self._last[key]
+        if key in self._score:
+            self._history[key] = self._score.pop(key)
 
     def victim(self, protected: Iterable[Hashable] = ()) -> Hashable | None:
-        keep = set(protected)
-        candidates = [k for k in self._count if k not in keep]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda k: (self._count[k], self._last[k]))
+        keep = protected if isinstance(protected, (set, frozenset)) else set(protected)
+        skipped, found = [], None
+        while self._heap:
+            score, _, key = self._heap[0]
+            if self._score.get(key) != score:  # stale: the key was used again or evicted since this push
+                heapq.heappop(self._heap)
+            elif key in keep:
+                skipped.append(heapq.heappop(self._heap))
+            else:
+                found = key
+                break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
 
 
 POLICIES = {"lru": LRUPolicy, "freq": FrequencyPolicy}

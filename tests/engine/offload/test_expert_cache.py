@@ -83,3 +83,50 @@ def test_growing_keeps_every_entry():
     cache = ExpertCache(2, LRUPolicy())
     cache.admit("a"), cache.admit("b")
     assert cache.resize(4) == [] and set(cache.slot_of) == {"a", "b"} and len(cache.free_slots) == 2
+
+
+class _ScanFrequency:
+    """The frequency policy's definition, evaluated by brute force: score = Σ 2^(use clock / half-life)."""
+
+    def __init__(self, half_life: int):
+        self.half_life, self.clock, self.score, self.history = half_life, 0, {}, {}
+
+    def _use(self, key, base):
+        self.clock += 1
+        self.score[key] = base + 2.0 ** (self.clock / self.half_life)
+
+    def admit(self, key):
+        self._use(key, self.history.pop(key, 0.0))
+
+    def touch(self, key):
+        self._use(key, self.score[key])
+
+    def remove(self, key):
+        self.history[key] = self.score.pop(key)
+
+    def victim(self, protected=()):
+        candidates = [k for k in self.score if k not in set(protected)]
+        return min(candidates, key=self.score.__getitem__) if candidates else None
+
+
+# half-life 8: the policy rescales every 512 uses, five times in this run; rescaling multiplies by a power of
+# two, which changes no comparison, so its victims must still match the unscaled scan exactly.
+@pytest.mark.parametrize("half_life", [8, 4096])
+def test_frequency_heap_picks_the_same_victims_as_a_full_scan(half_life):
+    rng = random.Random(half_life)
+    fast, slow = FrequencyPolicy(half_life), _ScanFrequency(half_life)
+    cached: set[int] = set()
+    for _ in range(3000):
+        key = rng.randrange(40)
+        if key in cached:
+            fast.touch(key), slow.touch(key)
+        elif len(cached) < 12:
+            fast.admit(key), slow.admit(key)
+            cached.add(key)
+        else:
+            protected = set(rng.sample(sorted(cached), 3))
+            victim = fast.victim(protected)
+            assert victim == slow.victim(protected) and victim not in protected
+            fast.remove(victim), slow.remove(victim)
+            cached.discard(victim)
+    assert len(fast._heap) <= 4 * len(cached) + 64  # stale entries are compacted away
