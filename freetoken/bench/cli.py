@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from freetoken.errors import FreeTokenError
 
-BENCHMARKS = {"decode": "freetoken.bench.decode"}
+BENCHMARKS = {"decode": "freetoken.bench.decode", "cache": "freetoken.bench.cache_sim"}
 
 
 def main(verb: str, argv: list[str]) -> int:

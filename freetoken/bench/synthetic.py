@@ -28,6 +28,14 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
         max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
     ),
+    # qwen3-30b-a3b's routing structure (48 layers of 128 experts, top-8) on a small hidden size: routing traces
+    # for cache-policy studies on a CPU.
+    "qwen3-30b-a3b-routing": dict(
+        model_type="qwen3_moe", vocab_size=4096, hidden_size=256, num_hidden_layers=48, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=32, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=8192, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ),
     # Small enough for a CPU test run, same structure as qwen3-30b-a3b.
     "tiny-moe": dict(
         model_type="qwen3_moe", vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -28,7 +28,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-cache", default=None, metavar="SIZE",
                    help="keep routed experts in host memory with a device cache of SIZE (e.g. 8GiB, 64MiB, 0); "
                         "default: all experts on the device")
-    p.add_argument("--expert-policy", default="freq", choices=["freq", "lru"],
+    p.add_argument("--expert-policy", default="freq", choices=["freq", "freq-admit", "lru"],
                    help="expert-cache eviction policy (default: freq)")
 
 

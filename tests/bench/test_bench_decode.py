@@ -62,3 +62,17 @@ def test_synthetic_routing_is_diverse_and_skew_concentrates_it():
     uniform, skewed = _top_share(0.0), _top_share(1.0)
     assert uniform < 0.33  # 4 of 16 experts: 0.25 is perfectly uniform; a collapsed router gives ~1
     assert skewed > uniform + 0.08
+
+
+def test_cache_replay_counts_decode_hits_of_a_recorded_trace():
+    from freetoken.bench.cache_sim import record_routing, replay
+
+    lm = build_synthetic("tiny-moe", dtype=torch.float32)
+    prefill, decode = record_routing(lm, context=32, tokens=12)
+    assert len(decode) == 12 and all(len(step) == 4 for step in decode)  # 4 MoE layers per forward
+    assert all(len(experts) == 4 for step in decode for _, experts in step)  # top-4 of one token
+    total = lm.moe_spec.total_routed_experts
+    assert replay(prefill, decode, 0, "lru") == 0.0
+    assert replay(prefill, decode, total, "lru") == 1.0  # the prefill touched every expert: all decode hits
+    rates = [replay(prefill, decode, total // 4, policy) for policy in ("lru", "freq", "freq-admit")]
+    assert all(0.0 < r < 1.0 for r in rates)

@@ -20,6 +20,7 @@ class CacheCounters:
     evictions: int = 0
     bytes_copied: int = 0
     cpu_experts: int = 0  # misses computed on the host instead of copied
+    rejected: int = 0  # misses the policy streamed rather than admit (admission control)
 
     @property
     def hit_rate(self) -> float:
@@ -44,6 +45,7 @@ class ExpertCache:
         slot = self.slot_of.get(key)
         if slot is None:
             self.counters.misses += 1
+            self.policy.miss(key)
             return None
         self.counters.hits += 1
         self.policy.touch(key)
@@ -51,11 +53,15 @@ class ExpertCache:
 
     def admit(self, key: Hashable) -> tuple[int, Hashable | None] | None:
         """A slot for a missed key: a free one, or one taken from the policy's victim. Returns (slot, evicted
-        key or None), or None when every slot holds a protected key (the caller computes it another way)."""
+        key or None), or None when every slot holds a protected key or the policy declines to displace its
+        victim for this key (the caller then computes the key another way, without caching it)."""
         evicted = None
         if not self.free_slots:
             evicted = self.policy.victim(self._protected)
             if evicted is None:
+                return None
+            if not self.policy.accepts(key, evicted):
+                self.counters.rejected += 1
                 return None
             self._drop(evicted)
             self.counters.evictions += 1

@@ -14,10 +14,12 @@ from typing import Protocol
 
 
 class CachePolicy(Protocol):
+    def miss(self, key: Hashable) -> None: ...  # a lookup of an uncached key
     def admit(self, key: Hashable) -> None: ...
-    def touch(self, key: Hashable) -> None: ...
+    def touch(self, key: Hashable) -> None: ...  # a hit
     def remove(self, key: Hashable) -> None: ...
     def victim(self, protected: Iterable[Hashable] = ()) -> Hashable | None: ...
+    def accepts(self, candidate: Hashable, victim: Hashable) -> bool: ...  # admission control
 
 
 class LRUPolicy:
@@ -27,6 +29,12 @@ class LRUPolicy:
 
     def __init__(self) -> None:
         self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def miss(self, key: Hashable) -> None:
+        pass
+
+    def accepts(self, candidate: Hashable, victim: Hashable) -> bool:
+        return True
 
     def admit(self, key: Hashable) -> None:
         self._order[key] = None
@@ -56,8 +64,8 @@ class FrequencyPolicy:
     name = "freq"
     _RESCALE_EVERY = 64  # half-lives between rescalings that keep the scores finite
 
-    def __init__(self, half_life: int = 4096) -> None:
-        self.half_life = half_life
+    def __init__(self, half_life: int = 4096, admission: bool = False) -> None:
+        self.half_life, self.admission = half_life, admission
         self._score: dict[Hashable, float] = {}
         self._history: dict[Hashable, float] = {}  # scores survive eviction so a returning expert is known
         self._heap: list[tuple[float, int, Hashable]] = []  # (score, push order, key); stale entries skipped
@@ -94,9 +102,24 @@ class FrequencyPolicy:
         for key, score in self._score.items():
             self._push(score, key)
 
-    def admit(self, key: Hashable) -> None:
+    def miss(self, key: Hashable) -> None:
+        """Counts a use of an uncached key, so popularity is known before the key is ever admitted."""
         self._tick()
-        self._bump(key, self._history.pop(key, 0.0))
+        self._history[key] = self._history.get(key, 0.0) + 2.0 ** (self._clock / self.half_life)
+
+    def accepts(self, candidate: Hashable, victim: Hashable) -> bool:
+        """With admission control, a key displaces the victim only once it has been used at least as much
+        (aged): a one-off expert is streamed through instead of flushing a popular one (TinyLFU's idea)."""
+        return not self.admission or self._history.get(candidate, 0.0) >= self._score[victim]
+
+    def admit(self, key: Hashable) -> None:
+        if key in self._history:  # the use was counted by `miss`
+            score = self._history.pop(key)
+            self._score[key] = score
+            self._push(score, key)
+        else:
+            self._tick()
+            self._bump(key, 0.0)
 
     def touch(self, key: Hashable) -> None:
         self._tick()
@@ -123,7 +146,16 @@ class FrequencyPolicy:
         return found
 
 
-POLICIES = {"lru": LRUPolicy, "freq": FrequencyPolicy}
+class AdmittingFrequencyPolicy(FrequencyPolicy):
+    """`FrequencyPolicy` with admission control."""
+
+    name = "freq-admit"
+
+    def __init__(self, half_life: int = 4096) -> None:
+        super().__init__(half_life, admission=True)
+
+
+POLICIES = {"lru": LRUPolicy, "freq": FrequencyPolicy, "freq-admit": AdmittingFrequencyPolicy}
 
 
 def make_policy(name: str) -> CachePolicy:

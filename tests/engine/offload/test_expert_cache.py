@@ -95,8 +95,12 @@ class _ScanFrequency:
         self.clock += 1
         self.score[key] = base + 2.0 ** (self.clock / self.half_life)
 
+    def miss(self, key):
+        self.clock += 1
+        self.history[key] = self.history.get(key, 0.0) + 2.0 ** (self.clock / self.half_life)
+
     def admit(self, key):
-        self._use(key, self.history.pop(key, 0.0))
+        self.score[key] = self.history.pop(key)
 
     def touch(self, key):
         self._use(key, self.score[key])
@@ -121,6 +125,7 @@ def test_frequency_heap_picks_the_same_victims_as_a_full_scan(half_life):
         if key in cached:
             fast.touch(key), slow.touch(key)
         elif len(cached) < 12:
+            fast.miss(key), slow.miss(key)
             fast.admit(key), slow.admit(key)
             cached.add(key)
         else:
@@ -130,3 +135,23 @@ def test_frequency_heap_picks_the_same_victims_as_a_full_scan(half_life):
             fast.remove(victim), slow.remove(victim)
             cached.discard(victim)
     assert len(fast._heap) <= 4 * len(cached) + 64  # stale entries are compacted away
+
+
+def test_admission_control_streams_one_offs_and_admits_keys_that_keep_coming():
+    cache = ExpertCache(2, make_policy("freq-admit"))
+    for key in ("hot1", "hot2"):
+        cache.begin_step([key])
+        cache.lookup(key)
+        cache.admit(key)
+    for _ in range(3):
+        for key in ("hot1", "hot2"):
+            cache.lookup(key)
+    cache.begin_step(["once"])
+    assert cache.lookup("once") is None and cache.admit("once") is None  # one use < the victim's four
+    assert set(cache.slot_of) == {"hot1", "hot2"} and cache.counters.rejected == 1
+    admitted = None
+    for _ in range(6):  # "new" keeps being asked for: its count overtakes the colder hot key's
+        cache.begin_step(["new"])
+        if cache.lookup("new") is None:
+            admitted = cache.admit("new")
+    assert admitted is not None and "new" in cache.slot_of

@@ -25,7 +25,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("slots", [0, 3, 9])
-@pytest.mark.parametrize("policy", ["freq", "lru"])
+@pytest.mark.parametrize("policy", ["freq", "lru", "freq-admit"])
 def test_greedy_tokens_equal_the_resident_run(checkpoint, slots, policy):
     path, resident, expected = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
