@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from freetoken.engine.formats import gguf_model
@@ -16,7 +18,17 @@ from freetoken.engine.formats.gguf_file import GGUFFile
 from freetoken.engine.models import family_for
 from freetoken.errors import ModelLoadError
 
-TensorItems = Iterator[tuple[str, Callable[[], torch.Tensor]]]
+TensorItems = Iterator[tuple[str, Callable[[], "torch.Tensor | RawTensor"]]]
+_DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclass(slots=True, frozen=True)
+class RawTensor:
+    """A tensor's bytes in its GGUF block format, not dequantized (kept so for offloaded experts)."""
+
+    data: np.ndarray  # uint8, read-only view of the file mapping
+    type_name: str
+    shape: tuple[int, ...]
 
 
 class HFCheckpoint:
@@ -54,7 +66,8 @@ class HFCheckpoint:
             raise ModelLoadError(f"{self.root}: no *.safetensors weights found")
         return {name: f for f in files for name in _open_safetensors(f).keys()}
 
-    def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device) -> TensorItems:
+    def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device,
+                raw_experts: bool = False) -> TensorItems:
         by_file: dict[Path, list[str]] = {}
         for name, f in self.shards.items():
             by_file.setdefault(f, []).append(name)
@@ -97,10 +110,21 @@ class GGUFCheckpoint:
         family_for(self.config["model_type"])
         self.arch = self.file.metadata["general.architecture"]
 
-    def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device) -> TensorItems:
+    def experts_quantized(self) -> bool:
+        """Whether every stacked routed-expert tensor is in a block format (so it can stay quantized)."""
+        infos = [i for n, i in self.file.tensors.items() if n.endswith("_exps.weight")]
+        return bool(infos) and all(i.type_name not in _DENSE_TYPES for i in infos)
+
+    def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device,
+                raw_experts: bool = False) -> TensorItems:
+        """With `raw_experts`, stacked routed experts come as `RawTensor`s instead of dequantized tensors."""
         for gname in self.file.tensors:
             name = gguf_model.hf_name(gname, model_type)
             if name is None:
+                continue
+            if raw_experts and gname.endswith("_exps.weight"):
+                info = self.file.tensors[gname]
+                yield name, lambda g=gname, i=info: RawTensor(self.file.raw(g), i.type_name, i.shape)
                 continue
 
             def load(g=gname) -> torch.Tensor:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
 import torch
 from torch import nn
 
+from freetoken.engine.checkpoints import RawTensor
 from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.models.moe import ExpertNaming
+from freetoken.engine.offload.quantized import QuantizedExperts
 from freetoken.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ class WeightPlacer:
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
         self.expert_parts: dict[tuple[int, str], set[int]] = {}
         self.unexpected: list[str] = []
+        self.quantized: dict[int, dict[str, tuple[torch.Tensor, str, tuple[int, int]]]] = {}
 
     def place(self, name: str, load) -> None:
         """`load` is called only for tensors we keep."""
@@ -43,7 +47,11 @@ class WeightPlacer:
             self.filled.add(name)
         elif (m := _STACKED.fullmatch(name)) and self.spec is not None:
             layer, proj = int(m.group(1)), m.group(2)
-            self._copy(name, self._expert_slot(layer, proj), load())
+            value = load()
+            if isinstance(value, RawTensor):
+                self._keep_quantized(name, layer, proj, value)
+            else:
+                self._copy(name, self._expert_slot(layer, proj), value)
             self.expert_parts[(layer, proj)] = set(range(self.spec.num_experts))
         elif self.naming is not None and (hit := self.naming.match(name)) and self.spec is not None:
             layer, expert, proj = hit
@@ -63,6 +71,27 @@ class WeightPlacer:
             slots[proj] = self._expert_tensor(shape)
         return slots[proj]
 
+    def _keep_quantized(self, name: str, layer: int, proj: str, raw: RawTensor) -> None:
+        spec = self.spec
+        h, i = spec.hidden_size, spec.expert_intermediate_size
+        shape = (h, i) if proj == "down_proj" else (i, h)
+        if tuple(raw.shape) != (spec.num_experts, *shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(raw.shape)}, the config implies "
+                                 f"{(spec.num_experts, *shape)}; the checkpoint and its metadata disagree")
+        per_expert = raw.data.size // spec.num_experts
+        dest = self._host_bytes((spec.num_experts, per_expert))
+        dest.copy_(torch.from_numpy(np.asarray(raw.data).reshape(spec.num_experts, per_expert)))
+        self.quantized.setdefault(layer, {})[proj] = (dest, raw.type_name, shape)
+
+    def _host_bytes(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.pin_experts:
+            try:
+                return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as e:
+                log.warning("cannot pin host memory for experts (%s); using pageable memory", e)
+                self.pin_experts = False
+        return torch.empty(shape, dtype=torch.uint8)
+
     def _expert_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.pin_experts:
             try:
@@ -80,7 +109,7 @@ class WeightPlacer:
         with torch.no_grad():
             dest.copy_(src)
 
-    def finish(self) -> dict[int, LayerExperts] | None:
+    def finish(self) -> dict[int, LayerExperts | QuantizedExperts] | None:
         """Checks completeness; returns each MoE layer's stacked experts (None for a dense model)."""
         missing = sorted(set(self.params) - self.filled)
         if missing:
@@ -96,4 +125,11 @@ class WeightPlacer:
                 if len(got) != self.spec.num_experts:
                     raise ModelLoadError(f"checkpoint lacks routed experts of layer {layer} ({proj}: "
                                          f"{len(got)} of {self.spec.num_experts}); the files are incomplete")
-        return {layer: LayerExperts(**parts) for layer, parts in self.experts.items()}
+        layers: dict[int, LayerExperts | QuantizedExperts] = {
+            layer: LayerExperts(**parts) for layer, parts in self.experts.items()}
+        for layer, parts in self.quantized.items():
+            if len(parts) != 3 or layer in layers:
+                raise ModelLoadError(f"layer {layer} mixes quantized and dense routed experts; not supported")
+            layers[layer] = QuantizedExperts({p: v[0] for p, v in parts.items()},
+                                             {p: v[1] for p, v in parts.items()}, {p: v[2] for p, v in parts.items()})
+        return layers

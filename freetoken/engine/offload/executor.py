@@ -23,8 +23,15 @@ import torch
 from freetoken.engine.experts import ExpertGroup, LayerExperts, group_by_expert, run_groups
 from freetoken.engine.offload.expert_cache import ExpertCache
 from freetoken.engine.offload.policy import make_policy
+from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 
 log = logging.getLogger(__name__)
+
+
+def _expert_shapes(layer: LayerExperts | QuantizedExperts) -> dict[str, tuple[int, int]]:
+    if isinstance(layer, QuantizedExperts):
+        return dict(layer.shapes)
+    return {p: tuple(getattr(layer, p).shape[1:]) for p in PROJECTIONS}
 
 
 class OffloadedExpertExecutor:
@@ -32,24 +39,28 @@ class OffloadedExpertExecutor:
 
     MISS_PATHS = ("copy", "cpu")
 
-    def __init__(self, host: dict[int, LayerExperts], device: torch.device, num_slots: int,
-                 policy: str = "freq", miss_path: str = "copy"):
+    def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, num_slots: int,
+                 policy: str = "freq", miss_path: str = "copy", dtype: torch.dtype | None = None):
         if miss_path not in self.MISS_PATHS:
             raise ValueError(f"miss_path must be one of {self.MISS_PATHS}, got {miss_path!r}")
         first = next(iter(host.values()))
         self.host, self.device, self.miss_path = host, torch.device(device), miss_path
         self.num_experts = first.num_experts
+        self.dtype = dtype or first.gate_proj.dtype
+        self.shapes = _expert_shapes(first)
         self.cache = ExpertCache(num_slots, make_policy(policy))
-        self.slots = self._allocate(num_slots, first)
-        self.staging = self._allocate(1, first)
-        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in (first.gate_proj, first.up_proj,
-                                                                           first.down_proj))
+        self.slots = self._allocate(num_slots)
+        self.staging = self._allocate(1)
+        if isinstance(first, QuantizedExperts):  # raw bytes land here before being dequantized into a slot
+            self.raw_staging = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=self.device)
+                                for p in PROJECTIONS}
+            self.expert_bytes = first.expert_nbytes()
+        else:
+            self.expert_bytes = sum(first.weights_of(0)[i].numel() for i in range(3)) * self.dtype.itemsize
 
-    def _allocate(self, n: int, like: LayerExperts) -> LayerExperts:
-        def buf(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=self.device)
-
-        return LayerExperts(buf(like.gate_proj), buf(like.up_proj), buf(like.down_proj))
+    def _allocate(self, n: int) -> LayerExperts:
+        return LayerExperts(*(torch.empty((n, *self.shapes[p]), dtype=self.dtype, device=self.device)
+                              for p in PROJECTIONS))
 
     @property
     def counters(self):
@@ -81,7 +92,9 @@ class OffloadedExpertExecutor:
         host = self.host[layer]
         cpu_groups = [ExpertGroup(g.expert, g.tokens.cpu(), g.weights.cpu()) for g in groups]
         self.cache.counters.cpu_experts += len(groups)
-        return run_groups(hidden.to("cpu"), cpu_groups, host.weights_of).to(hidden.device)
+        weights_of = host.weights_of if isinstance(host, LayerExperts) else \
+            (lambda e: host.weights_of(e, self.dtype))
+        return run_groups(hidden.to("cpu"), cpu_groups, weights_of).to(hidden.device)
 
     def _slot_for(self, layer: int, expert: int) -> int | None:
         slot = self.cache.lookup((layer, expert))
@@ -96,16 +109,21 @@ class OffloadedExpertExecutor:
 
     def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
         src = self.host[layer]
-        for d, s in zip(dest.weights_of(slot), src.weights_of(expert), strict=True):
-            d.copy_(s, non_blocking=True)  # pinned host memory → asynchronous DMA on the compute stream
+        if isinstance(src, QuantizedExperts):
+            for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
+                raw = self.raw_staging[p]
+                raw.copy_(src.raw[p][expert], non_blocking=True)  # only the block-format bytes cross the link
+                d.copy_(src.dequantized(expert, p, self.dtype, raw))
+        else:
+            for d, s in zip(dest.weights_of(slot), src.weights_of(expert), strict=True):
+                d.copy_(s, non_blocking=True)  # pinned host memory → asynchronous DMA on the compute stream
         self.cache.counters.bytes_copied += self.expert_bytes
 
     def resize(self, num_slots: int) -> None:
         """Changes the number of device slots while serving: shrinking evicts the coldest experts, growing keeps
         every cached one. Weights are never reloaded: survivors are moved between slots on the device."""
         moves = self.cache.resize(num_slots)
-        first = next(iter(self.host.values()))
-        new = self._allocate(num_slots, first)
+        new = self._allocate(num_slots)
         moved_from = {new_slot: old for _, old, new_slot in moves}
         for new_slot in self.cache.slot_of.values():
             old = moved_from.get(new_slot, new_slot)

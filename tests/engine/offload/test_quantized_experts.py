@@ -1,0 +1,44 @@
+"""Offloaded GGUF experts stay in their block format in host memory: fewer bytes per miss, same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.generator import Generator
+from freetoken.engine.loader import load_model
+from freetoken.engine.offload.quantized import QuantizedExperts
+from freetoken.engine.sampling import SamplingParams
+from support.checkpoints import PARITY_CASES, prompt_ids, write_gguf_from_hf, write_hf_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("miss_path", ["copy", "cpu"])
+def test_quantized_host_experts_give_the_resident_tokens_with_fewer_bytes(family, miss_path, tmp_path):
+    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES[family])
+    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    resident = load_model(gguf, progress=False)
+    expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
+    spec = resident.moe_spec
+    lm = load_model(gguf, progress=False, expert_cache=3 * spec.bytes_per_expert(torch.float32))
+    lm.experts.miss_path = miss_path
+    host = next(iter(lm.experts.host.values()))
+    assert isinstance(host, QuantizedExperts) and host.type_names["gate_proj"] == "Q8_0"
+    assert lm.experts.expert_bytes == spec.bytes_per_expert("Q8_0") < spec.bytes_per_expert(torch.float32) / 3
+    torch.testing.assert_close(lm.prefill_logits(prompt_ids()), resident.prefill_logits(prompt_ids()),
+                               atol=1e-5, rtol=0)
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    c = lm.experts.counters
+    if miss_path == "copy":
+        assert c.bytes_copied == c.misses * spec.bytes_per_expert("Q8_0") and c.evictions > 0
+    else:
+        assert c.cpu_experts == c.misses and c.bytes_copied == 0
+
+
+def test_dense_gguf_experts_are_kept_dense(tmp_path):
+    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["mixtral"])
+    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="F16")
+    lm = load_model(gguf, progress=False, expert_cache=0)
+    assert not isinstance(next(iter(lm.experts.host.values())), QuantizedExperts)
