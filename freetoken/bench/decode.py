@@ -25,6 +25,7 @@ from freetoken.bench.synthetic import SHAPES, build_synthetic
 from freetoken.engine.experts import LayerExperts, ResidentExpertExecutor
 from freetoken.engine.loader import attach_experts, build_executor
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
+from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.units import parse_bytes
 
 
@@ -113,7 +114,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     bw = h2d_bandwidth(device)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
-                         skew=a.skew)
+                         skew=a.skew, expert_format=a.expert_format)
     host, spec = lm.experts.host, lm.moe_spec
     per_expert = spec.bytes_per_expert(dtype)
     rows, reference = [], None
@@ -123,7 +124,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
         policies = a.policies if strategy == "copy" else a.policies[:1]
         for budget, policy in ((b, p) for b in budgets for p in policies):
             if strategy.startswith("resident"):
-                executor = ResidentExpertExecutor({layer: _on_device(le, device) for layer, le in host.items()})
+                executor = ResidentExpertExecutor({layer: _on_device(le, device, dtype) for layer, le in host.items()})
             else:
                 executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, strategy)
             attach_experts(lm.model, executor)
@@ -144,8 +145,15 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
     return rows, bw
 
 
-def _on_device(le: LayerExperts, device: torch.device) -> LayerExperts:
-    return LayerExperts(le.gate_proj.to(device), le.up_proj.to(device), le.down_proj.to(device))
+def _on_device(le: LayerExperts | QuantizedExperts, device: torch.device, dtype: torch.dtype) -> LayerExperts:
+    """Every expert of a layer, dense on the device (quantized ones dequantized there)."""
+    if isinstance(le, LayerExperts):
+        return LayerExperts(le.gate_proj.to(device), le.up_proj.to(device), le.down_proj.to(device))
+    stacks = []
+    for p in PROJECTIONS:
+        raw = le.raw[p].to(device)
+        stacks.append(torch.stack([le.dequantized(e, p, dtype, raw[e]) for e in range(le.num_experts)]))
+    return LayerExperts(*stacks)
 
 
 def _row(strategy, budget, tok_s, before, after, tokens, per_expert, bw) -> Row:
@@ -174,7 +182,8 @@ def render(rows: list[Row], a: argparse.Namespace, bw: float | None) -> str:
     device = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "CPU"
     cfg = SHAPES[a.shape]
     lines = [
-        f"# Decode, synthetic {a.shape} ({a.layers or cfg['num_hidden_layers']} layers), {a.dtype}, {device}",
+        f"# Decode, synthetic {a.shape} ({a.layers or cfg['num_hidden_layers']} layers), {a.dtype}"
+        f"{', Q8_0 experts in host memory' if a.expert_format == 'Q8_0' else ''}, {device}",
         "",
         f"- date: {dt.date.today().isoformat()}; torch {torch.__version__}; commit: {a.commit}",
         f"- command: `{shlex.join(['ft', 'bench', 'decode', *a.argv])}`",
@@ -204,6 +213,8 @@ def main(argv: list[str]) -> int:
                    help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu")
     p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"],
+                   help="host-memory format of the experts (dense = --dtype)")
     p.add_argument("--skew", type=float, default=0.0,
                    help="Zipf exponent of expert popularity (0: near-uniform routing, the pessimistic case)")
     p.add_argument("--commit", default="unknown", help="commit hash to record in the result")

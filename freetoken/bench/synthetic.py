@@ -15,6 +15,7 @@ import torch
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.loader import LoadedModel, attach_experts, build_executor, empty_model, resolve_device
 from freetoken.engine.models import family_for
+from freetoken.engine.offload.quantized import QuantizedExperts
 
 SHAPES: dict[str, dict] = {
     "qwen3-30b-a3b": dict(
@@ -80,10 +81,12 @@ def _skew_router_(model, exponent: float, gen: torch.Generator) -> None:
 
 def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                     expert_cache: int | None = None, policy: str = "freq", miss_path: str = "copy",
-                    layers: int | None = None, seed: int = 0, skew: float = 0.0) -> LoadedModel:
+                    layers: int | None = None, seed: int = 0, skew: float = 0.0,
+                    expert_format: str = "dense") -> LoadedModel:
     """A seeded random model of `shape`; experts resident on `device`, or in host memory (pinned on CUDA)
     behind an expert cache of `expert_cache` bytes. `skew` > 0 makes expert popularity Zipf-like (see
-    `_skew_router_`); 0 routes near-uniformly, the pessimistic case for a cache."""
+    `_skew_router_`); 0 routes near-uniformly, the pessimistic case for a cache. `expert_format` "Q8_0" keeps
+    offloaded experts as random Q8_0 blocks in host memory (as a Q8_0 GGUF would load)."""
     device = resolve_device(device)
     cfg = synthetic_config(shape, layers)
     family = family_for(cfg["model_type"])
@@ -103,8 +106,15 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
         if skew:
             _skew_router_(model, skew, gen)
     offload = expert_cache is not None
-    host = host_experts(spec, dtype, torch.device("cpu") if offload else device,
-                        pin=offload and device.type == "cuda", seed=seed + 1)
+    if expert_format not in ("dense", "Q8_0"):
+        raise ValueError(f"expert_format must be 'dense' or 'Q8_0', got {expert_format!r}")
+    if expert_format == "Q8_0" and not offload:
+        raise ValueError("Q8_0 experts are a host-memory format: give an expert_cache")
+    if expert_format == "Q8_0":
+        host = q8_0_host_experts(spec, pin=device.type == "cuda", seed=seed + 1)
+    else:
+        host = host_experts(spec, dtype, torch.device("cpu") if offload else device,
+                            pin=offload and device.type == "cuda", seed=seed + 1)
     experts = build_executor(host, spec, dtype, device, expert_cache, policy, miss_path)
     attach_experts(model, experts)
     model.eval()
@@ -122,4 +132,25 @@ def host_experts(spec, dtype: torch.dtype, device: torch.device, pin: bool, seed
         for t, std in zip(tensors, (0.02, 0.02, 0.02 / math.sqrt(2 * len(spec.moe_layers))), strict=True):
             _fill_(t, std, gen)  # the expert down projection writes into the residual stream too
         layers[layer] = LayerExperts(*tensors)
+    return layers
+
+
+def q8_0_host_experts(spec, pin: bool, seed: int) -> dict[int, QuantizedExperts]:
+    """Random Q8_0 blocks (fp16 scale + 32 int8 weights), scaled like the dense experts; built in place."""
+    gen = torch.Generator().manual_seed(seed)
+    h, i, e = spec.hidden_size, spec.expert_intermediate_size, spec.num_experts
+    shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    stds = {"gate_proj": 0.02, "up_proj": 0.02, "down_proj": 0.02 / math.sqrt(2 * len(spec.moe_layers))}
+    layers = {}
+    for layer in spec.moe_layers:
+        raw = {}
+        for p, (out, inp) in shapes.items():
+            blocks = out * inp // 32
+            data = torch.empty((e, blocks, 34), dtype=torch.uint8, pin_memory=pin)
+            data.random_(0, 256, generator=gen)
+            # int8 uniform in [-128, 127] has std ≈ 74; the scale maps that onto the target std
+            scale = torch.tensor([stds[p] / 74.0], dtype=torch.float16).view(torch.uint8)
+            data[:, :, :2] = scale
+            raw[p] = data.view(e, blocks * 34)
+        layers[layer] = QuantizedExperts(raw, dict.fromkeys(shapes, "Q8_0"), shapes)
     return layers

@@ -76,3 +76,21 @@ def test_cache_replay_counts_decode_hits_of_a_recorded_trace():
     assert replay(prefill, decode, total, "lru") == 1.0  # the prefill touched every expert: all decode hits
     rates = [replay(prefill, decode, total // 4, policy) for policy in ("lru", "freq", "freq-admit")]
     assert all(0.0 < r < 1.0 for r in rates)
+
+
+def test_bench_decode_with_q8_0_host_experts_is_lossless_and_moves_q8_0_bytes(tmp_path):
+    out = tmp_path / "d1.md"
+    argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--context", "48", "--tokens", "4",
+            "--budgets", "0", "--strategies", "resident,copy,cpu", "--expert-format", "Q8_0", "--out", str(out)]
+    assert main(argv) == 0
+    table = out.read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 3 and all(r.rstrip(" |").endswith("yes") for r in rows)
+    assert "Q8_0 experts in host memory" in table
+
+
+def test_q8_0_synthetic_experts_dequantize_to_the_intended_scale():
+    lm = build_synthetic("tiny-moe", dtype=torch.float32, expert_cache=0, expert_format="Q8_0")
+    host = next(iter(lm.experts.host.values()))
+    gate = host.dequantized(0, "gate_proj", torch.float32)
+    assert gate.shape == (64, 128) and 0.015 < gate.std().item() < 0.025
