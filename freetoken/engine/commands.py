@@ -12,6 +12,7 @@ import sys
 import torch
 
 from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.stats import snapshot
 from freetoken.errors import FreeTokenError
 from freetoken.units import parse_bytes
 
@@ -89,11 +90,11 @@ def generate(argv: list[str]) -> int:
     print()
     if a.stats and last.timings:
         _print_stats(last)
-        counters = getattr(lm.experts, "counters", None)
-        if counters is not None:
-            print(f"freetoken: expert cache hit rate {counters.hit_rate:.1%} ({counters.hits} hits, "
-                  f"{counters.misses} misses, {counters.evictions} evictions, "
-                  f"{counters.bytes_copied / 2**20:.1f} MiB copied)", file=sys.stderr)
+        ex = snapshot(lm).experts
+        if ex.mode == "offloaded":
+            print(f"freetoken: expert cache {ex.cached}/{ex.slots} slots, hit rate {ex.hit_rate:.1%} ({ex.hits} hits, "
+                  f"{ex.misses} misses, {ex.evictions} evictions, {ex.bytes_copied / 2**20:.1f} MiB copied)",
+                  file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,68 @@
+"""One read-only snapshot of what the engine is doing: expert cache and KV pages. The dashboard, `/v1/stats`
+and the benchmarks read this rather than reaching into executors and caches themselves."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from freetoken.engine.kv_cache import PagedKVCache
+from freetoken.engine.offload.executor import OffloadedExpertExecutor
+
+
+@dataclass(slots=True, frozen=True)
+class ExpertStats:
+    mode: str  # "resident", "offloaded" or "none" (dense model)
+    slots: int = 0
+    cached: int = 0
+    total_experts: int = 0
+    slot_bytes: int = 0  # device bytes one slot takes
+    host_bytes_per_expert: int = 0  # bytes one miss moves
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    rejected: int = 0
+    cpu_experts: int = 0
+    bytes_copied: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class KVStats:
+    page_size: int
+    pages_total: int
+    pages_free: int
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    device: str
+    dtype: str
+    experts: ExpertStats
+    kv: KVStats | None
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["experts"]["hit_rate"] = self.experts.hit_rate
+        return d
+
+
+def snapshot(lm, cache: PagedKVCache | None = None) -> EngineStats:
+    spec, ex = lm.moe_spec, lm.experts
+    if spec is None:
+        experts = ExpertStats("none")
+    elif isinstance(ex, OffloadedExpertExecutor):
+        c = ex.counters
+        slot_bytes = spec.bytes_per_expert(ex.dtype)
+        experts = ExpertStats("offloaded", ex.cache.capacity, len(ex.cache.slot_of), spec.total_routed_experts,
+                              slot_bytes, ex.expert_bytes, c.hits, c.misses, c.evictions, c.rejected, c.cpu_experts,
+                              c.bytes_copied)
+    else:
+        total = spec.total_routed_experts
+        experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype))
+    kv = None
+    if cache is not None:
+        kv = KVStats(cache.page_size, cache.allocator.num_pages, cache.allocator.num_free)
+    return EngineStats(str(lm.device), str(lm.dtype).removeprefix("torch."), experts, kv)
