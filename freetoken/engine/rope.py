@@ -46,7 +46,7 @@ class RopeConfig:
 def inverse_frequencies(rc: RopeConfig) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [D/2] float32 on the CPU, attention scaling applied to cos/sin).
 
-    Computed on the CPU explicitly: models are built on the meta device, where these would be placeholders."""
+    Computed on the CPU explicitly: models are built on the meta device, where these would hold no values."""
     dim = rc.head_dim
     base_inv = 1.0 / (rc.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     p = rc.params

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import re
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -79,27 +78,19 @@ class WeightPlacer:
             raise ModelLoadError(f"tensor {name} has shape {tuple(raw.shape)}, the config implies "
                                  f"{(spec.num_experts, *shape)}; the checkpoint and its metadata disagree")
         per_expert = raw.data.size // spec.num_experts
-        dest = self._host_bytes((spec.num_experts, per_expert))
-        dest.copy_(torch.from_numpy(np.asarray(raw.data).reshape(spec.num_experts, per_expert)))
+        dest = self._expert_tensor((spec.num_experts, per_expert), torch.uint8)
+        dest.numpy()[:] = raw.data.reshape(spec.num_experts, per_expert)  # the one copy out of the file mapping
         self.quantized.setdefault(layer, {})[proj] = (dest, raw.type_name, shape)
 
-    def _host_bytes(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def _expert_tensor(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
         if self.pin_experts:
             try:
-                return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError as e:
-                log.warning("cannot pin host memory for experts (%s); using pageable memory", e)
-                self.pin_experts = False
-        return torch.empty(shape, dtype=torch.uint8)
-
-    def _expert_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.pin_experts:
-            try:
-                return torch.empty(shape, dtype=self.dtype, pin_memory=True)
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
             except RuntimeError as e:  # e.g. the locked-memory limit: still correct, only copies get slower
                 log.warning("cannot pin host memory for experts (%s); using pageable memory", e)
                 self.pin_experts = False
-        return torch.empty(shape, dtype=self.dtype, device=self.expert_device)
+        return torch.empty(shape, dtype=dtype, device=self.expert_device)
 
     @staticmethod
     def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
