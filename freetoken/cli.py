@@ -18,6 +18,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("freetoken.engine.commands", "complete one prompt and print the completion"),
     "chat": ("freetoken.engine.commands", "interactive chat with streaming output"),
     "info": ("freetoken.engine.commands", "describe a model: architecture, parameters, experts"),
+    "calibrate": ("freetoken.engine.offload.calibrate", "measure PCIe, DRAM and expert throughput; store a profile"),
     "bench": ("freetoken.bench.cli", "benchmarks on synthetic real-shape models (ft bench decode)"),
 }
 
