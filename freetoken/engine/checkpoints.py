@@ -15,10 +15,12 @@ import torch
 
 from freetoken.engine.formats import gguf_model
 from freetoken.engine.formats.gguf_file import GGUFFile
+from freetoken.engine.formats.safetensors_file import SafetensorsFile
 from freetoken.engine.models import family_for
 from freetoken.errors import ModelLoadError
 
-TensorItems = Iterator[tuple[str, Callable[[], "torch.Tensor | RawTensor"]]]
+# (HF name, load): `load(into)` returns the tensor, read straight into `into` where the format allows.
+TensorItems = Iterator[tuple[str, Callable[..., "torch.Tensor | RawTensor"]]]
 _DENSE_TYPES = ("F32", "F16", "BF16")
 
 
@@ -72,9 +74,9 @@ class HFCheckpoint:
         for name, f in self.shards.items():
             by_file.setdefault(f, []).append(name)
         for f, names in by_file.items():
-            handle = _open_safetensors(f)
+            reader = _open_safetensors(f)
             for name in names:
-                yield name, lambda h=handle, n=name, f=f: _read(h, n, f)
+                yield name, lambda into=None, r=reader, n=name: r.read(n, into)
 
     def tokenizer(self):
         from freetoken.engine.tokenizer import Tokenizer
@@ -82,22 +84,8 @@ class HFCheckpoint:
         return Tokenizer.from_hf_dir(self.root)
 
 
-def _open_safetensors(path: Path):
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise ModelLoadError(f"{path}: truncated or not a safetensors file ({e}); re-download it") from None
-
-
-def _read(handle, name: str, path: Path) -> torch.Tensor:
-    from safetensors import SafetensorError
-
-    try:
-        return handle.get_tensor(name)
-    except (SafetensorError, OSError) as e:
-        raise ModelLoadError(f"{path}: cannot read tensor {name} ({e}); the file may be truncated") from None
+def _open_safetensors(path: Path) -> SafetensorsFile:
+    return SafetensorsFile(path)
 
 
 class GGUFCheckpoint:
@@ -124,10 +112,10 @@ class GGUFCheckpoint:
                 continue
             if raw_experts and gname.endswith("_exps.weight"):
                 info = self.file.tensors[gname]
-                yield name, lambda g=gname, i=info: RawTensor(self.file.raw(g), i.type_name, i.shape)
+                yield name, lambda into=None, g=gname, i=info: RawTensor(self.file.raw(g), i.type_name, i.shape)
                 continue
 
-            def load(g=gname) -> torch.Tensor:
+            def load(into=None, g=gname) -> torch.Tensor:  # GGUF data is dequantized: never read in place
                 t = self.file.load(g, dtype=torch.float32 if dtype == torch.float32 else dtype, device=device)
                 return gguf_model.to_hf_layout(g, t, self.config, self.arch)
 

@@ -42,7 +42,7 @@ class WeightPlacer:
     def place(self, name: str, load) -> None:
         """`load` is called only for tensors we keep."""
         if name in self.params:
-            self._copy(name, self.params[name], load())
+            self._fill(name, self.params[name], load)
             self.filled.add(name)
         elif (m := _STACKED.fullmatch(name)) and self.spec is not None:
             layer, proj = int(m.group(1)), m.group(2)
@@ -54,7 +54,7 @@ class WeightPlacer:
             self.expert_parts[(layer, proj)] = set(range(self.spec.num_experts))
         elif self.naming is not None and (hit := self.naming.match(name)) and self.spec is not None:
             layer, expert, proj = hit
-            self._copy(name, self._expert_slot(layer, proj)[expert], load())
+            self._fill(name, self._expert_slot(layer, proj)[expert], load)
             self.expert_parts.setdefault((layer, proj), set()).add(expert)
         elif not _IGNORED.fullmatch(name):
             self.unexpected.append(name)
@@ -91,6 +91,12 @@ class WeightPlacer:
                 log.warning("cannot pin host memory for experts (%s); using pageable memory", e)
                 self.pin_experts = False
         return torch.empty(shape, dtype=dtype, device=self.expert_device)
+
+    def _fill(self, name: str, dest: torch.Tensor, load) -> None:
+        """Host destinations are read into directly (no intermediate copy); others go through a CPU tensor."""
+        value = load(dest) if dest.device.type == "cpu" else load()
+        if value is not dest:
+            self._copy(name, dest, value)
 
     @staticmethod
     def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:

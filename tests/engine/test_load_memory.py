@@ -1,0 +1,48 @@
+"""Loading keeps resident memory near the model's bytes: weights are read straight into their place, never
+mapped and copied (mapped file pages would count a second time)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from support.checkpoints import PARITY_CASES, VOCAB_SIZE, write_hf_checkpoint, write_tokenizer
+
+MEASURE = r"""
+import json, re, sys, torch
+from freetoken.engine.loader import load_model
+def rss():  # current resident set, bytes
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+load_model(sys.argv[3], progress=False, expert_cache=0)  # a tiny model first: lazy imports before the baseline
+before = rss()
+lm = load_model(sys.argv[1], progress=False, expert_cache=int(sys.argv[2]))
+# VmHWM is this process's own peak; ru_maxrss would also remember the forking parent's across exec
+with open("/proc/self/status") as f:
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+print(json.dumps({"before": before, "peak": peak, "after": rss()}))
+"""
+
+
+def test_peak_rss_while_loading_stays_near_the_model_bytes(tmp_path):
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB_SIZE, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, moe_intermediate_size=512, num_experts=32,
+                         num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    model_bytes = sum(f.stat().st_size for f in Path(tmp_path).glob("*.safetensors"))
+    tiny = tmp_path / "tiny"
+    write_hf_checkpoint(path=tiny, **PARITY_CASES["qwen3_moe"])
+    assert model_bytes > 190 * 2**20
+    for cache_bytes in (0, 64 * 2**20):  # experts in host memory; plus a 64 MiB "device" cache (the CPU here)
+        out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path), str(cache_bytes), str(tiny)],
+                             capture_output=True, text=True, check=True).stdout
+        m = json.loads(out.strip().splitlines()[-1])
+        grown = m["peak"] - m["before"]
+        assert grown < model_bytes + cache_bytes + 48 * 2**20, (m, model_bytes)
