@@ -28,9 +28,10 @@ _DENSE_TYPES = ("F32", "F16", "BF16")
 class RawTensor:
     """A tensor's bytes in its GGUF block format, not dequantized (kept so for offloaded experts)."""
 
-    data: np.ndarray  # uint8, read-only view of the file mapping
     type_name: str
     shape: tuple[int, ...]
+    n_bytes: int
+    read_into: Callable[[np.ndarray], np.ndarray]  # fills a uint8 array of n_bytes from the file
 
 
 class HFCheckpoint:
@@ -112,7 +113,8 @@ class GGUFCheckpoint:
                 continue
             if raw_experts and gname.endswith("_exps.weight"):
                 info = self.file.tensors[gname]
-                yield name, lambda into=None, g=gname, i=info: RawTensor(self.file.raw(g), i.type_name, i.shape)
+                yield name, lambda into=None, g=gname, i=info: RawTensor(
+                    i.type_name, i.shape, i.n_bytes, lambda out, g=g: self.file.read(g, out))
                 continue
 
             def load(into=None, g=gname) -> torch.Tensor:  # GGUF data is dequantized: never read in place

@@ -77,9 +77,9 @@ class WeightPlacer:
         if tuple(raw.shape) != (spec.num_experts, *shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(raw.shape)}, the config implies "
                                  f"{(spec.num_experts, *shape)}; the checkpoint and its metadata disagree")
-        per_expert = raw.data.size // spec.num_experts
+        per_expert = raw.n_bytes // spec.num_experts
         dest = self._expert_tensor((spec.num_experts, per_expert), torch.uint8)
-        dest.numpy()[:] = raw.data.reshape(spec.num_experts, per_expert)  # the one copy out of the file mapping
+        raw.read_into(dest.numpy())  # read from the file straight into (pinned) host memory
         self.quantized.setdefault(layer, {})[proj] = (dest, raw.type_name, shape)
 
     def _expert_tensor(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Loading keeps resident memory near the model's bytes: weights are read straight into their place, never
-mapped and copied (mapped file pages would count a second time)."""
+mapped and copied (mapped file pages would count a second time; reading this checkpoint through a memory map
+measured 2x its size)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from support.checkpoints import PARITY_CASES, VOCAB_SIZE, write_hf_checkpoint, write_tokenizer
+from support.checkpoints import PARITY_CASES, VOCAB_SIZE, write_gguf_from_hf, write_hf_checkpoint, write_tokenizer
 
 MEASURE = r"""
 import json, re, sys, torch
@@ -29,20 +31,44 @@ print(json.dumps({"before": before, "peak": peak, "after": rss()}))
 """
 
 
-def test_peak_rss_while_loading_stays_near_the_model_bytes(tmp_path):
+def _moe_checkpoint(path: Path) -> int:
+    """A qwen3_moe checkpoint with 192 MiB of fp32 routed experts; returns its weight bytes."""
     cfg = Qwen3MoeConfig(vocab_size=VOCAB_SIZE, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=64, moe_intermediate_size=512, num_experts=32,
                          num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512)
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path)
-    write_tokenizer(tmp_path)
-    model_bytes = sum(f.stat().st_size for f in Path(tmp_path).glob("*.safetensors"))
-    tiny = tmp_path / "tiny"
-    write_hf_checkpoint(path=tiny, **PARITY_CASES["qwen3_moe"])
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path, max_shard_size="100MB")  # sharded, with an index
+    write_tokenizer(path)
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _peak_growth(model: Path, cache_bytes: int, tiny: Path) -> int:
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(model), str(cache_bytes), str(tiny)],
+                         capture_output=True, text=True, check=True).stdout
+    m = json.loads(out.strip().splitlines()[-1])
+    return m["peak"] - m["before"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memory")
+    model_bytes = _moe_checkpoint(root / "hf")
+    write_hf_checkpoint(path=root / "tiny", **PARITY_CASES["qwen3_moe"])
+    return root, model_bytes
+
+
+def test_peak_rss_while_loading_safetensors_stays_near_the_model_bytes(checkpoints):
+    root, model_bytes = checkpoints
     assert model_bytes > 190 * 2**20
     for cache_bytes in (0, 64 * 2**20):  # experts in host memory; plus a 64 MiB "device" cache (the CPU here)
-        out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path), str(cache_bytes), str(tiny)],
-                             capture_output=True, text=True, check=True).stdout
-        m = json.loads(out.strip().splitlines()[-1])
-        grown = m["peak"] - m["before"]
-        assert grown < model_bytes + cache_bytes + 48 * 2**20, (m, model_bytes)
+        grown = _peak_growth(root / "hf", cache_bytes, root / "tiny")
+        assert grown < model_bytes + cache_bytes + 48 * 2**20, (grown, model_bytes)
+
+
+def test_peak_rss_while_loading_a_q8_0_gguf_stays_near_its_loaded_bytes(checkpoints):
+    root, model_bytes = checkpoints
+    gguf = write_gguf_from_hf(root / "hf", root / "m.gguf", tensor_type="Q8_0")
+    # Offloaded experts stay Q8_0 in host memory; the dense rest is dequantized to fp32 (a small part here).
+    loaded = gguf.stat().st_size + model_bytes // 20
+    grown = _peak_growth(gguf, 0, root / "tiny")
+    assert grown < loaded + 48 * 2**20, (grown, gguf.stat().st_size)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import struct
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,13 +210,32 @@ class GGUFFile:
         info = self._info(name)
         return self._mm[info.offset : info.offset + info.n_bytes]
 
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor's bytes read with plain file reads into `out` (uint8, n_bytes long) or a new array.
+
+        Loading goes through here rather than the mapping: mapped pages would count in the process's resident
+        memory a second time while the weights are copied to their place."""
+        info = self._info(name)
+        if out is None:
+            out = np.empty(info.n_bytes, dtype=np.uint8)
+        view = memoryview(out.reshape(-1))
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(info.offset)
+            got = 0
+            while got < info.n_bytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise GGUFError(f"{self.path}: truncated while reading tensor {name!r}")
+                got += n
+        return out
+
     def load(
         self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ) -> torch.Tensor:
         """The tensor dequantised to `dtype` on `device`, in torch shape order.
 
         Raw bytes move to `device` first so a GPU does the dequantisation; float types are converted with a
-        single copy out of the mapping.
+        single copy out of the file.
         """
         info = self._info(name)
         if info.type_name not in BLOCK_SIZES:
@@ -226,11 +244,8 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} has type {info.type_name}, which freetoken cannot load "
                 f"(supported: {supported})"
             )
-        mapped = _alias_tensor(self.raw(name))
-        on_device = mapped.to(device)
-        out = dequantize(on_device, info.type_name, info.n_elements, dtype)
-        if out.device.type == "cpu" and out.data_ptr() == mapped.data_ptr():
-            out = out.clone()
+        raw = torch.from_numpy(self.read(name))  # our own buffer: safe for dequantize to return a view of it
+        out = dequantize(raw.to(device), info.type_name, info.n_elements, dtype)
         return out.view(info.shape)
 
 
@@ -325,11 +340,3 @@ def _type_name(ggml_type: int) -> str | None:
     except ValueError:
         return None
     return qtype.name if qtype in GGML_QUANT_SIZES else None
-
-
-def _alias_tensor(view: np.ndarray) -> torch.Tensor:
-    """A uint8 CPU tensor over the mapped bytes, without copying them."""
-    with warnings.catch_warnings():
-        # torch warns that the array is read-only; callers only read it and `load` never returns it as is.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(view)
