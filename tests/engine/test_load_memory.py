@@ -43,9 +43,12 @@ def _moe_checkpoint(path: Path) -> int:
 
 
 def _peak_growth(model: Path, cache_bytes: int, tiny: Path) -> int:
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(model), str(cache_bytes), str(tiny)],
-                         capture_output=True, text=True, check=True).stdout
-    m = json.loads(out.strip().splitlines()[-1])
+    # cwd outside the source tree: `python -c` puts the cwd first on sys.path, which would shadow the installed
+    # package with the repository's (where kernels/ is not yet mapped into freetoken.kernels).
+    r = subprocess.run([sys.executable, "-c", MEASURE, str(model), str(cache_bytes), str(tiny)],
+                       capture_output=True, text=True, cwd=tiny)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
     return m["peak"] - m["before"]
 
 
