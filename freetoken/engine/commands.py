@@ -27,7 +27,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
                    help="activation/weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--expert-cache", default=None, metavar="SIZE",
-                   help="keep routed experts in host memory with a device cache of SIZE (e.g. 8GiB, 64MiB, 0); "
+                   help="keep routed experts in host memory with a device cache of SIZE (e.g. 8GiB, 64MiB, 0, "
+                        "or auto: what the device has left after dense weights, KV and activations); "
                         "default: all experts on the device")
     p.add_argument("--expert-policy", default="freq", choices=["freq", "freq-admit", "lru"],
                    help="expert-cache eviction policy (default: freq)")
@@ -60,7 +61,7 @@ def _device(name: str) -> str:
 def _load(a: argparse.Namespace):
     from freetoken.engine.loader import load_model
 
-    cache = None if a.expert_cache is None else parse_bytes(a.expert_cache)
+    cache = a.expert_cache if a.expert_cache in (None, "auto") else parse_bytes(a.expert_cache)
     return load_model(a.model, device=_device(a.device), dtype=_DTYPES[a.dtype], expert_cache=cache,
                       expert_policy=a.expert_policy)
 

@@ -23,6 +23,7 @@ from freetoken.engine.experts import ExpertExecutor, ResidentExpertExecutor
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.models import family_for
 from freetoken.engine.models.decoder import DecoderModel
+from freetoken.engine.offload.budget import resolve_auto
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.rope import RotaryEmbedding
 from freetoken.engine.sources import resolve_model_source
@@ -78,10 +79,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, progress: bool = True, expert_cache: int | None = None,
+               dtype: torch.dtype | None = None, progress: bool = True, expert_cache: int | str | None = None,
                expert_policy: str = "freq") -> LoadedModel:
     """Loads a model onto `device`. `expert_cache` (bytes) keeps routed experts in host memory with a cache
-    of that many bytes on the device; None keeps every expert resident on the device."""
+    of that many bytes on the device; "auto" sizes it from free device memory (resident when all fit); None
+    keeps every expert resident on the device."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     path = resolve_model_source(source)
@@ -93,6 +95,11 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
 
     start = time.perf_counter()
     model = empty_model(family, args, dtype, device)
+    if expert_cache == "auto" and spec is not None:
+        dense_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        expert_cache = resolve_auto(device, spec, args, dense_bytes, dtype)
+    elif expert_cache == "auto":
+        expert_cache = None
     offload = expert_cache is not None and spec is not None
     placer = WeightPlacer(model, getattr(family, "EXPERT_NAMING", None), spec, dtype, device,
                           expert_device=torch.device("cpu") if offload else None,

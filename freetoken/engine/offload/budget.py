@@ -1,0 +1,50 @@
+"""`--expert-cache auto`: how many bytes of routed experts the device can hold next to everything else.
+
+The device must first fit the dense weights, a KV reserve and room for activations; what is left goes to the
+expert cache. When every expert fits, nothing is offloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from freetoken.engine.config import MoESpec
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_RESERVE = 2 * 2**30  # prefill chunks of 2048 tokens, logits, allocator slack
+KV_RESERVE_TOKENS = 32768
+
+
+def auto_expert_cache(free_bytes: int, dense_bytes: int, kv_bytes: int, expert_bytes: int,
+                      activation_reserve: int = ACTIVATION_RESERVE) -> int | None:
+    """Expert-cache bytes for the free device memory, or None when every expert fits (keep them resident)."""
+    left = free_bytes - dense_bytes - kv_bytes - activation_reserve
+    if left >= expert_bytes:
+        return None
+    return max(left, 0)
+
+
+def kv_bytes_per_token(args, dtype: torch.dtype) -> int:
+    a = args.decoder.attention
+    return 2 * args.decoder.n_layers * a.n_kv_heads * a.head_dim * dtype.itemsize
+
+
+def resolve_auto(device: torch.device, spec: MoESpec, args, dense_bytes: int, dtype: torch.dtype) -> int | None:
+    """Applies `auto_expert_cache` to this device; the CPU's memory is the host's, so nothing is offloaded."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    tokens = min(KV_RESERVE_TOKENS, args.decoder.max_position_embeddings)
+    kv = tokens * kv_bytes_per_token(args, dtype)
+    experts = spec.total_routed_experts * spec.bytes_per_expert(dtype)
+    cache = auto_expert_cache(free, dense_bytes, kv, experts)
+    if cache is None:
+        log.info("expert cache auto: all %.1f GiB of experts fit on %s; keeping them resident", experts / 2**30, device)
+    else:
+        log.info("expert cache auto: %.1f GiB of %.1f GiB of experts on %s (free %.1f GiB, dense %.1f GiB, "
+                 "KV reserve %.1f GiB for %d tokens)", cache / 2**30, experts / 2**30, device, free / 2**30,
+                 dense_bytes / 2**30, kv / 2**30, tokens)
+    return cache

@@ -1,0 +1,27 @@
+"""`--expert-cache auto` sizing."""
+
+import torch
+
+from freetoken.engine.loader import load_model
+from freetoken.engine.offload.budget import auto_expert_cache, kv_bytes_per_token
+from support.checkpoints import PARITY_CASES, write_hf_checkpoint
+
+GiB = 2**30
+
+
+def test_what_is_left_after_dense_kv_and_activations_goes_to_experts():
+    # a 24 GiB card with 21 GiB free, 3 GiB of dense weights, 3 GiB of KV: 13 GiB of the 58 GiB of experts
+    assert auto_expert_cache(21 * GiB, 3 * GiB, 3 * GiB, 58 * GiB, activation_reserve=2 * GiB) == 13 * GiB
+
+
+def test_everything_fits_means_resident_and_too_little_means_zero():
+    assert auto_expert_cache(139 * GiB, 3 * GiB, 3 * GiB, 58 * GiB) is None
+    assert auto_expert_cache(4 * GiB, 3 * GiB, 3 * GiB, 58 * GiB) == 0
+
+
+def test_auto_on_the_cpu_keeps_experts_resident(tmp_path):
+    write_hf_checkpoint(path=tmp_path, **PARITY_CASES["qwen2_moe"])
+    lm = load_model(tmp_path, progress=False, expert_cache="auto")
+    assert type(lm.experts).__name__ == "ResidentExpertExecutor"
+    a = lm.args.decoder.attention
+    assert kv_bytes_per_token(lm.args, torch.bfloat16) == 2 * lm.args.decoder.n_layers * a.n_kv_heads * a.head_dim * 2
