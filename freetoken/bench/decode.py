@@ -116,7 +116,6 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
     host, spec = lm.experts.host, lm.moe_spec
-    per_expert = spec.bytes_per_expert(dtype)
     rows, reference = [], None
     for strategy in a.strategies:
         # The cpu path never admits into the cache yet, so only its budget-0 form (CPU-only) is meaningful.
@@ -134,7 +133,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
                                                         graphs=strategy == "resident-graphs")
             reference = reference or produced
             label = f"{strategy} ({policy})" if strategy == "copy" else strategy
-            rows.append(_row(label, budget, tok_s, before, after, a.tokens, per_expert, bw))
+            rows.append(_row(label, budget, tok_s, before, after, a.tokens, bw))
             rows[-1].same_tokens = produced == reference
             print(_format_row(rows[-1]), file=sys.stderr, flush=True)
             del executor
@@ -156,7 +155,7 @@ def _on_device(le: LayerExperts | QuantizedExperts, device: torch.device, dtype:
     return LayerExperts(*stacks)
 
 
-def _row(strategy, budget, tok_s, before, after, tokens, per_expert, bw) -> Row:
+def _row(strategy, budget, tok_s, before, after, tokens, bw) -> Row:
     if before is None:
         return Row(strategy, budget, tok_s)
     hits, misses = after.hits - before.hits, after.misses - before.misses

@@ -67,15 +67,16 @@ class HFCheckpoint:
         files = sorted(self.root.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{self.root}: no *.safetensors weights found")
-        return {name: f for f in files for name in _open_safetensors(f).keys()}
+        return {name: f for f in files for name in SafetensorsFile(f).keys()}
 
     def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device,
                 raw_experts: bool = False) -> TensorItems:
+        """Tensors in the checkpoint's own dtype (`raw_experts` has no meaning for safetensors: ignored)."""
         by_file: dict[Path, list[str]] = {}
         for name, f in self.shards.items():
             by_file.setdefault(f, []).append(name)
         for f, names in by_file.items():
-            reader = _open_safetensors(f)
+            reader = SafetensorsFile(f)
             for name in names:
                 yield name, lambda into=None, r=reader, n=name: r.read(n, into)
 
@@ -83,10 +84,6 @@ class HFCheckpoint:
         from freetoken.engine.tokenizer import Tokenizer
 
         return Tokenizer.from_hf_dir(self.root)
-
-
-def _open_safetensors(path: Path) -> SafetensorsFile:
-    return SafetensorsFile(path)
 
 
 class GGUFCheckpoint:
@@ -118,7 +115,7 @@ class GGUFCheckpoint:
                 continue
 
             def load(into=None, g=gname) -> torch.Tensor:  # GGUF data is dequantized: never read in place
-                t = self.file.load(g, dtype=torch.float32 if dtype == torch.float32 else dtype, device=device)
+                t = self.file.load(g, dtype=dtype, device=device)
                 return gguf_model.to_hf_layout(g, t, self.config, self.arch)
 
             yield name, load

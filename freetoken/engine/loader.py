@@ -95,11 +95,9 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
 
     start = time.perf_counter()
     model = empty_model(family, args, dtype, device)
-    if expert_cache == "auto" and spec is not None:
+    if expert_cache == "auto":  # dense models have nothing to offload
         dense_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-        expert_cache = resolve_auto(device, spec, args, dense_bytes, dtype)
-    elif expert_cache == "auto":
-        expert_cache = None
+        expert_cache = resolve_auto(device, spec, args, dense_bytes, dtype) if spec is not None else None
     offload = expert_cache is not None and spec is not None
     placer = WeightPlacer(model, getattr(family, "EXPERT_NAMING", None), spec, dtype, device,
                           expert_device=torch.device("cpu") if offload else None,
