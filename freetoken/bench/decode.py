@@ -1,11 +1,12 @@
 """`ft bench decode`: decode speed of a synthetic real-shape MoE model under each expert strategy, same run.
 
 Strategies: `resident` (every expert on the device: the upper bound), `resident-graphs` (the same, decode steps
-replayed as CUDA graphs), `copy` (fetch-on-demand into the expert
-cache of each --budgets size), `cpu` (misses computed on the host; with budget 0 the CPU-only baseline). The
-prompt is prefilled with the copy path for every strategy; only decode is timed. Each row reports tok/s, the
-decode hit rate, the bytes that crossed PCIe per token and the copy-path floor (miss bytes over the pinned
-host→device bandwidth measured at the start of the run).
+replayed as CUDA graphs), `copy` (fetch-on-demand into the expert cache of each --budgets size; at budget 0 the
+naive baseline), `cpu` (every miss computed on the host: the CPU-only baseline), `auto` (the product: the miss
+planner splits misses between copies and the CPU, overlapped). The prompt is prefilled with the copy path for
+every strategy; only decode is timed. Each row reports tok/s, the decode hit rate, the bytes each path moved per
+token and the physical floor: miss bytes over min(PCIe + CPU-kernel bandwidth, DRAM read bandwidth), all three
+measured at the start of the run (both miss paths read host DRAM; DESIGN.md §1).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from freetoken.bench.synthetic import SHAPES, build_synthetic
 from freetoken.engine.experts import LayerExperts, ResidentExpertExecutor
 from freetoken.engine.loader import attach_experts, build_executor
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
+from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.units import parse_bytes
 
@@ -36,9 +38,21 @@ class Row:
     tok_s: float
     hit_rate: float | None = None
     copied_gb_per_token: float = 0.0
-    cpu_experts_per_token: float = 0.0
+    cpu_gb_per_token: float = 0.0  # expert bytes the CPU read per token
     floor_tok_s: float | None = None
     same_tokens: bool | None = None  # greedy tokens equal the first strategy's (lossless check)
+
+
+@dataclass(slots=True, frozen=True)
+class Ceilings:
+    """Bandwidths measured at the start of the run, in GB/s."""
+
+    h2d: float | None  # pinned host → device
+    dram_read: float  # host DRAM, all cores
+    cpu_experts: float  # the CPU expert kernel at batch 1, weight bytes
+
+    def miss_gb_s(self) -> float:
+        return min((self.h2d or 0.0) + self.cpu_experts, self.dram_read)
 
 
 def _sync(device: torch.device) -> None:
@@ -60,6 +74,21 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
         _sync(device)
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def measure_ceilings(device: torch.device, expert_format: str, dtype: torch.dtype) -> Ceilings:
+    from freetoken.kernels.cpu_experts import bench as kernel_bench
+    from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, default_threads
+
+    # sized as the executor sizes it: one core left to the thread driving the GPU
+    kernel = CpuExpertKernel.get(threads=max(1, default_threads() - 1) if device.type == "cuda" else None)
+    fmt = "Q8_0" if expert_format == "Q8_0" else {torch.bfloat16: "BF16", torch.float32: "F32"}.get(dtype, "BF16")
+    if kernel is None:
+        return Ceilings(h2d_bandwidth(device), float("nan"), float("nan"))
+    gen = torch.Generator().manual_seed(0)
+    pool = 512 * 2**20 // (3 * kernel_bench.HIDDEN * kernel_bench.INTER) // 8 * 8
+    return Ceilings(h2d_bandwidth(device), kernel_bench.dram_read_gb_s(kernel),
+                    kernel_bench.expert_gb_s(kernel, fmt, 1, pool, "kernel", gen))
 
 
 def run_decode(lm, context: int, tokens: int, miss_path: str,
@@ -110,30 +139,32 @@ def _graph_step(lm, cache):
     return GraphedDecoder(lm, cache).step
 
 
-def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
+def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    bw = h2d_bandwidth(device)
+    ceilings = measure_ceilings(device, a.expert_format, dtype)
+    print(f"ceilings: {ceilings}", file=sys.stderr, flush=True)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
     host, spec = lm.experts.host, lm.moe_spec
     rows, reference = [], None
     for strategy in a.strategies:
-        # The cpu path never admits into the cache yet, so only its budget-0 form (CPU-only) is meaningful.
+        # The cpu path never admits into the cache, so only its budget-0 form (CPU-only) is meaningful.
         budgets = {"resident": ["all"], "resident-graphs": ["all"], "cpu": ["0"]}.get(strategy, a.budgets)
-        policies = a.policies if strategy == "copy" else a.policies[:1]
+        policies = a.policies if strategy in ("copy", "auto") else a.policies[:1]
         for budget, policy in ((b, p) for b in budgets for p in policies):
             if strategy.startswith("resident"):
                 executor = ResidentExpertExecutor({layer: _on_device(le, device, dtype) for layer, le in host.items()})
             else:
                 executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, strategy)
+                if ceilings.h2d and ceilings.cpu_experts > 0:  # seed the planner with this run's measurements
+                    executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
             attach_experts(lm.model, executor)
             lm.experts = executor
-            tok_s, before, after, produced = run_decode(lm, a.context, a.tokens,
-                                                        "cpu" if strategy == "cpu" else "copy",
+            tok_s, before, after, produced = run_decode(lm, a.context, a.tokens, strategy,
                                                         graphs=strategy == "resident-graphs")
             reference = reference or produced
-            label = f"{strategy} ({policy})" if strategy == "copy" else strategy
-            rows.append(_row(label, budget, tok_s, before, after, a.tokens, bw))
+            label = f"{strategy} ({policy})" if strategy in ("copy", "auto") and len(policies) > 1 else strategy
+            rows.append(_row(label, budget, tok_s, before, after, a.tokens, ceilings, executor))
             rows[-1].same_tokens = produced == reference
             print(_format_row(rows[-1]), file=sys.stderr, flush=True)
             del executor
@@ -141,7 +172,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
             attach_experts(lm.model, None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return rows, bw
+    return rows, ceilings
 
 
 def _on_device(le: LayerExperts | QuantizedExperts, device: torch.device, dtype: torch.dtype) -> LayerExperts:
@@ -155,29 +186,31 @@ def _on_device(le: LayerExperts | QuantizedExperts, device: torch.device, dtype:
     return LayerExperts(*stacks)
 
 
-def _row(strategy, budget, tok_s, before, after, tokens, bw) -> Row:
+def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, executor) -> Row:
     if before is None:
         return Row(strategy, budget, tok_s)
     hits, misses = after.hits - before.hits, after.misses - before.misses
     copied = (after.bytes_copied - before.bytes_copied) / tokens
-    cpu = (after.cpu_experts - before.cpu_experts) / tokens
-    floor = bw * 1e9 / copied if bw and copied else None
-    return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), copied / 1e9, cpu, floor)
+    cpu = (after.cpu_experts - before.cpu_experts) * executor.expert_bytes / tokens
+    miss_bytes = misses * executor.expert_bytes / tokens
+    floor = ceilings.miss_gb_s() * 1e9 / miss_bytes if miss_bytes and ceilings.miss_gb_s() > 0 else None
+    return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), copied / 1e9, cpu / 1e9, floor)
 
 
 def _format_row(r: Row) -> str:
     hit = "—" if r.hit_rate is None else f"{r.hit_rate:.1%}"
     floor = "—" if r.floor_tok_s is None else f"{r.floor_tok_s:.2f}"
+    of_floor = "—" if r.floor_tok_s is None else f"{r.tok_s / r.floor_tok_s:.0%}"
     same = {True: "yes", False: "no", None: "—"}[r.same_tokens]
     return (f"| {r.strategy} | {r.budget} | {r.tok_s:.2f} | {hit} | {r.copied_gb_per_token:.3f} | "
-            f"{r.cpu_experts_per_token:.1f} | {floor} | {same} |")
+            f"{r.cpu_gb_per_token:.3f} | {floor} | {of_floor} | {same} |")
 
 
 def _routing(skew: float) -> str:
     return f"router skewed to Zipf-like popularity (s={skew})" if skew else "near-uniform routing"
 
 
-def render(rows: list[Row], a: argparse.Namespace, bw: float | None) -> str:
+def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
     device = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "CPU"
     cfg = SHAPES[a.shape]
     lines = [
@@ -189,14 +222,20 @@ def render(rows: list[Row], a: argparse.Namespace, bw: float | None) -> str:
         f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random weights, "
         f"{_routing(a.skew)}; decode teacher-forced with random tokens; "
         "eager decode except `resident-graphs`",
-        f"- pinned host→device bandwidth measured in this run: {bw:.1f} GB/s" if bw else "- no PCIe (CPU run)",
+        f"- measured in this run: pinned host→device {_gb(ceilings.h2d)}, host DRAM read {_gb(ceilings.dram_read)}, "
+        f"CPU expert kernel {_gb(ceilings.cpu_experts)} (batch 1); floor = miss bytes / "
+        f"min(PCIe + CPU, DRAM) = {_gb(ceilings.miss_gb_s())}",
         "",
-        "| strategy | expert budget | decode tok/s | hit rate | GB copied / token | CPU experts / token | "
-        "copy-path floor tok/s | same tokens as first row |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| strategy | expert budget | decode tok/s | hit rate | GB copied / token | GB read by CPU / token | "
+        "floor tok/s | of floor | same tokens as first row |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         *(_format_row(r) for r in rows),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _gb(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f} GB/s"
 
 
 def main(argv: list[str]) -> int:
@@ -208,8 +247,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")
-    p.add_argument("--strategies", default="resident,copy,cpu",
-                   help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu")
+    p.add_argument("--strategies", default="resident,copy,cpu,auto",
+                   help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto")
     p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"],
@@ -221,8 +260,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     a.argv, a.budgets, a.strategies = argv, a.budgets.split(","), a.strategies.split(",")
     a.policies = a.policies.split(",")
-    rows, bw = bench(a)
-    table = render(rows, a, bw)
+    rows, ceilings = bench(a)
+    table = render(rows, a, ceilings)
     print(table)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

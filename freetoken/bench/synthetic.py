@@ -80,7 +80,7 @@ def _skew_router_(model, exponent: float, gen: torch.Generator) -> None:
 
 
 def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    expert_cache: int | None = None, policy: str = "freq", miss_path: str = "copy",
+                    expert_cache: int | None = None, policy: str = "freq", miss_path: str = "auto",
                     layers: int | None = None, seed: int = 0, skew: float = 0.0,
                     expert_format: str = "dense") -> LoadedModel:
     """A seeded random model of `shape`; experts resident on `device`, or in host memory (pinned on CUDA)

@@ -24,7 +24,9 @@ from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.models import family_for
 from freetoken.engine.models.decoder import DecoderModel
 from freetoken.engine.offload.budget import resolve_auto
+from freetoken.engine.offload.calibrate import load_profile
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
+from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.rope import RotaryEmbedding
 from freetoken.engine.sources import resolve_model_source
 from freetoken.engine.weights import WeightPlacer
@@ -138,7 +140,7 @@ def empty_model(family: ModuleType, args, dtype: torch.dtype, device: torch.devi
 
 
 def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: torch.device, cache_bytes: int | None,
-                   policy: str = "freq", miss_path: str = "copy") -> ExpertExecutor | None:
+                   policy: str = "freq", miss_path: str = "auto") -> ExpertExecutor | None:
     if layers is None:
         return None
     if cache_bytes is None:
@@ -148,7 +150,15 @@ def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: tor
     log.info("expert cache: %d of %d experts on %s (%.1f MiB), the rest in host memory (%.1f MiB)", slots,
              spec.total_routed_experts, device, slots * per_expert / 2**20,
              spec.total_routed_experts * per_expert / 2**20)
-    return OffloadedExpertExecutor(layers, device, slots, policy, miss_path, dtype)
+    return OffloadedExpertExecutor(layers, device, slots, policy, miss_path, dtype, planner_for(device))
+
+
+def planner_for(device: torch.device) -> MissPlanner | None:
+    """A planner seeded from this machine's `ft calibrate` profile, or None (the executor's defaults)."""
+    profile = load_profile(torch.device(device))
+    if profile is None or not profile.h2d_gb_s:
+        return None
+    return MissPlanner(profile.h2d_gb_s, profile.cpu_expert_gb_s)
 
 
 @contextmanager

@@ -28,13 +28,14 @@ def test_synthetic_model_is_seeded_and_offloading_is_lossless():
 def test_bench_decode_reports_every_strategy_with_equal_tokens(tmp_path, capsys):
     out = tmp_path / "d1.md"
     argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--context", "48", "--tokens", "6",
-            "--budgets", "0,1MiB", "--strategies", "resident,copy,cpu", "--policies", "freq,lru",
+            "--budgets", "0,1MiB", "--strategies", "resident,copy,cpu,auto", "--policies", "freq,lru",
             "--out", str(out)]
     assert main(argv) == 0
     table = out.read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [r.split("|")[1].strip() + "/" + r.split("|")[2].strip() for r in rows] == [
-        "resident/all", "copy (freq)/0", "copy (lru)/0", "copy (freq)/1MiB", "copy (lru)/1MiB", "cpu/0"]
+        "resident/all", "copy (freq)/0", "copy (lru)/0", "copy (freq)/1MiB", "copy (lru)/1MiB", "cpu/0",
+        "auto (freq)/0", "auto (lru)/0", "auto (freq)/1MiB", "auto (lru)/1MiB"]
     assert all(r.rstrip(" |").endswith("yes") for r in rows)  # fp32 on one device: every strategy is lossless
     assert "tiny-moe" in table and "command" in table
 

@@ -21,6 +21,7 @@ import torch
 
 from freetoken.engine.experts import expert_mlp
 from freetoken.engine.sources import cache_dir
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 
 # Qwen3-30B-A3B's expert shape: what the profile's expert throughputs refer to.
 EXPERT_HIDDEN, EXPERT_INTERMEDIATE = 2048, 768
@@ -65,14 +66,23 @@ def measure_h2d(device: torch.device, nbytes: int) -> float | None:
 
 
 def measure_dram_read(nbytes: int) -> float:
-    """A reduction over a buffer much larger than the caches: bound by DRAM reads, not arithmetic."""
+    """One read of a buffer much larger than the caches on every core (the CPU kernel's probe), or a torch
+    reduction where the kernel is unavailable: bound by DRAM reads, not arithmetic."""
+    kernel = CpuExpertKernel.get()
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _median_seconds(lambda: buf.sum(), lambda: None, 5) / 1e9
+    read = (lambda: kernel.read_bytes(buf)) if kernel is not None else buf.sum
+    return nbytes / _median_seconds(read, lambda: None, 5) / 1e9
 
 
 def measure_expert(device: torch.device, dtype: torch.dtype, n_experts: int) -> float:
-    """Weight GB/s of batch-1 SwiGLU experts, cycling through `n_experts` so the weights come from memory."""
+    """Weight GB/s of batch-1 SwiGLU experts, cycling through `n_experts` so the weights come from memory; on
+    the CPU through the expert kernel the engine uses (torch where it cannot be built)."""
     h, i = EXPERT_HIDDEN, EXPERT_INTERMEDIATE
+    kernel = CpuExpertKernel.get() if device.type == "cpu" else None
+    if kernel is not None and dtype in (torch.bfloat16, torch.float32):
+        from freetoken.kernels.cpu_experts import bench
+        return bench.expert_gb_s(kernel, "BF16" if dtype == torch.bfloat16 else "F32", 1,
+                                 max(8, n_experts // 8 * 8), "kernel", torch.Generator().manual_seed(0))
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [tuple(torch.rand(shape, generator=gen, device=device).to(dtype) * 0.02
                      for shape in ((i, h), (i, h), (h, i))) for _ in range(n_experts)]

@@ -1,17 +1,16 @@
 """`OffloadedExpertExecutor`: every routed expert in host memory, the hot ones in a slot cache on the device.
 
-Per layer and step: the experts the tokens route to are looked up; hits compute from their slot, misses are
-copied into a slot (the policy picks the victim; experts of the current step are never evicted) and computed
-there. When the cache has fewer free-able slots than the step needs (budget 0, or a prefill touching every
-expert), the remaining experts stream through one staging buffer. Results equal the resident executor's: the
-same weights, the same arithmetic, only their location differs.
+Per layer and step: the experts the tokens route to are looked up; hits compute from their slot. Misses take one
+of two paths, both reading host DRAM, run at the same time:
+- copy: fetched into a cache slot (the policy picks the victim; experts of the current step are never evicted) on
+  a side stream, each computed as soon as its own bytes land; when the cache cannot take one (budget 0, or a
+  prefill touching every expert) it streams through double-buffered staging instead;
+- cpu: computed on the host where it lives by a worker thread, while the GPU works; only activations cross.
+`miss_path` "copy" or "cpu" forces one path (the naive and CPU-only baselines); "auto" lets the `MissPlanner`
+split each layer's misses from bandwidths it keeps measuring. Results equal the resident executor's: the same
+weights and function, only where they are computed differs.
 
-Misses take one of two paths (`miss_path`): "copy" fetches the expert into the cache, "cpu" computes it on the
-host where it lives, sending only activations (the CPU-only strategy when the cache has no slots). Choosing
-between them per miss from measured bandwidths is the planner's job, built on these two paths. Copies are issued
-on the compute stream, so they do not yet overlap compute.
-
-Shapes: S slots, E experts, H hidden, I expert intermediate.
+Shapes: S slots, E experts, N tokens, H hidden.
 """
 
 from __future__ import annotations
@@ -21,109 +20,115 @@ import logging
 import torch
 
 from freetoken.engine.experts import ExpertGroup, LayerExperts, group_by_expert, run_groups
+from freetoken.engine.offload.cpu_experts import CpuExpertRunner
 from freetoken.engine.offload.expert_cache import ExpertCache
+from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.offload.policy import make_policy
-from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
+from freetoken.engine.offload.quantized import QuantizedExperts
+from freetoken.engine.offload.transfer import ExpertCopier
 
 log = logging.getLogger(__name__)
 
-
-def _expert_shapes(layer: LayerExperts | QuantizedExperts) -> dict[str, tuple[int, int]]:
-    if isinstance(layer, QuantizedExperts):
-        return dict(layer.shapes)
-    return {p: tuple(getattr(layer, p).shape[1:]) for p in PROJECTIONS}
+# Seeds for the planner when this machine has no calibration profile; the online fit replaces them in a few steps.
+DEFAULT_COPY_GB_S, DEFAULT_CPU_GB_S = 20.0, 10.0
 
 
 class OffloadedExpertExecutor:
     capturable = False  # looks routing up on the host every layer
 
-    MISS_PATHS = ("copy", "cpu")
+    MISS_PATHS = ("auto", "copy", "cpu")
 
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, num_slots: int,
-                 policy: str = "freq", miss_path: str = "copy", dtype: torch.dtype | None = None):
+                 policy: str = "freq", miss_path: str = "auto", dtype: torch.dtype | None = None,
+                 planner: MissPlanner | None = None):
         if miss_path not in self.MISS_PATHS:
             raise ValueError(f"miss_path must be one of {self.MISS_PATHS}, got {miss_path!r}")
         first = next(iter(host.values()))
         self.host, self.device, self.miss_path = host, torch.device(device), miss_path
         self.num_experts = first.num_experts
         self.dtype = dtype or first.gate_proj.dtype
-        self.shapes = _expert_shapes(first)
+        self.copier = ExpertCopier(host, self.device, self.dtype)
+        self.expert_bytes = self.copier.expert_bytes
         self.cache = ExpertCache(num_slots, make_policy(policy))
-        self.slots = self._allocate(num_slots)
-        self.staging = self._allocate(1)
-        if isinstance(first, QuantizedExperts):  # raw bytes land here before being dequantized into a slot
-            self.raw_staging = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=self.device)
-                                for p in PROJECTIONS}
-            self.expert_bytes = first.expert_nbytes()
-        else:
-            self.expert_bytes = sum(first.weights_of(0)[i].numel() for i in range(3)) * self.dtype.itemsize
-
-    def _allocate(self, n: int) -> LayerExperts:
-        return LayerExperts(*(torch.empty((n, *self.shapes[p]), dtype=self.dtype, device=self.device)
-                              for p in PROJECTIONS))
+        self.slots = self.copier.allocate(num_slots)
+        self.planner = planner or MissPlanner(DEFAULT_COPY_GB_S, DEFAULT_CPU_GB_S)
+        self._cpu: CpuExpertRunner | None = None  # started on first use: a thread pool and maybe a compile
 
     @property
     def counters(self):
         return self.cache.counters
 
+    @property
+    def cpu(self) -> CpuExpertRunner:
+        if self._cpu is None:
+            self._cpu = CpuExpertRunner(self.host, self.dtype, share_cores=self.device.type == "cuda")
+        return self._cpu
+
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        for nbytes, seconds in self.copier.finished_timings():
+            self.planner.observe_copy(nbytes, seconds)
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
         self.cache.begin_step((layer, g.expert) for g in groups)
-        cached: dict[int, int] = {}
-        missed: list[ExpertGroup] = []
+        hits, misses = [], []
         for g in groups:
-            slot = self._slot_for(layer, g.expert)
-            if slot is None:
-                missed.append(g)
-            else:
-                cached[g.expert] = slot
-        out = run_groups(hidden, [g for g in groups if g.expert in cached],
-                         lambda e: self.slots.weights_of(cached[e]))
-        if missed and self.miss_path == "cpu":
-            out += self._on_cpu(layer, hidden, missed)
-        for g in missed if self.miss_path == "copy" else ():  # the cache could not hold this step's experts
-            self._copy(layer, g.expert, self.staging, 0)
-            out += run_groups(hidden, [g], lambda e: self.staging.weights_of(0))
+            slot = self.cache.lookup((layer, g.expert))
+            (misses if slot is None else hits).append((g, slot))
+        to_copy, to_cpu = self._plan([g for g, _ in misses])
+        on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
+        out = self._copy_and_compute(layer, hidden, hits, to_copy)
+        if on_cpu is not None:
+            y, seconds = on_cpu.result()
+            self.planner.observe_cpu(len(to_cpu) * self.expert_bytes, seconds)
+            self.counters.cpu_experts += len(to_cpu)
+            out += y.to(hidden.device, hidden.dtype, non_blocking=True)
         return out
 
-    def _on_cpu(self, layer: int, hidden: torch.Tensor, groups: list[ExpertGroup]) -> torch.Tensor:
-        """Computes missed experts where their weights live; only activations cross the link."""
-        host = self.host[layer]
-        cpu_groups = [ExpertGroup(g.expert, g.tokens.cpu(), g.weights.cpu()) for g in groups]
-        self.cache.counters.cpu_experts += len(groups)
-        weights_of = host.weights_of if isinstance(host, LayerExperts) else \
-            (lambda e: host.weights_of(e, self.dtype))
-        return run_groups(hidden.to("cpu"), cpu_groups, weights_of).to(hidden.device)
+    def _plan(self, misses: list[ExpertGroup]) -> tuple[list[ExpertGroup], list[ExpertGroup]]:
+        if not misses or self.miss_path == "copy":
+            return misses, []
+        if self.miss_path == "cpu":
+            return [], misses
+        split = self.planner.split(misses, self.expert_bytes, tokens_of=lambda g: len(g.tokens),
+                                   min_copy=len(self.cache.free_slots))
+        return split.copy, split.cpu
 
-    def _slot_for(self, layer: int, expert: int) -> int | None:
-        slot = self.cache.lookup((layer, expert))
-        if slot is not None or self.miss_path == "cpu":
-            return slot
-        admitted = self.cache.admit((layer, expert))
-        if admitted is None:
-            return None
-        slot, _ = admitted
-        self._copy(layer, expert, self.slots, slot)
-        return slot
-
-    def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
-        src = self.host[layer]
-        if isinstance(src, QuantizedExperts):
-            for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
-                raw = self.raw_staging[p]
-                raw.copy_(src.raw[p][expert], non_blocking=True)  # only the block-format bytes cross the link
-                d.copy_(src.dequantized(expert, p, self.dtype, raw))
-        else:
-            for d, s in zip(dest.weights_of(slot), src.weights_of(expert), strict=True):
-                d.copy_(s, non_blocking=True)  # pinned host memory → asynchronous DMA on the compute stream
-        self.cache.counters.bytes_copied += self.expert_bytes
+    def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup]):
+        """Issues the copies first (side stream), computes the hits meanwhile, then each copied expert once its
+        bytes have landed. Staged experts are interleaved so at most two staging buffers are in flight."""
+        copier = self.copier
+        copier.begin()
+        cached, staged = [], []
+        for g in to_copy:
+            admitted = self.cache.admit((layer, g.expert))
+            if admitted is None:
+                staged.append(g)
+            else:
+                cached.append((g, admitted[0], copier.to_slot(layer, g.expert, self.slots, admitted[0])))
+        ring = copier.staging_buffers
+        in_flight = [(g, *copier.to_staging(layer, g.expert)) for g in staged[:ring]]
+        slot_of = {g.expert: slot for g, slot in hits}
+        out = run_groups(hidden, [g for g, _ in hits], lambda e: self.slots.weights_of(slot_of[e]))
+        for g, slot, done in cached:
+            copier.wait(done)
+            out += run_groups(hidden, [g], lambda e, s=slot: self.slots.weights_of(s))
+        for i, g in enumerate(staged):
+            _, buffer, done = in_flight[i]
+            copier.wait(done)
+            out += run_groups(hidden, [g], lambda e, b=buffer: copier.staging.weights_of(b))
+            copier.release(buffer)
+            if i + ring < len(staged):
+                nxt = staged[i + ring]
+                in_flight.append((nxt, *copier.to_staging(layer, nxt.expert)))
+        copier.end()  # the copy stream holds only copies, so this marks the last one's completion
+        self.counters.bytes_copied += len(to_copy) * self.expert_bytes
+        return out
 
     def resize(self, num_slots: int) -> None:
         """Changes the number of device slots while serving: shrinking evicts the coldest experts, growing keeps
         every cached one. Weights are never reloaded: survivors are moved between slots on the device."""
         moves = self.cache.resize(num_slots)
-        new = self._allocate(num_slots)
+        new = self.copier.allocate(num_slots)
         moved_from = {new_slot: old for _, old, new_slot in moves}
         for new_slot in self.cache.slot_of.values():
             old = moved_from.get(new_slot, new_slot)

@@ -25,22 +25,30 @@ def checkpoint(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("slots", [0, 3, 9])
-@pytest.mark.parametrize("policy", ["freq", "lru", "freq-admit"])
-def test_greedy_tokens_equal_the_resident_run(checkpoint, slots, policy):
+@pytest.mark.parametrize("policy, miss_path", [("freq", "copy"), ("lru", "copy"), ("freq-admit", "copy"),
+                                               ("freq", "cpu"), ("freq", "auto")])
+def test_greedy_tokens_equal_the_resident_run(checkpoint, slots, policy, miss_path):
     path, resident, expected = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert, expert_policy=policy)
     assert isinstance(lm.experts, OffloadedExpertExecutor) and lm.experts.cache.capacity == slots
+    lm.experts.miss_path = miss_path
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     c, spec = lm.experts.counters, lm.moe_spec
     steps = 1 + GREEDY.max_tokens - 1  # the prefill and one decode step per token but the last
     assert c.hits + c.misses >= steps * len(spec.moe_layers)  # every step looks up ≥ 1 expert per layer
     copies = c.bytes_copied // per_expert
-    if slots == 0:
-        assert c.hits == 0 and c.evictions == 0 and copies == c.misses  # everything streams through staging
+    assert copies + c.cpu_experts == c.misses  # every miss is exactly one copy or one CPU computation
+    if miss_path == "cpu":
+        assert copies == 0 and c.hits == 0 and not lm.experts.cache.slot_of  # the CPU path never fills the cache
+    elif miss_path == "copy":
+        assert c.cpu_experts == 0
     else:
-        assert c.hits > 0 and c.evictions > 0 and copies == c.misses  # every miss is exactly one copy
-        assert len(lm.experts.cache.slot_of) == slots
+        assert c.cpu_experts > 0 and copies > 0  # the planner used both paths
+    if slots == 0:
+        assert c.hits == 0 and c.evictions == 0  # everything streams through staging
+    elif miss_path != "cpu":
+        assert c.hits > 0 and c.evictions > 0 and len(lm.experts.cache.slot_of) == slots
 
 
 def test_a_cache_holding_every_expert_misses_each_expert_once(checkpoint):

@@ -1,0 +1,66 @@
+"""Missed experts computed on the CPU, where their weights live; only activations cross the link.
+
+`CpuExpertRunner.submit` hands one layer's groups to a worker thread and returns at once, so the calling thread
+can keep the GPU busy (hits, copies) meanwhile; the fast kernel releases the GIL. Without a C compiler the
+runner falls back to torch on the host weights (slower, same function).
+
+Shapes: T tokens, H hidden, P (token, expert) pairs.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from freetoken.engine.experts import ExpertGroup, LayerExperts, run_groups
+from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, default_threads
+from freetoken.kernels.cpu_experts.reference import ExpertMatrix
+
+
+def expert_matrices(layer: LayerExperts | QuantizedExperts) -> tuple[ExpertMatrix, ...]:
+    if isinstance(layer, QuantizedExperts):
+        return tuple(ExpertMatrix(layer.raw[p], layer.type_names[p], layer.shapes[p]) for p in PROJECTIONS)
+    return tuple(ExpertMatrix.of(getattr(layer, p)) for p in PROJECTIONS)
+
+
+class CpuExpertRunner:
+    def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], dtype: torch.dtype, share_cores: bool):
+        """`share_cores`: leave one core to the thread that drives the GPU."""
+        self.host, self.dtype = host, dtype
+        threads = max(1, default_threads() - 1) if share_cores else None
+        self.kernel = CpuExpertKernel.get(threads=threads)
+        self.matrices = {layer: expert_matrices(le) for layer, le in host.items()}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self.kernel is not None and all(self.kernel.supports(*m) for m in self.matrices.values())
+
+    def submit(self, layer: int, hidden: torch.Tensor, groups: list[ExpertGroup]) -> Future:
+        """Future of (out [T, H] fp32 on the CPU, seconds the CPU spent)."""
+        x = hidden.to("cpu", torch.float32)  # waits for the GPU to produce this layer's input
+        cpu_groups = [ExpertGroup(g.expert, g.tokens.cpu(), g.weights.cpu()) for g in groups]
+        return self._worker.submit(self._run, layer, x, cpu_groups)
+
+    def _run(self, layer: int, x: torch.Tensor, groups: list[ExpertGroup]) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        gate, up, down = self.matrices[layer]
+        if self.kernel is not None and self.kernel.supports(gate, up, down):
+            experts = torch.tensor([g.expert for g in groups], dtype=torch.int32)
+            counts = torch.tensor([0] + [len(g.tokens) for g in groups])
+            y = self.kernel.moe_forward(x, gate, up, down, experts, counts.cumsum(0).to(torch.int32),
+                                        torch.cat([g.tokens for g in groups]),
+                                        torch.cat([g.weights for g in groups]),
+                                        round_to=self.dtype)
+        else:
+            host = self.host[layer]
+            weights_of = host.weights_of if isinstance(host, LayerExperts) else \
+                (lambda e: host.weights_of(e, self.dtype))
+            y = run_groups(x.to(self.dtype), groups, weights_of).float()
+        return y, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)

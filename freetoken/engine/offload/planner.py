@@ -1,0 +1,104 @@
+"""The miss planner: for one layer's cache misses, how many to copy to the GPU and how many to compute on the CPU.
+
+Both paths read host DRAM and run at the same time, so a step's miss time is the slower of the two. Each path's
+time is modelled as `seconds = fixed + bytes / bandwidth`, fitted online (exponentially forgetting least
+squares) from the timings the executor observes, seeded from the calibration profile. The planner picks the
+split that minimises the predicted step time, so with honest estimates it is never slower than either pure
+strategy; a path that goes unused is re-probed now and then (one miss) so a wrong seed cannot lock it out.
+No torch here: the executor measures, this module only decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class LinearCost:
+    """Online fit of seconds = fixed + per_byte * bytes, forgetting old samples geometrically."""
+
+    fixed: float
+    per_byte: float
+    decay: float = 0.95
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+    samples: int = 0
+
+    def predict(self, nbytes: float) -> float:
+        return self.fixed + self.per_byte * nbytes if nbytes else 0.0
+
+    def observe(self, nbytes: float, seconds: float) -> None:
+        d = self.decay
+        self._n, self._sx, self._sy = d * self._n + 1, d * self._sx + nbytes, d * self._sy + seconds
+        self._sxx, self._sxy = d * self._sxx + nbytes * nbytes, d * self._sxy + nbytes * seconds
+        self.samples += 1
+        mean_x, mean_y = self._sx / self._n, self._sy / self._n
+        var = self._sxx / self._n - mean_x * mean_x
+        if var > (0.05 * mean_x) ** 2 and self.samples >= 4:  # sizes varied enough to separate the two terms
+            slope = (self._sxy / self._n - mean_x * mean_y) / var
+            if slope > 0:
+                self.per_byte = slope
+                self.fixed = max(0.0, mean_y - slope * mean_x)
+                return
+        if mean_x > 0:  # one size only: keep the fixed part, attribute the rest to bandwidth
+            self.per_byte = max(mean_y - self.fixed, 0.1 * mean_y) / mean_x
+
+    @property
+    def gb_s(self) -> float:
+        return 1e-9 / self.per_byte if self.per_byte > 0 else float("inf")
+
+
+@dataclass(slots=True)
+class Split:
+    copy: list  # items to fetch into the GPU cache
+    cpu: list  # items to compute where they live
+    predicted_seconds: float
+
+
+class MissPlanner:
+    PROBE_EVERY = 256  # layer-steps a path may go unused before one miss is sent down it to re-measure it
+
+    def __init__(self, copy_gb_s: float, cpu_gb_s: float, copy_fixed_s: float = 20e-6, cpu_fixed_s: float = 100e-6):
+        self.copy = LinearCost(copy_fixed_s, 1e-9 / copy_gb_s)
+        self.cpu = LinearCost(cpu_fixed_s, 1e-9 / cpu_gb_s)
+        self._idle = {"copy": 0, "cpu": 0}
+        self.steps = 0
+
+    def split(self, misses: list, expert_bytes: int, tokens_of=lambda m: 1, min_copy: int = 0) -> Split:
+        """Orders `misses` so the experts with the most tokens are copied first (a copy costs the same for any
+        number of tokens, CPU work grows with them), then picks how many to leave to the CPU. At least
+        `min_copy` are copied (the executor fills free cache slots: a copy's value outlives the step)."""
+        self.steps += 1
+        n = len(misses)
+        if n == 0:
+            return Split([], [], 0.0)
+        ordered = sorted(misses, key=tokens_of, reverse=True)
+        best_cpu, best_t = 0, float("inf")
+        for on_cpu in range(n - min(min_copy, n) + 1):
+            # CPU cost grows slightly with tokens beyond the first (activations stay in cache): count pairs lightly
+            cpu_bytes = sum(expert_bytes * (1 + 0.1 * (tokens_of(m) - 1)) for m in ordered[n - on_cpu:])
+            t = max(self.copy.predict(expert_bytes * (n - on_cpu)), self.cpu.predict(cpu_bytes))
+            if t < best_t - 1e-12:
+                best_cpu, best_t = on_cpu, t
+        best_cpu = self._probe(best_cpu, n) if min_copy == 0 else best_cpu
+        return Split(ordered[:n - best_cpu], ordered[n - best_cpu:], best_t)
+
+    def _probe(self, on_cpu: int, n: int) -> int:
+        for path, used in (("cpu", on_cpu > 0), ("copy", on_cpu < n)):
+            self._idle[path] = 0 if used else self._idle[path] + 1
+        if n >= 2 and self._idle["cpu"] >= self.PROBE_EVERY:
+            self._idle["cpu"] = 0
+            return 1
+        if n >= 2 and self._idle["copy"] >= self.PROBE_EVERY:
+            self._idle["copy"] = 0
+            return n - 1
+        return on_cpu
+
+    def observe_copy(self, nbytes: int, seconds: float) -> None:
+        self.copy.observe(nbytes, seconds)
+
+    def observe_cpu(self, nbytes: int, seconds: float) -> None:
+        self.cpu.observe(nbytes, seconds)

@@ -1,0 +1,142 @@
+"""Host → device expert copies on a side stream, ordered against the compute stream by events.
+
+Copies run on their own CUDA stream so they overlap the compute stream's work (hits, earlier copied experts):
+one event per copied expert lets the compute stream start on an expert as soon as its own bytes have landed.
+Experts the cache cannot take this step go through a ring of staging buffers (double buffering): the copy into a
+buffer waits for the compute that last read it, through an event recorded on the compute stream.
+Quantized experts cross the link in their block format and are dequantized on the copy stream, into the slot.
+On the CPU (tests, CI) the same calls run synchronously with no streams.
+
+Shapes: S slots, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.engine.experts import LayerExperts
+from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The copies of one layer-step, timed as a whole for the planner."""
+
+    nbytes: int = 0
+    start: object = None  # torch.cuda.Event, or a perf_counter float on the CPU
+    end: object = None
+    seconds: float | None = None  # CPU copies: known at once
+
+
+class ExpertCopier:
+    def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, dtype: torch.dtype,
+                 staging_buffers: int = 2):
+        first = next(iter(host.values()))
+        self.host, self.device, self.dtype = host, device, dtype
+        self.shapes = dict(first.shapes) if isinstance(first, QuantizedExperts) else \
+            {p: tuple(getattr(first, p).shape[1:]) for p in PROJECTIONS}
+        self.quantized = isinstance(first, QuantizedExperts)
+        self.expert_bytes = first.expert_nbytes() if self.quantized else \
+            sum(first.weights_of(0)[i].numel() for i in range(3)) * dtype.itemsize
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.staging = self.allocate(staging_buffers)
+        self._released: list[torch.cuda.Event | None] = [None] * staging_buffers
+        self._next_staging = 0
+        if self.quantized:  # block-format bytes land here before being dequantized into a slot
+            self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
+        self._batch: _Batch | None = None
+        self._timed: list[_Batch] = []
+
+    @property
+    def staging_buffers(self) -> int:
+        return len(self._released)
+
+    def allocate(self, n: int) -> LayerExperts:
+        return LayerExperts(*(torch.empty((n, *self.shapes[p]), dtype=self.dtype, device=self.device)
+                              for p in PROJECTIONS))
+
+    # -- one layer-step: begin, any number of copies, end --
+
+    def begin(self) -> None:
+        """Before the step's copies: slots about to be overwritten may still be read by queued compute."""
+        self._batch = _Batch()
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def to_slot(self, layer: int, expert: int, dest: LayerExperts, slot: int):
+        """Copies one expert into dest[slot]; returns what `wait` needs before computing from it."""
+        with self._on_copy_stream():
+            self._copy(layer, expert, dest, slot)
+            return self._record()
+
+    def to_staging(self, layer: int, expert: int) -> tuple[int, object]:
+        """Copies one expert into the next staging buffer (once its previous reader is done)."""
+        i = self._next_staging
+        self._next_staging = (i + 1) % len(self._released)
+        with self._on_copy_stream():
+            if self._released[i] is not None:
+                self.stream.wait_event(self._released[i])
+            self._copy(layer, expert, self.staging, i)
+            return i, self._record()
+
+    def wait(self, done) -> None:
+        """Makes the compute stream wait for one copy."""
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def release(self, staging: int) -> None:
+        """The compute stream has queued its last read of a staging buffer."""
+        if self.stream is not None:
+            self._released[staging] = torch.cuda.current_stream(self.device).record_event()
+
+    def end(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is not None and batch.nbytes:
+            if self.stream is not None:
+                batch.end = torch.cuda.Event(enable_timing=True)
+                batch.end.record(self.stream)
+            self._timed.append(batch)
+
+    def finished_timings(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of the steps whose copies have completed since the last call; never blocks."""
+        done, pending = [], []
+        for b in self._timed:
+            if b.seconds is not None:
+                done.append((b.nbytes, b.seconds))
+            elif b.end.query():
+                done.append((b.nbytes, b.start.elapsed_time(b.end) / 1e3))
+            else:
+                pending.append(b)
+        self._timed = pending
+        return done
+
+    # -- internals --
+
+    def _on_copy_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _record(self):
+        return self.stream.record_event() if self.stream is not None else None
+
+    def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
+        batch = self._batch
+        if batch.start is None:
+            batch.start = torch.cuda.Event(enable_timing=True) if self.stream is not None else time.perf_counter()
+            if self.stream is not None:
+                batch.start.record(self.stream)
+        src = self.host[layer]
+        if self.quantized:
+            for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
+                raw = self.raw[p]
+                raw.copy_(src.raw[p][expert], non_blocking=True)  # only the block-format bytes cross the link
+                d.copy_(src.dequantized(expert, p, self.dtype, raw))
+        else:
+            for d, s in zip(dest.weights_of(slot), src.weights_of(expert), strict=True):
+                d.copy_(s, non_blocking=True)  # pinned host memory → asynchronous DMA
+        batch.nbytes += self.expert_bytes
+        if self.stream is None:
+            batch.seconds = time.perf_counter() - batch.start

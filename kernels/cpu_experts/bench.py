@@ -1,0 +1,117 @@
+"""Micro-benchmark: weight GB/s of the CPU expert kernel against the DRAM read bandwidth measured in the same run.
+
+    python -m freetoken.kernels.cpu_experts.bench [--formats BF16 Q8_0] [--batches 1 2 4 8] [--json PATH]
+
+Experts have Qwen3-30B-A3B's shape (H 2048, I 768); each call runs one layer's worth (8 experts, every token
+routed to each), cycling through a pool of experts several times the last-level cache, so weights come from DRAM
+as in decode. The ceiling is `ft_read_bytes` over a 1 GiB buffer on the same threads. The plain-torch reference
+(bf16 F.linear, what the engine used before) is timed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from freetoken.engine.experts import expert_mlp
+from freetoken.kernels.cpu_experts import reference
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
+from freetoken.kernels.cpu_experts.reference import ExpertMatrix
+
+HIDDEN, INTER, PER_CALL = 2048, 768, 8
+
+
+def random_q8_0(experts: int, out: int, inp: int, std: float, gen: torch.Generator) -> torch.Tensor:
+    """[E, bytes] of Q8_0 blocks: random int8 and an fp16 scale per 32 weights, so each row has the given std."""
+    blocks = torch.randint(-128, 128, (experts, out * inp // 32, 34), dtype=torch.int16, generator=gen)
+    raw = blocks.to(torch.int8).view(torch.uint8)
+    scales = (torch.rand(experts, out * inp // 32, generator=gen) * std / 37 + std / 148).to(torch.float16)
+    raw[:, :, :2] = scales.view(torch.uint8).view(experts, -1, 2)
+    return raw.reshape(experts, -1).contiguous()
+
+
+def expert_pool(fmt: str, experts: int, gen: torch.Generator) -> tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]:
+    shapes = ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))
+    if fmt == "Q8_0":
+        return tuple(ExpertMatrix(random_q8_0(experts, o, i, 0.02, gen), "Q8_0", (o, i)) for o, i in shapes)
+    dtype = {"BF16": torch.bfloat16, "F32": torch.float32}[fmt]
+    return tuple(ExpertMatrix.of((torch.randn(experts, o, i, generator=gen) * 0.02).to(dtype)) for o, i in shapes)
+
+
+def _median(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def dram_read_gb_s(kernel: CpuExpertKernel, nbytes: int = 1 << 30) -> float:
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    return nbytes / _median(lambda: kernel.read_bytes(buf), 7) / 1e9
+
+
+def expert_gb_s(kernel, fmt: str, batch: int, pool_experts: int, impl: str, gen: torch.Generator) -> float:
+    gate, up, down = expert_pool(fmt, pool_experts, gen)
+    x = torch.randn(batch, HIDDEN, generator=gen)
+    offsets = torch.arange(0, PER_CALL + 1, dtype=torch.int32) * batch
+    tokens = torch.arange(batch, dtype=torch.int32).repeat(PER_CALL)
+    weights = torch.rand(PER_CALL * batch, generator=gen)
+    calls = pool_experts // PER_CALL
+    forward = kernel.moe_forward if impl == "kernel" else reference.moe_forward
+    if impl == "torch-bf16":  # the engine's old CPU path: bf16 F.linear per expert
+        x = x.to(torch.bfloat16)
+
+    def run():
+        for c in range(calls):
+            experts = torch.arange(c * PER_CALL, (c + 1) * PER_CALL, dtype=torch.int32)
+            if impl == "torch-bf16":
+                for e in experts.tolist():
+                    expert_mlp(x, *(m.data[e] for m in (gate, up, down)))
+            else:
+                forward(x, gate, up, down, experts, offsets, tokens, weights)
+
+    seconds = _median(run, 5)
+    nbytes = sum(m.data[0].numel() * m.data.element_size() for m in (gate, up, down)) * calls * PER_CALL
+    return nbytes / seconds / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--formats", nargs="+", default=["BF16", "Q8_0"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--pool-mib", type=int, default=1024, help="expert bytes cycled through (≫ last-level cache)")
+    p.add_argument("--torch-baseline", action="store_true", help="also time torch bf16 F.linear (slow)")
+    p.add_argument("--json", help="write the rows here too")
+    a = p.parse_args(argv)
+    kernel = CpuExpertKernel.get()
+    if kernel is None:
+        raise SystemExit("the CPU expert kernel could not be built here (no C compiler?)")
+    gen = torch.Generator().manual_seed(0)
+    dram = dram_read_gb_s(kernel)
+    print(f"threads {kernel.threads}   DRAM read {dram:.1f} GB/s")
+    rows = []
+    print(f"{'format':<7}{'batch':>6}{'impl':>12}{'GB/s':>9}{'of DRAM':>9}")
+    for fmt in a.formats:
+        per_expert = 3 * HIDDEN * INTER * {"BF16": 2, "F32": 4, "Q8_0": 34 / 32}[fmt]
+        pool = max(PER_CALL, int(a.pool_mib * 2**20 / per_expert) // PER_CALL * PER_CALL)
+        impls = ["kernel"] + (["torch-bf16"] if a.torch_baseline and fmt == "BF16" else [])
+        for batch in a.batches:
+            for impl in impls:
+                gb_s = expert_gb_s(kernel, fmt, batch, pool, impl, gen)
+                rows.append(dict(format=fmt, batch=batch, impl=impl, gb_s=gb_s, dram_gb_s=dram))
+                print(f"{fmt:<7}{batch:>6}{impl:>12}{gb_s:>9.1f}{gb_s / dram:>9.0%}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(threads=kernel.threads, dram_read_gb_s=dram, rows=rows), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

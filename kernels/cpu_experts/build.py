@@ -1,0 +1,84 @@
+"""Compiles `experts.c` for this machine on first use and loads it; None where no C compiler is available.
+
+The kernel is built with `-march=native` so it uses every vector extension of the CPU it runs on (AVX-512-BF16 on
+Sapphire Rapids, AVX2 on a laptop, NEON on Arm). That only makes sense on the machine itself, so the build
+happens here, once, into the cache directory, keyed by the source, the compiler and the CPU's feature flags;
+later loads take a few milliseconds. Set FREETOKEN_CPU_KERNEL=0 to skip it (the plain-torch path is used).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("experts.c")
+FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def _build_key(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    material = "\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()])
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def build(build_dir: Path) -> Path | None:
+    """The path of the compiled library (building it if needed), or None with a warning when it cannot be built."""
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found (set CC): CPU experts use the slower plain-torch path")
+        return None
+    target = build_dir / f"cpu_experts-{_build_key(compiler)}.so"
+    if target.exists():
+        return target
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
+        out = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            log.warning("building the CPU expert kernel failed, using the plain-torch path:\n%s",
+                        result.stderr.strip()[-2000:])
+            return None
+        os.replace(out, target)  # atomic: concurrent builders race harmlessly
+    return target
+
+
+def load(build_dir: Path) -> ctypes.CDLL | None:
+    if os.environ.get("FREETOKEN_CPU_KERNEL", "1") == "0":
+        return None
+    path = build(build_dir)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.ft_pool_start.argtypes, lib.ft_pool_start.restype = [i], i
+    lib.ft_moe_forward.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i]
+    lib.ft_moe_forward.restype = i
+    lib.ft_read_bytes.argtypes, lib.ft_read_bytes.restype = [p, ctypes.c_size_t], ctypes.c_uint64
+    return lib

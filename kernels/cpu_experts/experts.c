@@ -1,0 +1,395 @@
+/* SwiGLU routed experts on the CPU, reading their weights where they live in host memory.
+
+   Decode on the CPU is bound by DRAM reads: every weight byte is read once per step and used for at most a
+   few tokens. So the kernel streams each weight row once, keeps the activations (fp32, a few KiB per token)
+   in cache, and accumulates in fp32. Weight formats: f32, bf16 and GGUF Q8_0 (34-byte blocks: an f16 scale
+   and 32 int8); quantized weights are dequantized in registers, never expanded in memory. Activations stay
+   fp32 (no activation quantization), so results match a float reference to rounding.
+
+   One call computes one layer's experts for their tokens in two phases over a persistent thread pool:
+     1. act[p, i] = silu(gate_e[i] . x[t_p]) * (up_e[i] . x[t_p])   tasks: (expert, block of I rows)
+     2. y[t, h]  = sum over pairs p of token t: w_p * (down_e[h] . act[p])   tasks: blocks of H rows
+   Phase 2 gives each task whole output rows, so there are no races and the sum order is fixed
+   (deterministic results whatever the thread count).
+
+   Vectors are GCC/Clang vector extensions, so one source compiles to AVX-512, AVX2 or NEON under
+   -march=native. Shapes: T tokens, H hidden, I expert intermediate, P (token, expert) pairs. */
+
+#include <math.h>
+#include <pthread.h>
+#include <time.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { FT_F32 = 0, FT_BF16 = 1, FT_Q8_0 = 2 };
+/* TILE tokens share one pass over a row in registers; up to MAX_PAIRS tokens share its trip from DRAM. */
+enum { LANES = 16, TILE = 4, MAX_PAIRS = 64, ROW_BLOCK = 16, MAX_THREADS = 256, Q8_BLOCK = 32, Q8_BYTES = 34 };
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(LANES * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(LANES * 4)));
+typedef int8_t vi8 __attribute__((vector_size(LANES)));
+typedef int32_t vi32 __attribute__((vector_size(LANES * 4)));
+typedef uint64_t vu64 __attribute__((vector_size(64)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ volatile("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* How long an idle worker spins before sleeping: decode calls the pool once per layer, well within this, and a
+   sleeping worker costs tens of microseconds to wake. Short enough not to starve other work on the cores. */
+#define SPIN_NS 200000L
+
+INLINE vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+
+INLINE vf load_bf16(const uint16_t *p) {  /* bf16 is the top half of an f32 */
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
+    vu16 h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu32) << 16);
+#endif
+}
+
+/* GCC scalarises a generic int8 → float vector conversion, so x86 gets the widening instructions by name. */
+INLINE vf load_q8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+    vf v;
+    memcpy(&v, halves, sizeof v);
+    return v;
+#else
+    vi8 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
+#endif
+}
+
+INLINE float bf16_scalar(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* Rounds to the nearest bf16 (ties to even), for callers whose GPU path rounds there too. */
+INLINE float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE float f16_scalar(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else {  /* subnormal: renormalise */
+        int shift = 0;
+        while (!(man & 0x400)) { man <<= 1; shift++; }
+        u = sign | ((uint32_t)(113 - shift) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE float hsum(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+#endif
+}
+
+/* out[r * TILE + t] = rows[r] . xs[t] for r < nr, t < nt. nr and nt are compile-time constants at every call
+   site (always_inline), so the nr * nt accumulators live in registers; two rows give the FMA units independent
+   chains even at batch 1 and share each activation load. k is the row length in weights. */
+INLINE void rows_dots(int type, const void *const *rows, int nr, const float *const *xs, int k, int nt,
+                      float *out) {
+    vf acc[2][TILE];
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) acc[r][t] = (vf){0};
+    int kv = 0;
+    if (type == FT_Q8_0) {
+        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += Q8_BYTES) {
+            vf x0[TILE], x1[TILE];
+            for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *blk = (const uint8_t *)rows[r] + b;
+                vf d = (vf){0} + f16_scalar(blk);
+                vf w0 = load_q8((const int8_t *)blk + 2) * d, w1 = load_q8((const int8_t *)blk + 2 + LANES) * d;
+                for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t] + w1 * x1[t];
+            }
+        }
+    } else {
+        for (; kv + LANES <= k; kv += LANES) {
+            vf x[TILE];
+            for (int t = 0; t < nt; t++) x[t] = load_f32(xs[t] + kv);
+            for (int r = 0; r < nr; r++) {
+                vf w = type == FT_BF16 ? load_bf16((const uint16_t *)rows[r] + kv)
+                                       : load_f32((const float *)rows[r] + kv);
+                for (int t = 0; t < nt; t++) acc[r][t] += w * x[t];
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) {
+            float s = hsum(acc[r][t]);
+            for (int j = kv; j < k; j++)  /* tail of rows whose length is not a multiple of LANES */
+                s += (type == FT_BF16 ? bf16_scalar(((const uint16_t *)rows[r])[j]) : ((const float *)rows[r])[j])
+                     * xs[t][j];
+            out[r * TILE + t] = s;
+        }
+}
+
+/* rows_dots over any number of tokens, in tiles of TILE; each row is read from DRAM once, later tiles find it
+   in L1. nr is 1 or 2; both rows have the same format. */
+static void rows_dots_n(int type, const void *const *rows, int nr, const float *const *xs, int k, int n,
+                        float *out) {
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        int nt = n - t0 < TILE ? n - t0 : TILE;
+        float tile[2 * TILE];
+#define CASES(NR)                                                                              \
+    switch (nt) {                                                                             \
+        case 1: rows_dots(type, rows, NR, xs + t0, k, 1, tile); break;                        \
+        case 2: rows_dots(type, rows, NR, xs + t0, k, 2, tile); break;                        \
+        case 3: rows_dots(type, rows, NR, xs + t0, k, 3, tile); break;                        \
+        default: rows_dots(type, rows, NR, xs + t0, k, 4, tile); break;                       \
+    }
+#define FORMATS(NR)                       \
+    if (type == FT_Q8_0) { CASES(NR) }    \
+    else if (type == FT_BF16) { CASES(NR) } \
+    else { CASES(NR) }
+        if (nr == 2) { FORMATS(2) } else { FORMATS(1) }
+#undef FORMATS
+#undef CASES
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < nt; t++) out[r * n + t0 + t] = tile[r * TILE + t];
+    }
+}
+
+static size_t row_bytes(int type, int k) {
+    return type == FT_Q8_0 ? (size_t)(k / Q8_BLOCK) * Q8_BYTES : (size_t)k * (type == FT_BF16 ? 2 : 4);
+}
+
+/* ---- persistent thread pool: workers spin briefly, then sleep on a condition variable ---- */
+
+typedef void (*task_fn)(void *ctx, int task);
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    pthread_t threads[MAX_THREADS];
+    int nworkers;
+    atomic_uint generation;
+    atomic_int next, busy;
+    task_fn fn;
+    void *ctx;
+    int ntasks;
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static void run_tasks(void) {
+    for (int i; (i = atomic_fetch_add(&pool.next, 1)) < pool.ntasks;) pool.fn(pool.ctx, i);
+}
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    unsigned seen = atomic_load(&pool.generation);
+    for (;;) {
+        long until = now_ns() + SPIN_NS;
+        for (int spin = 0; atomic_load(&pool.generation) == seen; spin++) {
+            CPU_RELAX();
+            if ((spin & 63) == 63 && now_ns() > until) break;
+        }
+        if (atomic_load(&pool.generation) == seen) {
+            pthread_mutex_lock(&pool.mu);
+            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = atomic_load(&pool.generation);
+        run_tasks();
+        atomic_fetch_sub(&pool.busy, 1);
+    }
+    return NULL;
+}
+
+/* Starts the pool once; the calling thread works too, so `threads` counts it. Returns the size in use. */
+int ft_pool_start(int threads) {
+    pthread_mutex_lock(&pool.mu);
+    if (pool.nworkers == 0 && threads > 1) {
+        if (threads > MAX_THREADS) threads = MAX_THREADS;
+        for (int i = 0; i < threads - 1; i++) {
+            if (pthread_create(&pool.threads[i], NULL, worker, NULL) != 0) break;
+            pthread_detach(pool.threads[i]);
+            pool.nworkers++;
+        }
+    }
+    pthread_mutex_unlock(&pool.mu);
+    return pool.nworkers + 1;
+}
+
+/* Runs fn(ctx, 0..ntasks-1) on the pool and returns when all are done. Not reentrant: one caller at a time. */
+static void parallel_for(task_fn fn, void *ctx, int ntasks) {
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.ntasks = ntasks;
+    atomic_store(&pool.next, 0);
+    atomic_store(&pool.busy, pool.nworkers);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add(&pool.generation, 1);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    run_tasks();
+    while (atomic_load(&pool.busy) > 0) CPU_RELAX();
+}
+
+/* ---- one layer's experts ---- */
+
+typedef struct {
+    const uint8_t *gate, *up, *down;      /* stacked weights of all experts of the layer */
+    size_t gate_stride, up_stride, down_stride;  /* bytes from one expert to the next */
+    int gate_type, up_type, down_type;
+    const int32_t *experts;               /* [n_experts] expert ids to run */
+    int n_experts;
+    const int32_t *pair_offsets;          /* [n_experts + 1] CSR over the pairs, grouped by expert */
+    const int32_t *pair_tokens;           /* [P] token of each pair */
+    const float *pair_weights;            /* [P] routing weight of each pair */
+    const float *x;                       /* [T, H] */
+    float *act;                           /* [P, I] scratch */
+    float *y;                             /* [T, H] output, overwritten */
+    int tokens, hidden, inter;
+    int bf16_rounding;                    /* round where a bf16 GPU expert rounds: projections, silu, products */
+} moe_job;
+
+static void phase_gate_up(void *ctx, int task) {
+    const moe_job *j = ctx;
+    int blocks = (j->inter + ROW_BLOCK - 1) / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK;
+    int r1 = r0 + ROW_BLOCK < j->inter ? r0 + ROW_BLOCK : j->inter, expert = j->experts[e];
+    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
+    size_t gb = row_bytes(j->gate_type, j->hidden), ub = row_bytes(j->up_type, j->hidden);
+    const uint8_t *gate = j->gate + expert * j->gate_stride, *up = j->up + expert * j->up_stride;
+    const float *xs[MAX_PAIRS];
+    float gu[2 * MAX_PAIRS];  /* gate dots, then up dots */
+    for (int t0 = 0; t0 < n; t0 += MAX_PAIRS) {
+        int nt = n - t0 < MAX_PAIRS ? n - t0 : MAX_PAIRS;
+        for (int t = 0; t < nt; t++) xs[t] = j->x + (size_t)j->pair_tokens[p0 + t0 + t] * j->hidden;
+        for (int r = r0; r < r1; r++) {
+            const void *rows[2] = {gate + r * gb, up + r * ub};
+            if (j->gate_type == j->up_type) {  /* the gate and up rows of one unit share every activation load */
+                rows_dots_n(j->gate_type, rows, 2, xs, j->hidden, nt, gu);
+            } else {
+                rows_dots_n(j->gate_type, rows, 1, xs, j->hidden, nt, gu);
+                rows_dots_n(j->up_type, rows + 1, 1, xs, j->hidden, nt, gu + nt);
+            }
+            for (int t = 0; t < nt; t++) {
+                float g = gu[t], u = gu[nt + t], a;
+                if (j->bf16_rounding) {
+                    g = round_bf16(g);
+                    a = round_bf16(round_bf16(g / (1.0f + expf(-g))) * round_bf16(u));
+                } else {
+                    a = g / (1.0f + expf(-g)) * u;
+                }
+                j->act[(size_t)(p0 + t0 + t) * j->inter + r] = a;
+            }
+        }
+    }
+}
+
+static void phase_down(void *ctx, int task) {
+    const moe_job *j = ctx;
+    int h0 = task * ROW_BLOCK, h1 = h0 + ROW_BLOCK < j->hidden ? h0 + ROW_BLOCK : j->hidden;
+    size_t db = row_bytes(j->down_type, j->inter);
+    const float *as[MAX_PAIRS];
+    float d[2 * MAX_PAIRS];
+    for (int h = h0; h < h1; h++)
+        for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
+    for (int e = 0; e < j->n_experts; e++) {
+        const uint8_t *down = j->down + j->experts[e] * j->down_stride;
+        for (int p0 = j->pair_offsets[e]; p0 < j->pair_offsets[e + 1]; p0 += MAX_PAIRS) {
+            int nt = j->pair_offsets[e + 1] - p0 < MAX_PAIRS ? j->pair_offsets[e + 1] - p0 : MAX_PAIRS;
+            for (int t = 0; t < nt; t++) as[t] = j->act + (size_t)(p0 + t) * j->inter;
+            for (int h = h0; h < h1; h += 2) {
+                const void *rows[2] = {down + h * db, down + (h + 1) * db};
+                int nr = h + 1 < h1 ? 2 : 1;
+                rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
+                for (int r = 0; r < nr; r++)
+                    for (int t = 0; t < nt; t++) {
+                        float w = j->pair_weights[p0 + t], v = d[r * nt + t];
+                        v = j->bf16_rounding ? round_bf16(round_bf16(v) * round_bf16(w)) : v * w;
+                        j->y[(size_t)j->pair_tokens[p0 + t] * j->hidden + h + r] += v;
+                    }
+            }
+        }
+    }
+}
+
+/* y[T, H] = sum over the given experts of routing weight * SwiGLU expert(x). Returns 0, or -1 on bad arguments. */
+int ft_moe_forward(const void *gate, const void *up, const void *down,
+                   int64_t gate_stride, int64_t up_stride, int64_t down_stride,
+                   int gate_type, int up_type, int down_type,
+                   const int32_t *experts, int n_experts, const int32_t *pair_offsets,
+                   const int32_t *pair_tokens, const float *pair_weights,
+                   const float *x, float *act, float *y, int tokens, int hidden, int inter, int bf16_rounding) {
+    for (int i = 0; i < 3; i++) {
+        int type = (int[]){gate_type, up_type, down_type}[i], k = i < 2 ? hidden : inter;
+        if (type < FT_F32 || type > FT_Q8_0 || (type == FT_Q8_0 && k % Q8_BLOCK)) return -1;
+    }
+    moe_job j = {gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
+                 experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden, inter,
+                 bf16_rounding};
+    int blocks = (inter + ROW_BLOCK - 1) / ROW_BLOCK;
+    if (n_experts > 0) parallel_for(phase_gate_up, &j, n_experts * blocks);
+    parallel_for(phase_down, &j, (hidden + ROW_BLOCK - 1) / ROW_BLOCK);
+    return 0;
+}
+
+/* ---- DRAM read bandwidth probe: the ceiling the expert kernel is judged against ---- */
+
+typedef struct { const uint8_t *buf; size_t chunk, n; _Atomic uint64_t sum; } read_job;
+
+static void read_task(void *ctx, int task) {
+    read_job *j = ctx;
+    size_t lo = task * j->chunk, hi = lo + j->chunk < j->n ? lo + j->chunk : j->n;
+    vu64 acc = {0};
+    for (size_t i = lo; i + 64 <= hi; i += 64) { vu64 v; memcpy(&v, j->buf + i, 64); acc ^= v; }
+    uint64_t s = 0;
+    for (int i = 0; i < 8; i++) s ^= acc[i];
+    atomic_fetch_xor(&j->sum, s);  /* keeps the loads alive */
+}
+
+/* Reads n bytes once with every pool thread; returns a checksum so the reads cannot be optimised away. */
+uint64_t ft_read_bytes(const void *buf, size_t n) {
+    read_job j = {.buf = buf, .n = n, .chunk = 1 << 20};
+    parallel_for(read_task, &j, (int)((n + j.chunk - 1) / j.chunk));
+    return atomic_load(&j.sum);
+}

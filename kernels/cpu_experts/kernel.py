@@ -1,0 +1,91 @@
+"""The CPU expert kernel behind the same `moe_forward` signature as `reference.py`.
+
+`CpuExpertKernel.get()` builds and loads the C library once per process (see `build.py`) and starts its thread
+pool; it returns None where the library cannot be built, and callers fall back to the reference. Calls are
+serialised: the pool runs one layer at a time, and ctypes releases the GIL, so a Python thread can run it while
+the main thread drives the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import ClassVar
+
+import torch
+
+from freetoken.kernels.cpu_experts import build
+from freetoken.kernels.cpu_experts.reference import KERNEL_FORMATS, ExpertMatrix
+
+_TYPE_CODES = {"F32": 0, "BF16": 1, "Q8_0": 2}
+
+
+def default_threads() -> int:
+    """FREETOKEN_CPU_THREADS, else every core this process may run on."""
+    if value := os.environ.get("FREETOKEN_CPU_THREADS"):
+        return max(1, int(value))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _default_build_dir():
+    from freetoken.engine.sources import cache_dir  # lazy: kernels do not need the engine otherwise
+    return cache_dir() / "kernels"
+
+
+class CpuExpertKernel:
+    _instance: ClassVar[CpuExpertKernel | None] = None
+    _tried: ClassVar[bool] = False
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, lib, threads: int):
+        self.lib = lib
+        self.threads = lib.ft_pool_start(threads)
+        self._call_lock = threading.Lock()
+
+    @classmethod
+    def get(cls, build_dir=None, threads: int | None = None) -> CpuExpertKernel | None:
+        """The process-wide kernel; the first call's `threads` (default: every core) sizes its pool."""
+        with cls._lock:
+            if not cls._tried:
+                cls._tried = True
+                lib = build.load(build_dir or _default_build_dir())
+                cls._instance = cls(lib, threads or default_threads()) if lib is not None else None
+            return cls._instance
+
+    @staticmethod
+    def supports(*matrices: ExpertMatrix) -> bool:
+        return all(m.format in KERNEL_FORMATS and m.data.is_contiguous() and m.data.device.type == "cpu"
+                   for m in matrices)
+
+    def moe_forward(self, x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
+                    experts: torch.Tensor, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
+                    pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32) -> torch.Tensor:
+        """Same contract as `reference.moe_forward`; index tensors int32, weights and x fp32, all on the CPU.
+        `round_to=torch.bfloat16` rounds where a bf16 GPU expert rounds (projection outputs, silu, products),
+        so offloaded results track the resident ones more closely."""
+        if not self.supports(gate, up, down):
+            raise ValueError("the CPU expert kernel reads contiguous host F32/BF16/Q8_0 stacks only")
+        t, h = x.shape
+        inter = gate.shape[0]
+        x = x.float().contiguous()
+        experts, pair_offsets, pair_tokens = (a.to(torch.int32).contiguous()
+                                              for a in (experts, pair_offsets, pair_tokens))
+        pair_weights = pair_weights.float().contiguous()
+        act = torch.empty(pair_tokens.numel(), inter, dtype=torch.float32)
+        y = torch.empty(t, h, dtype=torch.float32)
+        strides = [m.data.stride(0) * m.data.element_size() for m in (gate, up, down)]
+        with self._call_lock:
+            rc = self.lib.ft_moe_forward(
+                gate.data.data_ptr(), up.data.data_ptr(), down.data.data_ptr(), *strides,
+                *(_TYPE_CODES[m.format] for m in (gate, up, down)),
+                experts.data_ptr(), experts.numel(), pair_offsets.data_ptr(), pair_tokens.data_ptr(),
+                pair_weights.data_ptr(), x.data_ptr(), act.data_ptr(), y.data_ptr(), t, h, inter,
+                int(round_to == torch.bfloat16))
+        if rc != 0:
+            raise ValueError(f"CPU expert kernel rejected the shapes (hidden {h}, intermediate {inter})")
+        return y
+
+    def read_bytes(self, buf: torch.Tensor) -> int:
+        """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""
+        with self._call_lock:
+            return self.lib.ft_read_bytes(buf.data_ptr(), buf.numel() * buf.element_size())

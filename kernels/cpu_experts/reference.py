@@ -1,0 +1,63 @@
+"""Plain-torch reference of the CPU expert kernel: the same function, the same signature, computed in fp32.
+
+`moe_forward` runs the listed experts of one layer on the tokens routed to them and returns the routing-weighted
+sum of their SwiGLU outputs. Weights are given as `ExpertMatrix` stacks exactly as the host store holds them
+(float tensors, or the raw bytes of a GGUF block format), so the fast kernel and this reference read the same
+memory.
+
+Shapes: T tokens, H hidden, I expert intermediate, E experts in the stack, n experts run, P (token, expert) pairs
+grouped by expert: pair_offsets[e]..pair_offsets[e+1] are the pairs of experts[e].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.kernels.gguf_dequant.reference import dequantize
+
+# Formats the fast kernel reads directly; the reference reads any format `dequantize` knows.
+KERNEL_FORMATS = ("F32", "BF16", "Q8_0")
+_TORCH_FORMATS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertMatrix:
+    """One projection of every expert of a layer: [E, out, in] floats, or [E, bytes] uint8 in a GGUF format."""
+
+    data: torch.Tensor
+    format: str  # "F32", "BF16", "F16", "Q8_0", ...
+    shape: tuple[int, int]  # (out, in) of one expert
+
+    @classmethod
+    def of(cls, stacked: torch.Tensor) -> ExpertMatrix:
+        """A float stack [E, out, in]."""
+        return cls(stacked, _TORCH_FORMATS[stacked.dtype], tuple(stacked.shape[1:]))
+
+    def expert(self, e: int) -> torch.Tensor:
+        """Expert e's matrix as fp32 [out, in]."""
+        if self.data.dtype == torch.uint8:
+            out, inp = self.shape
+            return dequantize(self.data[e], self.format, out * inp, torch.float32).view(out, inp)
+        return self.data[e].float()
+
+
+def moe_forward(x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
+                experts: torch.Tensor, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
+                pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [T, H] fp32 → y [T, H] fp32 = Σ_pairs weight · down(silu(gate x) · up x). `round_to` rounds the
+    projections' outputs, the silu and the products to that dtype, where a GPU expert in that dtype rounds."""
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(round_to).float()
+
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for i, e in enumerate(experts.tolist()):
+        lo, hi = int(pair_offsets[i]), int(pair_offsets[i + 1])
+        tokens = pair_tokens[lo:hi].long()
+        h = x[tokens].float()
+        act = r(r(F.silu(r(F.linear(h, gate.expert(e))))) * r(F.linear(h, up.expert(e))))
+        out = F.linear(act, down.expert(e))
+        y.index_add_(0, tokens, r(r(out) * r(pair_weights[lo:hi, None].float())))
+    return y

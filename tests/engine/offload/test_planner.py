@@ -1,0 +1,73 @@
+"""The miss planner splits misses between copy and CPU so a step is never much slower than the better pure path,
+and corrects a wrong seed from observed timings."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken.engine.offload.planner import LinearCost, MissPlanner
+
+MB = 10**6
+EXPERT = 9 * MB
+
+
+def true_seconds(path: str, nbytes: float, copy_gb_s: float, cpu_gb_s: float) -> float:
+    fixed, gb_s = (20e-6, copy_gb_s) if path == "copy" else (150e-6, cpu_gb_s)
+    return fixed + nbytes / (gb_s * 1e9) if nbytes else 0.0
+
+
+def step_seconds(split, copy_gb_s, cpu_gb_s) -> float:
+    return max(true_seconds("copy", len(split.copy) * EXPERT, copy_gb_s, cpu_gb_s),
+               true_seconds("cpu", len(split.cpu) * EXPERT, copy_gb_s, cpu_gb_s))
+
+
+def test_linear_cost_recovers_fixed_and_bandwidth():
+    cost = LinearCost(fixed=0.0, per_byte=1e-9)
+    for n in [1, 3, 8, 2, 5, 7, 4, 6] * 3:
+        cost.observe(n * EXPERT, 100e-6 + n * EXPERT / 40e9)
+    assert cost.gb_s == pytest.approx(40, rel=1e-3) and cost.fixed == pytest.approx(100e-6, rel=1e-2)
+
+
+@pytest.mark.parametrize("copy_gb_s, cpu_gb_s, expect_cpu", [(50, 1, (0, 0)), (1, 50, (8, 8)), (30, 30, (3, 5))])
+def test_split_follows_the_bandwidths(copy_gb_s, cpu_gb_s, expect_cpu):
+    planner = MissPlanner(copy_gb_s, cpu_gb_s, copy_fixed_s=20e-6, cpu_fixed_s=150e-6)
+    split = planner.split(list(range(8)), EXPERT)
+    assert expect_cpu[0] <= len(split.cpu) <= expect_cpu[1] and len(split.cpu) + len(split.copy) == 8
+    best_pure = min(true_seconds("copy", 8 * EXPERT, copy_gb_s, cpu_gb_s),
+                    true_seconds("cpu", 8 * EXPERT, copy_gb_s, cpu_gb_s))
+    assert step_seconds(split, copy_gb_s, cpu_gb_s) <= best_pure * 1.001
+
+
+def test_experts_with_more_tokens_are_copied_and_free_slots_are_filled():
+    planner = MissPlanner(30, 30)
+    tokens = {"a": 5, "b": 1, "c": 1, "d": 9}
+    split = planner.split(list(tokens), EXPERT, tokens_of=tokens.get)
+    assert split.copy[0] == "d" and "d" not in split.cpu and split.cpu  # busiest expert copied, some on CPU
+    assert not planner.split(list(tokens), EXPERT, tokens_of=tokens.get, min_copy=4).cpu
+
+
+@pytest.mark.parametrize("seed_cpu_gb_s", [500.0, 0.5])
+def test_a_wrong_seed_is_corrected_online(seed_cpu_gb_s):
+    """Seeded with a CPU bandwidth 25x off in either direction, the planner converges to within 10% of the
+    better pure strategy for the machine it actually runs on (copy 25 GB/s, CPU 20 GB/s)."""
+    copy_gb_s, cpu_gb_s = 25.0, 20.0
+    planner = MissPlanner(copy_gb_s, seed_cpu_gb_s)
+    for step in range(600):
+        split = planner.split(list(range(1 + step % 8)), EXPERT)
+        if split.copy:
+            planner.observe_copy(len(split.copy) * EXPERT, true_seconds("copy", len(split.copy) * EXPERT,
+                                                                       copy_gb_s, cpu_gb_s))
+        if split.cpu:
+            planner.observe_cpu(len(split.cpu) * EXPERT, true_seconds("cpu", len(split.cpu) * EXPERT,
+                                                                     copy_gb_s, cpu_gb_s))
+    assert planner.cpu.gb_s == pytest.approx(cpu_gb_s, rel=0.1)
+    split = planner.split(list(range(8)), EXPERT)
+    assert split.cpu and split.copy  # both paths pay on this machine
+    best_pure = min(true_seconds(p, 8 * EXPERT, copy_gb_s, cpu_gb_s) for p in ("copy", "cpu"))
+    assert step_seconds(split, copy_gb_s, cpu_gb_s) < 0.7 * best_pure  # hybrid beats both pure paths
+
+
+def test_an_unused_path_is_probed():
+    planner = MissPlanner(copy_gb_s=1000, cpu_gb_s=0.001)
+    cpu_counts = [len(planner.split([1, 2, 3], EXPERT).cpu) for _ in range(2 * MissPlanner.PROBE_EVERY + 2)]
+    assert sum(cpu_counts) == 2 and max(cpu_counts) == 1

@@ -1,0 +1,92 @@
+"""The CPU expert kernel computes the reference's function on random inputs, for every format it reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.kernels.cpu_experts import build, reference
+from freetoken.kernels.cpu_experts.bench import random_q8_0
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
+from freetoken.kernels.cpu_experts.reference import ExpertMatrix
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = CpuExpertKernel.get()
+    if k is None:
+        pytest.fail("the CPU expert kernel did not build: CI machines have a C compiler")
+    return k
+
+
+def _matrix(fmt: str, experts: int, out: int, inp: int, gen: torch.Generator) -> ExpertMatrix:
+    if fmt == "Q8_0":
+        return ExpertMatrix(random_q8_0(experts, out, inp, 0.1, gen), "Q8_0", (out, inp))
+    dtype = {"F32": torch.float32, "BF16": torch.bfloat16}[fmt]
+    return ExpertMatrix.of((torch.randn(experts, out, inp, generator=gen) * 0.1).to(dtype))
+
+
+def _routing(tokens: int, experts: int, k: int, gen: torch.Generator):
+    """Top-k routing of every token, grouped by expert (CSR), with one expert listed but given no tokens."""
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    listed = sorted(set(ids.flatten().tolist()) | {experts - 1})
+    offsets, pair_tokens = [0], []
+    for e in listed:
+        mine = (ids == e).any(dim=1).nonzero().flatten().tolist()
+        pair_tokens += mine
+        offsets.append(len(pair_tokens))
+    return (torch.tensor(listed, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
+            torch.tensor(pair_tokens, dtype=torch.int32), torch.rand(len(pair_tokens), generator=gen))
+
+
+@pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("Q8_0", "BF16", "F32")])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 11])
+@pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_reference(kernel, formats, tokens, round_to):
+    gen = torch.Generator().manual_seed(tokens * 7 + len(set(formats)))
+    hidden, inter, experts = 96, 64, 6
+    gate, up = (_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
+    down = _matrix(formats[2], experts, hidden, inter, gen)
+    x = torch.randn(tokens + 1, hidden, generator=gen)  # the last token is routed nowhere
+    routing = _routing(tokens, experts, 2, gen)
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to)
+    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=round_to)
+    assert torch.isfinite(got).all() and torch.equal(got[-1], torch.zeros(hidden))
+    tol = 1e-5 if round_to == torch.float32 else 2e-2  # bf16 rounding points can land on either side of a tie
+    assert (got - want).norm() / want.norm() < tol
+    assert torch.equal(got, kernel.moe_forward(x, gate, up, down, *routing, round_to=round_to))  # deterministic
+
+
+@pytest.mark.parametrize("hidden", [40, 17])
+def test_float_rows_of_any_length(kernel, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    gate, up, down = (_matrix("BF16", 3, o, i, gen) for o, i in ((24, hidden), (24, hidden), (hidden, 24)))
+    x = torch.randn(5, hidden, generator=gen)
+    routing = _routing(5, 3, 2, gen)
+    want = reference.moe_forward(x, gate, up, down, *routing)
+    assert torch.allclose(kernel.moe_forward(x, gate, up, down, *routing), want, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_formats_are_refused(kernel):
+    gen = torch.Generator().manual_seed(0)
+    half = ExpertMatrix.of(torch.randn(2, 8, 32, generator=gen).half())
+    assert not kernel.supports(half, half, half)
+    with pytest.raises(ValueError, match="F32/BF16/Q8_0"):
+        kernel.moe_forward(torch.randn(1, 32), half, half, half, *_routing(1, 2, 1, gen))
+
+
+def test_read_probe_reads_every_byte(kernel):
+    buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    assert kernel.read_bytes(buf) == int(np.bitwise_xor.reduce(buf.numpy().view(np.uint64)))
+
+
+def test_build_is_cached_and_failures_fall_back(tmp_path, monkeypatch, caplog):
+    first = build.build(tmp_path)
+    assert first is not None and build.build(tmp_path) == first and len(list(tmp_path.iterdir())) == 1
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails, with a different build key
+    monkeypatch.setattr(build, "_compiler", lambda: "/bin/false")
+    assert build.build(tmp_path / "other") is None
+    assert "plain-torch path" in caplog.text
+    monkeypatch.setenv("FREETOKEN_CPU_KERNEL", "0")
+    assert build.load(tmp_path) is None
