@@ -76,7 +76,8 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-def measure_ceilings(device: torch.device, expert_format: str, dtype: torch.dtype) -> Ceilings:
+def measure_ceilings(device: torch.device, expert_format: str, dtype: torch.dtype, mib: int = 1024) -> Ceilings:
+    """`mib`: bytes read by each probe; must be well past the last-level cache to measure DRAM."""
     from freetoken.kernels.cpu_experts import bench as kernel_bench
     from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, default_threads
 
@@ -86,8 +87,8 @@ def measure_ceilings(device: torch.device, expert_format: str, dtype: torch.dtyp
     if kernel is None:
         return Ceilings(h2d_bandwidth(device), float("nan"), float("nan"))
     gen = torch.Generator().manual_seed(0)
-    pool = 512 * 2**20 // (3 * kernel_bench.HIDDEN * kernel_bench.INTER) // 8 * 8
-    return Ceilings(h2d_bandwidth(device), kernel_bench.dram_read_gb_s(kernel),
+    pool = max(8, mib * 2**20 // (3 * kernel_bench.HIDDEN * kernel_bench.INTER * 2) // 8 * 8)
+    return Ceilings(h2d_bandwidth(device), kernel_bench.dram_read_gb_s(kernel, mib * 2**20),
                     kernel_bench.expert_gb_s(kernel, fmt, 1, pool, "kernel", gen))
 
 
@@ -141,7 +142,7 @@ def _graph_step(lm, cache):
 
 def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    ceilings = measure_ceilings(device, a.expert_format, dtype)
+    ceilings = measure_ceilings(device, a.expert_format, dtype, a.probe_mib)
     print(f"ceilings: {ceilings}", file=sys.stderr, flush=True)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
@@ -255,6 +256,8 @@ def main(argv: list[str]) -> int:
                    help="host-memory format of the experts (dense = --dtype)")
     p.add_argument("--skew", type=float, default=0.0,
                    help="Zipf exponent of expert popularity (0: near-uniform routing, the pessimistic case)")
+    p.add_argument("--probe-mib", type=int, default=1024,
+                   help="MiB each bandwidth probe reads (far past the last-level cache)")
     p.add_argument("--commit", default="unknown", help="commit hash to record in the result")
     p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
     a = p.parse_args(argv)

@@ -111,13 +111,14 @@ class ResidentExpertExecutor:
     """All routed experts resident on one device (the model's)."""
 
     capturable = True  # has a sync-free path, so decode steps can be captured in CUDA graphs
+    GATHER_PAIRS = 16  # up to this many (token, expert) pairs, gathering beats grouping (no sync, few launches)
 
     def __init__(self, layers: dict[int, LayerExperts]):
         self.layers = layers
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        if hidden.is_cuda and (topk_ids.numel() <= self.GATHER_PAIRS or torch.cuda.is_current_stream_capturing()):
             return gathered_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
         return grouped_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
 

@@ -29,7 +29,7 @@ def test_bench_decode_reports_every_strategy_with_equal_tokens(tmp_path, capsys)
     out = tmp_path / "d1.md"
     argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--context", "48", "--tokens", "6",
             "--budgets", "0,1MiB", "--strategies", "resident,copy,cpu,auto", "--policies", "freq,lru",
-            "--out", str(out)]
+            "--probe-mib", "64", "--out", str(out)]
     assert main(argv) == 0
     table = out.read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
@@ -82,11 +82,12 @@ def test_cache_replay_counts_decode_hits_of_a_recorded_trace():
 def test_bench_decode_with_q8_0_host_experts_is_lossless_and_moves_q8_0_bytes(tmp_path):
     out = tmp_path / "d1.md"
     argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--context", "48", "--tokens", "4",
-            "--budgets", "0", "--strategies", "resident,copy,cpu", "--expert-format", "Q8_0", "--out", str(out)]
+            "--budgets", "0", "--strategies", "resident,copy,cpu,auto", "--expert-format", "Q8_0", "--probe-mib", "64",
+            "--out", str(out)]
     assert main(argv) == 0
     table = out.read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 3 and all(r.rstrip(" |").endswith("yes") for r in rows)
+    assert len(rows) == 4 and all(r.rstrip(" |").endswith("yes") for r in rows)
     assert "Q8_0 experts in host memory" in table
 
 

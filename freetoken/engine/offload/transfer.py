@@ -2,8 +2,9 @@
 
 Copies run on their own CUDA stream so they overlap the compute stream's work (hits, earlier copied experts):
 one event per copied expert lets the compute stream start on an expert as soon as its own bytes have landed.
-Experts the cache cannot take this step go through a ring of staging buffers (double buffering): the copy into a
-buffer waits for the compute that last read it, through an event recorded on the compute stream.
+Experts the cache cannot take this step go through a ring of staging slots (at least double buffering): the copy
+into a staging slot waits for the compute that last read it, through an event recorded on the compute stream.
+The staging slots are the executor's, placed after the cache slots in one tensor so one gather reaches both.
 Quantized experts cross the link in their block format and are dequantized on the copy stream, into the slot.
 On the CPU (tests, CI) the same calls run synchronously with no streams.
 
@@ -34,7 +35,7 @@ class _Batch:
 
 class ExpertCopier:
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, dtype: torch.dtype,
-                 staging_buffers: int = 2):
+                 staging_slots: int = 2):
         first = next(iter(host.values()))
         self.host, self.device, self.dtype = host, device, dtype
         self.shapes = dict(first.shapes) if isinstance(first, QuantizedExperts) else \
@@ -43,8 +44,7 @@ class ExpertCopier:
         self.expert_bytes = first.expert_nbytes() if self.quantized else \
             sum(first.weights_of(0)[i].numel() for i in range(3)) * dtype.itemsize
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.staging = self.allocate(staging_buffers)
-        self._released: list[torch.cuda.Event | None] = [None] * staging_buffers
+        self._released: list[torch.cuda.Event | None] = [None] * staging_slots
         self._next_staging = 0
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
             self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
@@ -52,7 +52,7 @@ class ExpertCopier:
         self._timed: list[_Batch] = []
 
     @property
-    def staging_buffers(self) -> int:
+    def staging_slots(self) -> int:
         return len(self._released)
 
     def allocate(self, n: int) -> LayerExperts:
@@ -73,14 +73,15 @@ class ExpertCopier:
             self._copy(layer, expert, dest, slot)
             return self._record()
 
-    def to_staging(self, layer: int, expert: int) -> tuple[int, object]:
-        """Copies one expert into the next staging buffer (once its previous reader is done)."""
+    def to_staging(self, layer: int, expert: int, dest: LayerExperts, first: int) -> tuple[int, object]:
+        """Copies one expert into the next of the staging slots dest[first:first + staging_slots], once its
+        previous reader is done. Returns (ring index, what `wait` needs)."""
         i = self._next_staging
         self._next_staging = (i + 1) % len(self._released)
         with self._on_copy_stream():
             if self._released[i] is not None:
                 self.stream.wait_event(self._released[i])
-            self._copy(layer, expert, self.staging, i)
+            self._copy(layer, expert, dest, first + i)
             return i, self._record()
 
     def wait(self, done) -> None:
@@ -88,10 +89,17 @@ class ExpertCopier:
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
 
-    def release(self, staging: int) -> None:
-        """The compute stream has queued its last read of a staging buffer."""
+    def wait_all(self) -> None:
+        """Makes the compute stream wait for every copy issued so far."""
         if self.stream is not None:
-            self._released[staging] = torch.cuda.current_stream(self.device).record_event()
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def release(self, *staging: int) -> None:
+        """The compute stream has queued its last read of these staging slots (ring indices)."""
+        if self.stream is not None and staging:
+            event = torch.cuda.current_stream(self.device).record_event()
+            for i in staging:
+                self._released[i] = event
 
     def end(self) -> None:
         batch, self._batch = self._batch, None

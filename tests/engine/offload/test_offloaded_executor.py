@@ -51,6 +51,25 @@ def test_greedy_tokens_equal_the_resident_run(checkpoint, slots, policy, miss_pa
         assert c.hits > 0 and c.evictions > 0 and len(lm.experts.cache.slot_of) == slots
 
 
+@pytest.mark.parametrize("slots", [0, 3])
+@pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
+def test_the_gathered_decode_path_gives_the_resident_tokens(checkpoint, slots, miss_path):
+    """Decode steps gather their experts' slots (cache, staging and the zero slot for CPU pairs) into one batched
+    matmul; on CUDA that is the default for small batches, here it is switched on to check it on the CPU."""
+    path, resident, expected = checkpoint
+    per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(path, progress=False, expert_cache=slots * per_expert)
+    lm.experts.miss_path, lm.experts.gather_small_batches = miss_path, True
+    calls = []
+    gathered = lm.experts._forward_gathered
+    lm.experts._forward_gathered = lambda *a: calls.append(1) or gathered(*a)
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert len(calls) == (GREEDY.max_tokens - 1) * len(lm.moe_spec.moe_layers)  # every decode step, no prefill
+    c = lm.experts.counters
+    assert c.bytes_copied // per_expert + c.cpu_experts == c.misses
+    assert not any(t.abs().sum() for t in lm.experts.slots.weights_of(lm.experts.zero_slot))
+
+
 def test_a_cache_holding_every_expert_misses_each_expert_once(checkpoint):
     path, resident, expected = checkpoint
     spec = resident.moe_spec

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
+#   bash evals/scripts/h200_issue3.sh COMMIT PART     PART: tests | kernel | d1-bf16 | d1-q8 | d1-16k | prefill
+# The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
+set -uo pipefail
+commit=$1; shift
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .carry/whl/*.whl . \
+  >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH FREETOKEN_HOME=/tmp/ft
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    machine) nproc; lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node"; free -g | head -2
+             nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv ;;
+    tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" \
+             "$OLDPWD/tests/engine/offload" "$OLDPWD/tests/kernels" 2>&1 | tail -5) ;;
+    kernel) python3 -m freetoken.kernels.cpu_experts.bench --torch-baseline --json "$OUT/kernel.json" ;;
+    d1-bf16) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
+               --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
+    d1-q8) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
+             --expert-format Q8_0 --strategies copy,cpu,auto --commit "$commit" --out "$OUT/d1-q8-1k.md" ;;
+    d1-16k) ft bench decode --shape qwen3-30b-a3b --context 16384 --tokens 16 --budgets 0,8GiB,16GiB \
+              --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-16k.md" ;;
+  esac
+done
