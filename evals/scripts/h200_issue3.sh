@@ -15,7 +15,8 @@ for part in "$@"; do
              nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv ;;
     tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" \
              "$OLDPWD/tests/engine/offload" "$OLDPWD/tests/kernels" 2>&1 | tail -5) ;;
-    kernel) python3 -m freetoken.kernels.cpu_experts.bench --torch-baseline --json "$OUT/kernel.json" ;;
+    kernel) (cd /tmp && python3 -m freetoken.kernels.cpu_experts.bench --torch-baseline --json "$OUT/kernel.json"
+             FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench --batches 1 8) ;;
     d1-bf16) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
     d1-q8) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \

@@ -4,6 +4,11 @@ Eager decode of a small model is bound by launching a thousand-odd kernels per t
 graph launches them all at once. A step is captured per window W (powers of two from 256 up to the cache's
 capacity), the smallest window covering the sequence is replayed, and slots past the sequence are masked.
 Capture needs fixed tensor addresses, so the KV pools must not grow: the cache is allocated at full size.
+
+An executor that must look routing up on the host (offloaded experts) cannot be captured; then the step is
+captured in segments, cut at every routed-expert call: segment i runs everything from the previous MoE's output
+up to layer i's router, the executor runs eagerly on the segment's output tensors, and its result is copied into
+the static input of segment i+1. The dense work still replays from graphs; only the expert work is eager.
 """
 
 from __future__ import annotations
@@ -19,11 +24,51 @@ MIN_WINDOW = 256
 
 
 @dataclass(slots=True)
+class _Boundary:
+    """One routed-expert call between two segments, with the static tensors of both sides."""
+
+    layer: int
+    hidden: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    out: torch.Tensor  # the next segment reads the experts' output from here
+
+
+@dataclass(slots=True)
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graphs: list[torch.cuda.CUDAGraph]  # one, or one more than boundaries
+    boundaries: list[_Boundary]
     ctx: StaticDecodeAttention
     token: torch.Tensor  # [1] input buffer
     logits: torch.Tensor  # [1, V] output buffer
+
+    def replay(self, experts) -> None:
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            if i < len(self.boundaries):
+                b = self.boundaries[i]
+                b.out.copy_(experts.forward(b.layer, b.hidden, b.topk_ids, b.topk_weights))
+
+
+class _SegmentingExecutor:
+    """Stands in for the executor during a segmented capture: ends the running segment's capture at each call,
+    notes the call's tensors, and starts capturing the next segment, which reads a static output buffer."""
+
+    capturable = True
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.graphs = [torch.cuda.CUDAGraph()]
+        self.boundaries: list[_Boundary] = []
+
+    def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        self.graphs[-1].capture_end()
+        out = torch.empty_like(hidden)
+        self.boundaries.append(_Boundary(layer, hidden, topk_ids, topk_weights, out))
+        self.graphs.append(torch.cuda.CUDAGraph())
+        self.graphs[-1].capture_begin(pool=self.pool)
+        return out
 
 
 class GraphedDecoder:
@@ -48,7 +93,7 @@ class GraphedDecoder:
         entry = self.captured.get(window) or self._capture(window, seq)
         entry.ctx.prepare(seq)
         entry.token.fill_(token)
-        entry.graph.replay()
+        entry.replay(self.lm.experts)
         self.cache.commit(seq, 1)
         return entry.logits[0]
 
@@ -62,9 +107,29 @@ class GraphedDecoder:
             for _ in range(2):
                 self.lm.model(token, ctx, "last")
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.lm.model(token, ctx, "last")
-        entry = _Captured(graph, ctx, token, logits)
+        if getattr(self.lm.experts, "capturable", True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.lm.model(token, ctx, "last")
+            entry = _Captured([graph], [], ctx, token, logits)
+        else:
+            entry = self._capture_segments(ctx, token)
         self.captured[window] = entry
         return entry
+
+    def _capture_segments(self, ctx: StaticDecodeAttention, token: torch.Tensor) -> _Captured:
+        from freetoken.engine.loader import attach_experts
+
+        segmenter = _SegmentingExecutor(self.pool)
+        experts = self.lm.experts
+        attach_experts(self.lm.model, segmenter)
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):  # capture needs a side stream, as torch.cuda.graph uses
+                segmenter.graphs[0].capture_begin(pool=self.pool)
+                logits = self.lm.model(token, ctx, "last")
+                segmenter.graphs[-1].capture_end()
+        finally:
+            attach_experts(self.lm.model, experts)
+        torch.cuda.synchronize()
+        return _Captured(segmenter.graphs, segmenter.boundaries, ctx, token, logits)

@@ -48,7 +48,8 @@ class GenerationEvent:
 class Generator:
     """Generates for one sequence at a time over a KV cache it keeps between calls.
 
-    On CUDA, decode steps replay captured CUDA graphs (`cuda_graphs=None` means: when the model is on CUDA);
+    On CUDA, decode steps replay captured CUDA graphs (`cuda_graphs=None` means: when the model is on CUDA;
+    with offloaded experts the graphs are cut at each expert call, which runs eagerly);
     that needs the KV cache allocated up front, for `max_seq_len` tokens (default: the model's context, at most
     `DEFAULT_GRAPH_CAPACITY`). Elsewhere the cache grows with the sequence."""
 
@@ -57,8 +58,7 @@ class Generator:
     def __init__(self, lm: LoadedModel, *, prefill_chunk: int = 2048, page_size: int = 16,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None):
         self.lm, self.prefill_chunk, self.page_size = lm, prefill_chunk, page_size
-        capturable = getattr(lm.experts, "capturable", True)
-        self.use_graphs = lm.device.type == "cuda" and capturable if cuda_graphs is None else cuda_graphs
+        self.use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         default = min(lm.context_length, self.DEFAULT_GRAPH_CAPACITY) if self.use_graphs else lm.context_length
         self.capacity = min(max_seq_len or default, lm.context_length)
         self._cache: PagedKVCache | None = None

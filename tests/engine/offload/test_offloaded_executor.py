@@ -105,6 +105,11 @@ def test_on_cuda_pinned_host_experts_give_the_resident_tokens(family, tmp_path):
     host = next(iter(lm.experts.host.values()))
     assert host.gate_proj.is_pinned() and lm.experts.slots.gate_proj.is_cuda
     gen = Generator(lm)
-    assert not gen.use_graphs  # host-side routing cannot be captured
+    assert gen.use_graphs  # captured in segments cut at each expert call (host-side routing runs eagerly)
     assert gen.generate_ids(prompt_ids(), GREEDY) == expected
+    entry = next(iter(gen._graphs.captured.values()))
+    assert len(entry.graphs) == len(entry.boundaries) + 1 == len(lm.moe_spec.moe_layers) + 1
     assert lm.experts.counters.evictions > 0
+    for miss_path in ("cpu", "auto"):
+        lm.experts.miss_path = miss_path
+        assert gen.generate_ids(prompt_ids(), GREEDY) == expected
