@@ -18,6 +18,10 @@ for part in "$@"; do
              2>&1 | tail -5) ;;
     kernel) (cd /tmp && python3 -m freetoken.kernels.cpu_experts.bench --torch-baseline --json "$OUT/kernel.json"
              FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench --batches 1 8) ;;
+    kernel-pinned) (cd /tmp && FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench --batches 1 4 \
+             --pinned; grep -i huge /proc/meminfo; cat /sys/kernel/mm/transparent_hugepage/enabled) ;;
+    diag) ft bench decode --shape qwen3-30b-a3b --layers 12 --context 256 --tokens 16 --budgets 0 \
+            --strategies copy,cpu,auto --probe-mib 512 --commit "$commit" ;;
     d1-bf16) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
     d1-q8) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \

@@ -39,6 +39,8 @@ class Row:
     hit_rate: float | None = None
     copied_gb_per_token: float = 0.0
     cpu_gb_per_token: float = 0.0  # expert bytes the CPU read per token
+    pcie_gb_s: float | None = None  # achieved while copying (copy bytes / copy-stream busy time)
+    cpu_gb_s: float | None = None  # achieved while the CPU kernel ran
     floor_tok_s: float | None = None
     same_tokens: bool | None = None  # greedy tokens equal the first strategy's (lossless check)
 
@@ -197,7 +199,10 @@ def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, exe
     cpu = (after.cpu_experts - before.cpu_experts) * executor.expert_bytes / tokens
     miss_bytes = misses * executor.expert_bytes / tokens
     floor = ceilings.miss_gb_s() * 1e9 / miss_bytes if miss_bytes and ceilings.miss_gb_s() > 0 else None
-    return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), copied / 1e9, cpu / 1e9, floor)
+    copy_s, cpu_s = after.copy_seconds - before.copy_seconds, after.cpu_seconds - before.cpu_seconds
+    return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), copied / 1e9, cpu / 1e9,
+               copied * tokens / copy_s / 1e9 if copy_s > 0 else None,
+               cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor)
 
 
 def _format_row(r: Row) -> str:
@@ -205,8 +210,9 @@ def _format_row(r: Row) -> str:
     floor = "—" if r.floor_tok_s is None else f"{r.floor_tok_s:.2f}"
     of_floor = "—" if r.floor_tok_s is None else f"{r.tok_s / r.floor_tok_s:.0%}"
     same = {True: "yes", False: "no", None: "—"}[r.same_tokens]
+    pcie, cpu = ("—" if v is None else f"{v:.1f}" for v in (r.pcie_gb_s, r.cpu_gb_s))
     return (f"| {r.strategy} | {r.budget} | {r.tok_s:.2f} | {hit} | {r.copied_gb_per_token:.3f} | "
-            f"{r.cpu_gb_per_token:.3f} | {floor} | {of_floor} | {same} |")
+            f"{r.cpu_gb_per_token:.3f} | {pcie} | {cpu} | {floor} | {of_floor} | {same} |")
 
 
 def _routing(skew: float) -> str:
@@ -230,8 +236,8 @@ def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
         f"min(PCIe + CPU, DRAM) = {_gb(ceilings.miss_gb_s())}",
         "",
         "| strategy | expert budget | decode tok/s | hit rate | GB copied / token | GB read by CPU / token | "
-        "floor tok/s | of floor | same tokens as first row |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "PCIe GB/s while copying | CPU GB/s while computing | floor tok/s | of floor | same tokens as first row |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         *(_format_row(r) for r in rows),
     ]
     return "\n".join(lines) + "\n"

@@ -23,6 +23,10 @@ class ExpertStats:
     rejected: int = 0
     cpu_experts: int = 0
     bytes_copied: int = 0
+    copy_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    prefetched: int = 0
+    prefetch_used: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -58,7 +62,7 @@ def snapshot(lm, cache: PagedKVCache | None = None) -> EngineStats:
         slot_bytes = spec.bytes_per_expert(ex.dtype)
         experts = ExpertStats("offloaded", ex.cache.capacity, len(ex.cache.slot_of), spec.total_routed_experts,
                               slot_bytes, ex.expert_bytes, c.hits, c.misses, c.evictions, c.rejected, c.cpu_experts,
-                              c.bytes_copied)
+                              c.bytes_copied, c.copy_seconds, c.cpu_seconds, c.prefetched, c.prefetch_used)
     else:
         total = spec.total_routed_experts
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype))

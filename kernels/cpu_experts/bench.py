@@ -34,12 +34,16 @@ def random_q8_0(experts: int, out: int, inp: int, std: float, gen: torch.Generat
     return raw.reshape(experts, -1).contiguous()
 
 
-def expert_pool(fmt: str, experts: int, gen: torch.Generator) -> tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]:
+def expert_pool(fmt: str, experts: int, gen: torch.Generator,
+                pin: bool = False) -> tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]:
+    """`pin`: in page-locked memory, as the engine's host store keeps them (needs CUDA)."""
     shapes = ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))
     if fmt == "Q8_0":
-        return tuple(ExpertMatrix(random_q8_0(experts, o, i, 0.02, gen), "Q8_0", (o, i)) for o, i in shapes)
-    dtype = {"BF16": torch.bfloat16, "F32": torch.float32}[fmt]
-    return tuple(ExpertMatrix.of((torch.randn(experts, o, i, generator=gen) * 0.02).to(dtype)) for o, i in shapes)
+        mats = [ExpertMatrix(random_q8_0(experts, o, i, 0.02, gen), "Q8_0", (o, i)) for o, i in shapes]
+    else:
+        dtype = {"BF16": torch.bfloat16, "F32": torch.float32}[fmt]
+        mats = [ExpertMatrix.of((torch.randn(experts, o, i, generator=gen) * 0.02).to(dtype)) for o, i in shapes]
+    return tuple(ExpertMatrix(m.data.pin_memory(), m.format, m.shape) if pin else m for m in mats)
 
 
 def _median(fn, repeats: int) -> float:
@@ -57,8 +61,9 @@ def dram_read_gb_s(kernel: CpuExpertKernel, nbytes: int = 1 << 30) -> float:
     return nbytes / _median(lambda: kernel.read_bytes(buf), 7) / 1e9
 
 
-def expert_gb_s(kernel, fmt: str, batch: int, pool_experts: int, impl: str, gen: torch.Generator) -> float:
-    gate, up, down = expert_pool(fmt, pool_experts, gen)
+def expert_gb_s(kernel, fmt: str, batch: int, pool_experts: int, impl: str, gen: torch.Generator,
+                pin: bool = False) -> float:
+    gate, up, down = expert_pool(fmt, pool_experts, gen, pin)
     x = torch.randn(batch, HIDDEN, generator=gen)
     offsets = torch.arange(0, PER_CALL + 1, dtype=torch.int32) * batch
     tokens = torch.arange(batch, dtype=torch.int32).repeat(PER_CALL)
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--pool-mib", type=int, default=1024, help="expert bytes cycled through (≫ last-level cache)")
     p.add_argument("--torch-baseline", action="store_true", help="also time torch bf16 F.linear (slow)")
+    p.add_argument("--pinned", action="store_true", help="experts in page-locked memory, as the engine keeps them")
     p.add_argument("--json", help="write the rows here too")
     a = p.parse_args(argv)
     kernel = CpuExpertKernel.get()
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         impls = ["kernel"] + (["torch-bf16"] if a.torch_baseline and fmt == "BF16" else [])
         for batch in a.batches:
             for impl in impls:
-                gb_s = expert_gb_s(kernel, fmt, batch, pool, impl, gen)
+                gb_s = expert_gb_s(kernel, fmt, batch, pool, impl, gen, a.pinned)
                 rows.append(dict(format=fmt, batch=batch, impl=impl, gb_s=gb_s, dram_gb_s=dram))
                 print(f"{fmt:<7}{batch:>6}{impl:>12}{gb_s:>9.1f}{gb_s / dram:>9.0%}")
     if a.json:

@@ -93,6 +93,7 @@ class OffloadedExpertExecutor:
                 topk_weights: torch.Tensor) -> torch.Tensor:
         for nbytes, seconds in self.copier.finished_timings():
             self.planner.observe_copy(nbytes, seconds)
+            self.counters.copy_seconds += seconds
         if self.gather_small_batches and topk_ids.numel() <= self.copier.staging_slots:
             return self._forward_gathered(layer, hidden, topk_ids, topk_weights)
         return self._forward_grouped(layer, hidden, topk_ids, topk_weights)
@@ -155,6 +156,7 @@ class OffloadedExpertExecutor:
         y, seconds = on_cpu.result()
         self.planner.observe_cpu(count * self.expert_bytes, seconds)
         self.counters.cpu_experts += count
+        self.counters.cpu_seconds += seconds
         return out + y.to(out.device, out.dtype, non_blocking=True)
 
     # -- any batch (prefill): experts one by one, copies pipelined against compute --

@@ -21,6 +21,10 @@ class CacheCounters:
     bytes_copied: int = 0
     cpu_experts: int = 0  # misses computed on the host instead of copied
     rejected: int = 0  # misses the policy streamed rather than admit (admission control)
+    copy_seconds: float = 0.0  # time the copy stream spent on copies (completed ones)
+    cpu_seconds: float = 0.0  # time the CPU expert kernel ran (wall, all its threads)
+    prefetched: int = 0  # experts copied ahead of their layer on a prediction
+    prefetch_used: int = 0  # of those, the ones their layer then routed to
 
     @property
     def hit_rate(self) -> float:
