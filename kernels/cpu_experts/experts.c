@@ -223,8 +223,9 @@ static long now_ns(void) {
 }
 
 static void *worker(void *arg) {
-    (void)arg;
-    unsigned seen = atomic_load(&pool.generation);
+    /* The generation current when the pool was started, not when this thread first runs: a job posted in
+       between must not be mistaken for one already done. */
+    unsigned seen = (unsigned)(uintptr_t)arg;
     for (;;) {
         long until = now_ns() + SPIN_NS;
         for (int spin = 0; atomic_load(&pool.generation) == seen; spin++) {
@@ -249,7 +250,8 @@ int ft_pool_start(int threads) {
     if (pool.nworkers == 0 && threads > 1) {
         if (threads > MAX_THREADS) threads = MAX_THREADS;
         for (int i = 0; i < threads - 1; i++) {
-            if (pthread_create(&pool.threads[i], NULL, worker, NULL) != 0) break;
+            void *generation = (void *)(uintptr_t)atomic_load(&pool.generation);
+            if (pthread_create(&pool.threads[i], NULL, worker, generation) != 0) break;
             pthread_detach(pool.threads[i]);
             pool.nworkers++;
         }
