@@ -23,9 +23,11 @@ for part in "$@"; do
     diag) ft bench decode --shape qwen3-30b-a3b --layers 12 --context 256 --tokens 16 --budgets 0 \
             --strategies copy,cpu,auto --probe-mib 512 --commit "$commit" ;;
     d1-bf16) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
-               --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
-    d1-q8) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
-             --expert-format Q8_0 --strategies copy,cpu,auto --commit "$commit" --out "$OUT/d1-q8-1k.md" ;;
+               --strategies resident-graphs,copy,cpu,auto,auto-noprefetch --commit "$commit" \
+               --out "$OUT/d1-bf16-1k.md" ;;
+    d1-q8) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB \
+             --expert-format Q8_0 --strategies copy,cpu,auto --probe-mib 512 --commit "$commit" \
+             --out "$OUT/d1-q8-1k.md" ;;
     d1-16k) ft bench decode --shape qwen3-30b-a3b --context 16384 --tokens 16 --budgets 0,8GiB,16GiB \
               --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-16k.md" ;;
   esac

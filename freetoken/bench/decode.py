@@ -3,10 +3,11 @@
 Strategies: `resident` (every expert on the device: the upper bound), `resident-graphs` (the same, decode steps
 replayed as CUDA graphs), `copy` (fetch-on-demand into the expert cache of each --budgets size; at budget 0 the
 naive baseline), `cpu` (every miss computed on the host: the CPU-only baseline), `auto` (the product: the miss
-planner splits misses between copies and the CPU, overlapped). The prompt is prefilled with the copy path for
-every strategy; only decode is timed. Each row reports tok/s, the decode hit rate, the bytes each path moved per
-token and the physical floor: miss bytes over min(PCIe + CPU-kernel bandwidth, DRAM read bandwidth), all three
-measured at the start of the run (both miss paths read host DRAM; DESIGN.md §1).
+planner splits misses between copies and the CPU, overlapped, with next-layer prefetch), `auto-noprefetch`.
+The prompt is prefilled with the copy path for every strategy; only decode is timed. Each row reports tok/s,
+the decode hit rate, the bytes each path moved per token, the achieved bandwidths and the physical floor: miss
+bytes over min(PCIe + CPU-kernel bandwidth, DRAM read bandwidth), all three measured at the start of the run
+(both miss paths read host DRAM; DESIGN.md §1).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Row:
     pcie_gb_s: float | None = None  # achieved while copying (copy bytes / copy-stream busy time)
     cpu_gb_s: float | None = None  # achieved while the CPU kernel ran
     floor_tok_s: float | None = None
+    prefetch: str = "—"  # used / prefetched
     same_tokens: bool | None = None  # greedy tokens equal the first strategy's (lossless check)
 
 
@@ -154,11 +156,13 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
         # The cpu path never admits into the cache, so only its budget-0 form (CPU-only) is meaningful.
         budgets = {"resident": ["all"], "resident-graphs": ["all"], "cpu": ["0"]}.get(strategy, a.budgets)
         policies = a.policies if strategy in ("copy", "auto") else a.policies[:1]
+        miss_path = strategy.removesuffix("-noprefetch")
         for budget, policy in ((b, p) for b in budgets for p in policies):
             if strategy.startswith("resident"):
                 executor = ResidentExpertExecutor({layer: _on_device(le, device, dtype) for layer, le in host.items()})
             else:
-                executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, strategy)
+                executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, miss_path)
+                executor.prefetch = strategy == "auto"
                 if ceilings.h2d and ceilings.cpu_experts > 0:  # seed the planner with this run's measurements
                     executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
             attach_experts(lm.model, executor)
@@ -166,7 +170,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             # every strategy but the eager `resident` reference decodes through CUDA graphs (segmented when the
             # executor routes on the host), as the engine does
             graphs = device.type == "cuda" and strategy != "resident"
-            tok_s, before, after, produced = run_decode(lm, a.context, a.tokens, strategy, graphs=graphs)
+            tok_s, before, after, produced = run_decode(lm, a.context, a.tokens, miss_path, graphs=graphs)
             reference = reference or produced
             label = f"{strategy} ({policy})" if strategy in ("copy", "auto") and len(policies) > 1 else strategy
             rows.append(_row(label, budget, tok_s, before, after, a.tokens, ceilings, executor))
@@ -200,9 +204,11 @@ def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, exe
     miss_bytes = misses * executor.expert_bytes / tokens
     floor = ceilings.miss_gb_s() * 1e9 / miss_bytes if miss_bytes and ceilings.miss_gb_s() > 0 else None
     copy_s, cpu_s = after.copy_seconds - before.copy_seconds, after.cpu_seconds - before.cpu_seconds
+    prefetched, used = after.prefetched - before.prefetched, after.prefetch_used - before.prefetch_used
     return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), copied / 1e9, cpu / 1e9,
                copied * tokens / copy_s / 1e9 if copy_s > 0 else None,
-               cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor)
+               cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor,
+               f"{used / prefetched:.0%} of {prefetched / tokens:.1f}" if prefetched else "—")
 
 
 def _format_row(r: Row) -> str:
@@ -212,7 +218,7 @@ def _format_row(r: Row) -> str:
     same = {True: "yes", False: "no", None: "—"}[r.same_tokens]
     pcie, cpu = ("—" if v is None else f"{v:.1f}" for v in (r.pcie_gb_s, r.cpu_gb_s))
     return (f"| {r.strategy} | {r.budget} | {r.tok_s:.2f} | {hit} | {r.copied_gb_per_token:.3f} | "
-            f"{r.cpu_gb_per_token:.3f} | {pcie} | {cpu} | {floor} | {of_floor} | {same} |")
+            f"{r.cpu_gb_per_token:.3f} | {pcie} | {cpu} | {r.prefetch} | {floor} | {of_floor} | {same} |")
 
 
 def _routing(skew: float) -> str:
@@ -236,8 +242,9 @@ def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
         f"min(PCIe + CPU, DRAM) = {_gb(ceilings.miss_gb_s())}",
         "",
         "| strategy | expert budget | decode tok/s | hit rate | GB copied / token | GB read by CPU / token | "
-        "PCIe GB/s while copying | CPU GB/s while computing | floor tok/s | of floor | same tokens as first row |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "PCIe GB/s while copying | CPU GB/s while computing | prefetches used (per token) | floor tok/s | "
+        "of floor | same tokens as first row |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         *(_format_row(r) for r in rows),
     ]
     return "\n".join(lines) + "\n"
@@ -257,7 +264,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")
     p.add_argument("--strategies", default="resident,copy,cpu,auto",
-                   help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto")
+                   help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto, auto-noprefetch")
     p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"],

@@ -176,6 +176,11 @@ def no_param_init():
 
 
 def attach_experts(model: DecoderModel, experts: ExpertExecutor | None) -> None:
+    """Points every MoE block at `experts`; an executor that predicts routing (prefetch) also gets the routers."""
+    routers = {}
     for module in model.modules():
         if hasattr(module, "experts") and hasattr(module, "top_k"):
             module.experts = experts
+            routers[module.layer_idx] = (module.gate.weight, module.top_k)
+    if hasattr(experts, "set_routers"):
+        experts.set_routers(routers)

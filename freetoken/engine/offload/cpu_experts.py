@@ -45,6 +45,26 @@ class CpuExpertRunner:
         cpu_groups = [ExpertGroup(g.expert, g.tokens.cpu(), g.weights.cpu()) for g in groups]
         return self._worker.submit(self._run, layer, x, cpu_groups)
 
+    def run_pairs(self, layer: int, x: torch.Tensor, experts: list[int], pairs: list[list[tuple[int, int]]],
+                  weights: list[list[float]]) -> tuple[torch.Tensor, float]:
+        """Runs now, on this thread: experts[i] on the (token, k) pairs[i], weighted by weights[token][k].
+        x [T, H] fp32 on the CPU. Returns (out [T, H] fp32, seconds)."""
+        t0 = time.perf_counter()
+        gate, up, down = self.matrices[layer]
+        if self.kernel is not None and self.kernel.supports(gate, up, down):
+            offsets = [0]
+            for p in pairs:
+                offsets.append(offsets[-1] + len(p))
+            y = self.kernel.moe_forward(
+                x, gate, up, down, torch.tensor(experts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
+                torch.tensor([t for p in pairs for t, _ in p], dtype=torch.int32),
+                torch.tensor([weights[t][k] for p in pairs for t, k in p]), round_to=self.dtype)
+            return y, time.perf_counter() - t0
+        groups = [ExpertGroup(e, torch.tensor([t for t, _ in p]), torch.tensor([weights[t][k] for t, k in p]))
+                  for e, p in zip(experts, pairs, strict=True)]
+        y, _ = self._run(layer, x, groups)
+        return y, time.perf_counter() - t0
+
     def _run(self, layer: int, x: torch.Tensor, groups: list[ExpertGroup]) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
         gate, up, down = self.matrices[layer]

@@ -62,6 +62,18 @@ class OffloadedExpertExecutor:
         # instead of several per expert. On the CPU the gather would copy weights for nothing.
         self.gather_small_batches = self.device.type == "cuda"
         self._cpu: CpuExpertRunner | None = None  # started on first use: a thread pool and maybe a compile
+        # Next-layer prefetch: layer L's MoE input through layer L+1's router predicts L+1's experts; their
+        # copies start while L still computes. Needs the routers (attach_experts gives them) and cache slots.
+        self.prefetch = True
+        self._routers: dict[int, tuple[torch.Tensor, int]] = {}
+        self._next_layer: dict[int, int] = {}
+        self._prefetched: set[tuple[int, int]] = set()
+
+    def set_routers(self, routers: dict[int, tuple[torch.Tensor, int]]) -> None:
+        """layer → (router weight [E, H], top-k), for predicting the next layer's experts."""
+        self._routers = routers
+        layers = sorted(routers)
+        self._next_layer = dict(zip(layers, layers[1:], strict=False))
 
     def _allocate_slots(self, capacity: int) -> LayerExperts:
         """[cache slots | staging slots | one zero slot]. The zero slot stands in for pairs computed elsewhere
@@ -102,11 +114,19 @@ class OffloadedExpertExecutor:
 
     def _forward_gathered(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> torch.Tensor:
-        ids = topk_ids.tolist()
+        """Order matters: every GPU operation (copies, then the gathered matmul waiting on them) is queued before
+        the CPU experts run on this thread, so the GPU, the copy engine and the CPU work at the same time."""
+        next_layer = self._next_layer.get(layer) if self.prefetch and self.cache.capacity else None
+        predicted = None
+        if next_layer is not None:
+            weight, k = self._routers[next_layer]
+            predicted = torch.topk(hidden @ weight.t(), k, dim=-1).indices  # softmax keeps the order
+        ids, weights, x, predicted = self._to_host(topk_ids, topk_weights, hidden, predicted)
         tokens_of: dict[int, list[int]] = {}
         for t, row in enumerate(ids):
             for e in row:
                 tokens_of.setdefault(e, []).append(t)
+        self._count_prefetch_use(layer, tokens_of)
         self.cache.begin_step((layer, e) for e in tokens_of)
         slot_of, misses = {}, []
         for e in tokens_of:
@@ -116,7 +136,6 @@ class OffloadedExpertExecutor:
             else:
                 slot_of[e] = slot
         to_copy, to_cpu = self._plan(misses, lambda e: len(tokens_of[e]))
-        on_cpu = self._submit_cpu(layer, hidden, to_cpu, ids, topk_weights)
         copier = self.copier
         copier.begin()
         staged = []
@@ -136,27 +155,61 @@ class OffloadedExpertExecutor:
                                       topk_weights)
         copier.release(*staged)
         self.counters.bytes_copied += len(to_copy) * self.expert_bytes
-        return self._add_cpu(out, on_cpu, len(to_cpu))
+        if predicted is not None:
+            self._prefetch(next_layer, {e for row in predicted for e in row})
+        if to_cpu:
+            pairs = [[(t, k) for t, row in enumerate(ids) for k, x_e in enumerate(row) if x_e == e] for e in to_cpu]
+            y, seconds = self.cpu.run_pairs(layer, x, to_cpu, pairs, weights)
+            self._count_cpu(len(to_cpu), seconds)
+            out = out + y.to(out.device, out.dtype, non_blocking=True)
+        return out
 
-    def _submit_cpu(self, layer: int, hidden: torch.Tensor, experts: list[int], ids: list[list[int]],
-                    topk_weights: torch.Tensor):
-        if not experts:
-            return None
-        weights = topk_weights.float().cpu()
-        groups = []
-        for e in experts:
-            pairs = [(t, k) for t, row in enumerate(ids) for k, x in enumerate(row) if x == e]
-            groups.append(ExpertGroup(e, torch.tensor([t for t, _ in pairs]),
-                                      torch.stack([weights[t, k] for t, k in pairs])))
-        return self.cpu.submit(layer, hidden, groups)
+    def _to_host(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden: torch.Tensor,
+                 predicted: torch.Tensor | None):
+        """Routing, the prediction, and (when the CPU may compute) the activations on the host, behind one
+        synchronisation. Returns (ids, weights, x fp32 or None, predicted ids or None) as lists / tensors."""
+        need_x = self.miss_path != "copy"
+        tensors = [topk_ids, topk_weights, hidden if need_x else None, predicted]
+        if hidden.is_cuda:
+            tensors = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+            torch.cuda.current_stream(hidden.device).synchronize()
+        ids, weights, x, pred = tensors
+        return (ids.tolist(), weights.float().tolist(), None if x is None else x.float(),
+                None if pred is None else pred.tolist())
+
+    def _prefetch(self, layer: int, experts: set[int]) -> None:
+        """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
+        this layer's compute (a victim's slot may still be read by it)."""
+        copier = self.copier
+        copier.begin()
+        for e in sorted(experts):
+            key = (layer, e)
+            if key in self.cache.slot_of:
+                continue
+            admitted = self.cache.admit(key)
+            if admitted is None:
+                break  # every slot holds this step's experts
+            copier.to_slot(layer, e, self.slots, admitted[0])
+            self._prefetched.add(key)
+            self.counters.prefetched += 1
+            self.counters.bytes_copied += self.expert_bytes
+        copier.end()
+
+    def _count_prefetch_use(self, layer: int, routed: dict[int, list[int]]) -> None:
+        if self._prefetched:
+            self.counters.prefetch_used += sum((layer, e) in self._prefetched for e in routed)
+            self._prefetched = {key for key in self._prefetched if key[0] != layer}
+
+    def _count_cpu(self, count: int, seconds: float) -> None:
+        self.planner.observe_cpu(count * self.expert_bytes, seconds)
+        self.counters.cpu_experts += count
+        self.counters.cpu_seconds += seconds
 
     def _add_cpu(self, out: torch.Tensor, on_cpu, count: int) -> torch.Tensor:
         if on_cpu is None:
             return out
         y, seconds = on_cpu.result()
-        self.planner.observe_cpu(count * self.expert_bytes, seconds)
-        self.counters.cpu_experts += count
-        self.counters.cpu_seconds += seconds
+        self._count_cpu(count, seconds)
         return out + y.to(out.device, out.dtype, non_blocking=True)
 
     # -- any batch (prefill): experts one by one, copies pipelined against compute --

@@ -66,8 +66,12 @@ def test_the_gathered_decode_path_gives_the_resident_tokens(checkpoint, slots, m
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     assert len(calls) == (GREEDY.max_tokens - 1) * len(lm.moe_spec.moe_layers)  # every decode step, no prefill
     c = lm.experts.counters
-    assert c.bytes_copied // per_expert + c.cpu_experts == c.misses
+    assert c.bytes_copied // per_expert + c.cpu_experts == c.misses + c.prefetched  # prefetches are extra copies
     assert not any(t.abs().sum() for t in lm.experts.slots.weights_of(lm.experts.zero_slot))
+    if slots:  # next-layer prefetch runs when there are cache slots to fill, and some predictions come true
+        assert 0 < c.prefetch_used <= c.prefetched
+    else:
+        assert c.prefetched == 0
 
 
 def test_a_cache_holding_every_expert_misses_each_expert_once(checkpoint):
