@@ -7,7 +7,8 @@ planner splits misses between copies and the CPU, overlapped, with next-layer pr
 The prompt is prefilled with the copy path for every strategy; only decode is timed. Each row reports tok/s,
 the decode hit rate, the bytes each path moved per token, the achieved bandwidths and the physical floor: miss
 bytes over min(PCIe + CPU-kernel bandwidth, DRAM read bandwidth), all three measured at the start of the run
-(both miss paths read host DRAM; DESIGN.md §1).
+(both miss paths read host DRAM; DESIGN.md §1), plus the resident work (a `resident-graphs` row's time per token,
+when the run has one).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Row:
     pcie_gb_s: float | None = None  # achieved while copying (copy bytes / copy-stream busy time)
     cpu_gb_s: float | None = None  # achieved while the CPU kernel ran
     floor_tok_s: float | None = None
+    miss_gb_per_token: float = 0.0
     prefetch: str = "—"  # used / prefetched
     same_tokens: bool | None = None  # greedy tokens equal the first strategy's (lossless check)
 
@@ -181,7 +183,18 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             attach_experts(lm.model, None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    _add_resident_work(rows, ceilings)
     return rows, ceilings
+
+
+def _add_resident_work(rows: list[Row], ceilings: Ceilings) -> None:
+    """The floor is miss time plus the work every token needs anyway (the resident run's time per token)."""
+    resident = next((r for r in rows if r.strategy == "resident-graphs"), None)
+    if resident is None or ceilings.miss_gb_s() <= 0:
+        return
+    for r in rows:
+        if r.floor_tok_s is not None:
+            r.floor_tok_s = 1 / (1 / resident.tok_s + r.miss_gb_per_token / ceilings.miss_gb_s())
 
 
 def _on_device(le: LayerExperts | QuantizedExperts, device: torch.device, dtype: torch.dtype) -> LayerExperts:
@@ -207,7 +220,7 @@ def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, exe
     prefetched, used = after.prefetched - before.prefetched, after.prefetch_used - before.prefetch_used
     return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), copied / 1e9, cpu / 1e9,
                copied * tokens / copy_s / 1e9 if copy_s > 0 else None,
-               cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor,
+               cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor, miss_bytes / 1e9,
                f"{used / prefetched:.0%} of {prefetched / tokens:.1f}" if prefetched else "—")
 
 
@@ -238,7 +251,7 @@ def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
         f"{_routing(a.skew)}; decode teacher-forced with random tokens; on CUDA every row but `resident` "
         "decodes through CUDA graphs (cut at each expert call when experts are offloaded)",
         f"- measured in this run: pinned host→device {_gb(ceilings.h2d)}, host DRAM read {_gb(ceilings.dram_read)}, "
-        f"CPU expert kernel {_gb(ceilings.cpu_experts)} (batch 1); floor = miss bytes / "
+        f"CPU expert kernel {_gb(ceilings.cpu_experts)} (batch 1); floor = resident-graphs time + miss bytes / "
         f"min(PCIe + CPU, DRAM) = {_gb(ceilings.miss_gb_s())}",
         "",
         "| strategy | expert budget | decode tok/s | hit rate | GB copied / token | GB read by CPU / token | "

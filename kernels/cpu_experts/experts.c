@@ -260,8 +260,9 @@ int ft_pool_start(int threads) {
     return pool.nworkers + 1;
 }
 
-/* Runs fn(ctx, 0..ntasks-1) on the pool and returns when all are done. Not reentrant: one caller at a time. */
-static void parallel_for(task_fn fn, void *ctx, int ntasks) {
+/* Posts fn(ctx, 0..ntasks-1) to the workers and returns at once; `parallel_wait` joins in and returns when all
+   are done. Not reentrant: one job at a time, posted and waited for by one caller. */
+static void parallel_start(task_fn fn, void *ctx, int ntasks) {
     pool.fn = fn;
     pool.ctx = ctx;
     pool.ntasks = ntasks;
@@ -271,8 +272,16 @@ static void parallel_for(task_fn fn, void *ctx, int ntasks) {
     atomic_fetch_add(&pool.generation, 1);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.mu);
+}
+
+static void parallel_wait(void) {
     run_tasks();
     while (atomic_load(&pool.busy) > 0) CPU_RELAX();
+}
+
+static void parallel_for(task_fn fn, void *ctx, int ntasks) {
+    parallel_start(fn, ctx, ntasks);
+    parallel_wait();
 }
 
 /* ---- one layer's experts ---- */
@@ -355,24 +364,59 @@ static void phase_down(void *ctx, int task) {
     }
 }
 
-/* y[T, H] = sum over the given experts of routing weight * SwiGLU expert(x). Returns 0, or -1 on bad arguments. */
-int ft_moe_forward(const void *gate, const void *up, const void *down,
-                   int64_t gate_stride, int64_t up_stride, int64_t down_stride,
-                   int gate_type, int up_type, int down_type,
-                   const int32_t *experts, int n_experts, const int32_t *pair_offsets,
-                   const int32_t *pair_tokens, const float *pair_weights,
-                   const float *x, float *act, float *y, int tokens, int hidden, int inter, int bf16_rounding) {
+/* Both phases as one job: phase-1 tasks are numbered first, and a worker that draws a phase-2 task waits until
+   every phase-1 task has finished (all were drawn before it, so this cannot deadlock). One wake-up per layer. */
+typedef struct {
+    moe_job job;
+    int phase1_tasks, phase2_tasks;
+    atomic_int phase1_done, phase2_done;
+    long start_ns, end_ns;  /* when the job was posted and when its last task finished */
+} moe_run;
+
+static moe_run current;  /* the job in flight between ft_moe_start and ft_moe_wait */
+
+static void moe_task(void *ctx, int task) {
+    moe_run *run = ctx;
+    if (task < run->phase1_tasks) {
+        phase_gate_up(&run->job, task);
+        atomic_fetch_add(&run->phase1_done, 1);
+        return;
+    }
+    while (atomic_load(&run->phase1_done) < run->phase1_tasks) CPU_RELAX();
+    phase_down(&run->job, task - run->phase1_tasks);
+    if (atomic_fetch_add(&run->phase2_done, 1) + 1 == run->phase2_tasks) run->end_ns = now_ns();
+}
+
+/* Starts y[T, H] = sum over the given experts of routing weight * SwiGLU expert(x) on the pool's workers and
+   returns at once (the caller may queue GPU work meanwhile); ft_moe_wait joins in and returns when y is ready.
+   Every buffer must stay alive until then. Returns 0, or -1 on bad arguments (nothing started). */
+int ft_moe_start(const void *gate, const void *up, const void *down,
+                 int64_t gate_stride, int64_t up_stride, int64_t down_stride,
+                 int gate_type, int up_type, int down_type,
+                 const int32_t *experts, int n_experts, const int32_t *pair_offsets,
+                 const int32_t *pair_tokens, const float *pair_weights,
+                 const float *x, float *act, float *y, int tokens, int hidden, int inter, int bf16_rounding) {
     for (int i = 0; i < 3; i++) {
         int type = (int[]){gate_type, up_type, down_type}[i], k = i < 2 ? hidden : inter;
         if (type < FT_F32 || type > FT_Q8_0 || (type == FT_Q8_0 && k % Q8_BLOCK)) return -1;
     }
-    moe_job j = {gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
-                 experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden, inter,
-                 bf16_rounding};
-    int blocks = (inter + ROW_BLOCK - 1) / ROW_BLOCK;
-    if (n_experts > 0) parallel_for(phase_gate_up, &j, n_experts * blocks);
-    parallel_for(phase_down, &j, (hidden + ROW_BLOCK - 1) / ROW_BLOCK);
+    current.job = (moe_job){gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
+                            experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden,
+                            inter, bf16_rounding};
+    current.phase1_tasks = n_experts * ((inter + ROW_BLOCK - 1) / ROW_BLOCK);
+    current.phase2_tasks = (hidden + ROW_BLOCK - 1) / ROW_BLOCK;
+    atomic_store(&current.phase1_done, 0);
+    atomic_store(&current.phase2_done, 0);
+    current.start_ns = now_ns();
+    parallel_start(moe_task, &current, current.phase1_tasks + current.phase2_tasks);
     return 0;
+}
+
+/* Waits for the started job; returns the seconds it took from posting to its last task (the compute time,
+   whatever the caller did meanwhile). */
+double ft_moe_wait(void) {
+    parallel_wait();
+    return (current.end_ns - current.start_ns) / 1e9;
 }
 
 /* ---- DRAM read bandwidth probe: the ceiling the expert kernel is judged against ---- */

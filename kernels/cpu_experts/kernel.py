@@ -32,6 +32,22 @@ def _default_build_dir():
     return cache_dir() / "kernels"
 
 
+class PendingExperts:
+    """A started `moe_forward`; `wait()` joins the workers and returns y [T, H] fp32. `seconds` is then the
+    job's compute time, from posting to its last task, whatever the caller did meanwhile."""
+
+    def __init__(self, kernel: CpuExpertKernel, y: torch.Tensor, keep_alive: tuple):
+        self._kernel, self._y, self._keep_alive = kernel, y, keep_alive
+        self.seconds = 0.0
+
+    def wait(self) -> torch.Tensor:
+        if self._keep_alive is not None:
+            self.seconds = self._kernel.lib.ft_moe_wait()
+            self._keep_alive = None
+            self._kernel._call_lock.release()
+        return self._y
+
+
 class CpuExpertKernel:
     _instance: ClassVar[CpuExpertKernel | None] = None
     _tried: ClassVar[bool] = False
@@ -63,6 +79,13 @@ class CpuExpertKernel:
         """Same contract as `reference.moe_forward`; index tensors int32, weights and x fp32, all on the CPU.
         `round_to=torch.bfloat16` rounds where a bf16 GPU expert rounds (projection outputs, silu, products),
         so offloaded results track the resident ones more closely."""
+        return self.start(x, gate, up, down, experts, pair_offsets, pair_tokens, pair_weights, round_to).wait()
+
+    def start(self, x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
+              experts: torch.Tensor, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
+              pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32) -> PendingExperts:
+        """`moe_forward` started on the pool's workers; returns at once. Call `.wait()` for the result; until
+        then no other call may use the kernel (the lock is held)."""
         if not self.supports(gate, up, down):
             raise ValueError("the CPU expert kernel reads contiguous host F32/BF16/Q8_0 stacks only")
         t, h = x.shape
@@ -74,16 +97,18 @@ class CpuExpertKernel:
         act = torch.empty(pair_tokens.numel(), inter, dtype=torch.float32)
         y = torch.empty(t, h, dtype=torch.float32)
         strides = [m.data.stride(0) * m.data.element_size() for m in (gate, up, down)]
-        with self._call_lock:
-            rc = self.lib.ft_moe_forward(
-                gate.data.data_ptr(), up.data.data_ptr(), down.data.data_ptr(), *strides,
-                *(_TYPE_CODES[m.format] for m in (gate, up, down)),
-                experts.data_ptr(), experts.numel(), pair_offsets.data_ptr(), pair_tokens.data_ptr(),
-                pair_weights.data_ptr(), x.data_ptr(), act.data_ptr(), y.data_ptr(), t, h, inter,
-                int(round_to == torch.bfloat16))
+        self._call_lock.acquire()
+        rc = self.lib.ft_moe_start(
+            gate.data.data_ptr(), up.data.data_ptr(), down.data.data_ptr(), *strides,
+            *(_TYPE_CODES[m.format] for m in (gate, up, down)),
+            experts.data_ptr(), experts.numel(), pair_offsets.data_ptr(), pair_tokens.data_ptr(),
+            pair_weights.data_ptr(), x.data_ptr(), act.data_ptr(), y.data_ptr(), t, h, inter,
+            int(round_to == torch.bfloat16))
         if rc != 0:
+            self._call_lock.release()
             raise ValueError(f"CPU expert kernel rejected the shapes (hidden {h}, intermediate {inter})")
-        return y
+        # every buffer the workers read or write stays referenced until wait()
+        return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act))
 
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""

@@ -20,6 +20,11 @@ from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, default_thread
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
 
 
+class _Started:
+    def __init__(self, finish):
+        self.wait = finish
+
+
 def expert_matrices(layer: LayerExperts | QuantizedExperts) -> tuple[ExpertMatrix, ...]:
     if isinstance(layer, QuantizedExperts):
         return tuple(ExpertMatrix(layer.raw[p], layer.type_names[p], layer.shapes[p]) for p in PROJECTIONS)
@@ -45,25 +50,24 @@ class CpuExpertRunner:
         cpu_groups = [ExpertGroup(g.expert, g.tokens.cpu(), g.weights.cpu()) for g in groups]
         return self._worker.submit(self._run, layer, x, cpu_groups)
 
-    def run_pairs(self, layer: int, x: torch.Tensor, experts: list[int], pairs: list[list[tuple[int, int]]],
-                  weights: list[list[float]]) -> tuple[torch.Tensor, float]:
-        """Runs now, on this thread: experts[i] on the (token, k) pairs[i], weighted by weights[token][k].
-        x [T, H] fp32 on the CPU. Returns (out [T, H] fp32, seconds)."""
-        t0 = time.perf_counter()
+    def start_pairs(self, layer: int, x: torch.Tensor, experts: list[int], pairs: list[list[tuple[int, int]]],
+                    weights: list[list[float]]):
+        """Starts experts[i] on the (token, k) pairs[i], weighted by weights[token][k], and returns at once with
+        an object whose `wait()` gives (out [T, H] fp32, compute seconds). x [T, H] fp32 on the CPU. Without the
+        fast kernel the work happens inside `wait()`."""
         gate, up, down = self.matrices[layer]
         if self.kernel is not None and self.kernel.supports(gate, up, down):
             offsets = [0]
             for p in pairs:
                 offsets.append(offsets[-1] + len(p))
-            y = self.kernel.moe_forward(
+            pending = self.kernel.start(
                 x, gate, up, down, torch.tensor(experts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
                 torch.tensor([t for p in pairs for t, _ in p], dtype=torch.int32),
                 torch.tensor([weights[t][k] for p in pairs for t, k in p]), round_to=self.dtype)
-            return y, time.perf_counter() - t0
+            return _Started(lambda: (pending.wait(), pending.seconds))
         groups = [ExpertGroup(e, torch.tensor([t for t, _ in p]), torch.tensor([weights[t][k] for t, k in p]))
                   for e, p in zip(experts, pairs, strict=True)]
-        y, _ = self._run(layer, x, groups)
-        return y, time.perf_counter() - t0
+        return _Started(lambda: self._run(layer, x, groups))
 
     def _run(self, layer: int, x: torch.Tensor, groups: list[ExpertGroup]) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()

@@ -136,6 +136,10 @@ class OffloadedExpertExecutor:
             else:
                 slot_of[e] = slot
         to_copy, to_cpu = self._plan(misses, lambda e: len(tokens_of[e]))
+        on_cpu = None
+        if to_cpu:  # started first: the CPU computes while this thread queues the GPU work below
+            pairs = [[(t, k) for t, row in enumerate(ids) for k, x_e in enumerate(row) if x_e == e] for e in to_cpu]
+            on_cpu = self.cpu.start_pairs(layer, x, to_cpu, pairs, weights)
         copier = self.copier
         copier.begin()
         staged = []
@@ -149,19 +153,21 @@ class OffloadedExpertExecutor:
                 slot_of[e] = admitted[0]
                 copier.to_slot(layer, e, self.slots, admitted[0])
         copier.end()
-        copier.wait_all()
-        slot_map = torch.tensor([[slot_of.get(e, self.zero_slot) for e in row] for row in ids])
-        out = gathered_expert_forward(self.slots, hidden, slot_map.to(hidden.device, non_blocking=True),
-                                      topk_weights)
-        copier.release(*staged)
         self.counters.bytes_copied += len(to_copy) * self.expert_bytes
+        out = None
+        if slot_of:  # some experts compute on the GPU
+            copier.wait_all()
+            slot_map = torch.tensor([[slot_of.get(e, self.zero_slot) for e in row] for row in ids])
+            out = gathered_expert_forward(self.slots, hidden, slot_map.to(hidden.device, non_blocking=True),
+                                          topk_weights)
+            copier.release(*staged)
         if predicted is not None:
             self._prefetch(next_layer, {e for row in predicted for e in row})
-        if to_cpu:
-            pairs = [[(t, k) for t, row in enumerate(ids) for k, x_e in enumerate(row) if x_e == e] for e in to_cpu]
-            y, seconds = self.cpu.run_pairs(layer, x, to_cpu, pairs, weights)
+        if on_cpu is not None:
+            y, seconds = on_cpu.wait()
             self._count_cpu(len(to_cpu), seconds)
-            out = out + y.to(out.device, out.dtype, non_blocking=True)
+            y = y.to(hidden.device, hidden.dtype, non_blocking=True)
+            out = y if out is None else out + y
         return out
 
     def _to_host(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden: torch.Tensor,
@@ -179,13 +185,15 @@ class OffloadedExpertExecutor:
 
     def _prefetch(self, layer: int, experts: set[int]) -> None:
         """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
-        this layer's compute (a victim's slot may still be read by it)."""
+        this layer's compute (a victim's slot may still be read by it). Only the share the planner would copy
+        if they were misses: the rest would go to the CPU anyway, and extra copies would crowd the link."""
+        missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
+        if self.miss_path == "auto":
+            missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
         copier = self.copier
         copier.begin()
-        for e in sorted(experts):
+        for e in missing:
             key = (layer, e)
-            if key in self.cache.slot_of:
-                continue
             admitted = self.cache.admit(key)
             if admitted is None:
                 break  # every slot holds this step's experts

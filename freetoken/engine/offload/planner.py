@@ -67,11 +67,13 @@ class MissPlanner:
         self._idle = {"copy": 0, "cpu": 0}
         self.steps = 0
 
-    def split(self, misses: list, expert_bytes: int, tokens_of=lambda m: 1, min_copy: int = 0) -> Split:
+    def split(self, misses: list, expert_bytes: int, tokens_of=lambda m: 1, min_copy: int = 0,
+              observe: bool = True) -> Split:
         """Orders `misses` so the experts with the most tokens are copied first (a copy costs the same for any
         number of tokens, CPU work grows with them), then picks how many to leave to the CPU. At least
-        `min_copy` are copied (the executor fills free cache slots: a copy's value outlives the step)."""
-        self.steps += 1
+        `min_copy` are copied (the executor fills free cache slots: a copy's value outlives the step).
+        `observe=False`: a what-if (prefetch sizing) that does not count as a step or probe a path."""
+        self.steps += observe
         n = len(misses)
         if n == 0:
             return Split([], [], 0.0)
@@ -83,7 +85,7 @@ class MissPlanner:
             t = max(self.copy.predict(expert_bytes * (n - on_cpu)), self.cpu.predict(cpu_bytes))
             if t < best_t - 1e-12:
                 best_cpu, best_t = on_cpu, t
-        best_cpu = self._probe(best_cpu, n) if min_copy == 0 else best_cpu
+        best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe else best_cpu
         return Split(ordered[:n - best_cpu], ordered[n - best_cpu:], best_t)
 
     def _probe(self, on_cpu: int, n: int) -> int:
