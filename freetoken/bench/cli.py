@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from freetoken.errors import FreeTokenError
 
-BENCHMARKS = {"decode": "freetoken.bench.decode", "cache": "freetoken.bench.cache_sim"}
+BENCHMARKS = {"decode": "freetoken.bench.decode", "prefill": "freetoken.bench.prefill",
+              "cache": "freetoken.bench.cache_sim"}
 
 
 def main(verb: str, argv: list[str]) -> int:

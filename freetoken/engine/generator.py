@@ -55,9 +55,13 @@ class Generator:
 
     DEFAULT_GRAPH_CAPACITY = 16384
 
-    def __init__(self, lm: LoadedModel, *, prefill_chunk: int = 2048, page_size: int = 16,
+    def __init__(self, lm: LoadedModel, *, prefill_chunk: int | None = None, page_size: int = 16,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None):
-        self.lm, self.prefill_chunk, self.page_size = lm, prefill_chunk, page_size
+        """`prefill_chunk` defaults to 2048 tokens, 8192 with offloaded experts: a chunk streams every expert the
+        cache lacks once, so longer chunks amortise the PCIe traffic."""
+        offloaded = not getattr(lm.experts, "capturable", True)
+        self.lm, self.page_size = lm, page_size
+        self.prefill_chunk = prefill_chunk or (8192 if offloaded else 2048)
         self.use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         default = min(lm.context_length, self.DEFAULT_GRAPH_CAPACITY) if self.use_graphs else lm.context_length
         self.capacity = min(max_seq_len or default, lm.context_length)

@@ -62,9 +62,11 @@ def dram_read_gb_s(kernel: CpuExpertKernel, nbytes: int = 1 << 30) -> float:
 
 
 def expert_gb_s(kernel, fmt: str, batch: int, pool_experts: int, impl: str, gen: torch.Generator,
-                pin: bool = False) -> float:
+                pin: bool = False, fp32_activations: bool = False) -> float:
     gate, up, down = expert_pool(fmt, pool_experts, gen, pin)
-    x = torch.randn(batch, HIDDEN, generator=gen)
+    # as in a bf16 model: bf16 activations and bf16 rounding points (AVX-512-BF16 dot products where available)
+    x = torch.randn(batch, HIDDEN, generator=gen).bfloat16().float()
+    round_to = torch.float32 if fp32_activations else torch.bfloat16
     offsets = torch.arange(0, PER_CALL + 1, dtype=torch.int32) * batch
     tokens = torch.arange(batch, dtype=torch.int32).repeat(PER_CALL)
     weights = torch.rand(PER_CALL * batch, generator=gen)
@@ -80,7 +82,7 @@ def expert_gb_s(kernel, fmt: str, batch: int, pool_experts: int, impl: str, gen:
                 for e in experts.tolist():
                     expert_mlp(x, *(m.data[e] for m in (gate, up, down)))
             else:
-                forward(x, gate, up, down, experts, offsets, tokens, weights)
+                forward(x, gate, up, down, experts, offsets, tokens, weights, round_to=round_to)
 
     seconds = _median(run, 5)
     nbytes = sum(m.data[0].numel() * m.data.element_size() for m in (gate, up, down)) * calls * PER_CALL
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-mib", type=int, default=1024, help="expert bytes cycled through (≫ last-level cache)")
     p.add_argument("--torch-baseline", action="store_true", help="also time torch bf16 F.linear (slow)")
     p.add_argument("--pinned", action="store_true", help="experts in page-locked memory, as the engine keeps them")
+    p.add_argument("--fp32-activations", action="store_true",
+                   help="fp32 activations and rounding (an fp32 model): no bf16 dot products")
     p.add_argument("--json", help="write the rows here too")
     a = p.parse_args(argv)
     kernel = CpuExpertKernel.get()
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the CPU expert kernel could not be built here (no C compiler?)")
     gen = torch.Generator().manual_seed(0)
     dram = dram_read_gb_s(kernel)
-    print(f"threads {kernel.threads}   DRAM read {dram:.1f} GB/s")
+    print(f"threads {kernel.threads}   DRAM read {dram:.1f} GB/s   bf16 dot products: {kernel.bf16_dot}")
     rows = []
     print(f"{'format':<7}{'batch':>6}{'impl':>12}{'GB/s':>9}{'of DRAM':>9}")
     for fmt in a.formats:
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         impls = ["kernel"] + (["torch-bf16"] if a.torch_baseline and fmt == "BF16" else [])
         for batch in a.batches:
             for impl in impls:
-                gb_s = expert_gb_s(kernel, fmt, batch, pool, impl, gen, a.pinned)
+                gb_s = expert_gb_s(kernel, fmt, batch, pool, impl, gen, a.pinned, a.fp32_activations)
                 rows.append(dict(format=fmt, batch=batch, impl=impl, gb_s=gb_s, dram_gb_s=dram))
                 print(f"{fmt:<7}{batch:>6}{impl:>12}{gb_s:>9.1f}{gb_s / dram:>9.0%}")
     if a.json:

@@ -78,7 +78,8 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.ft_pool_start.argtypes, lib.ft_pool_start.restype = [i], i
-    lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i]
+    lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i, p, p]
+    lib.ft_has_bf16_dot.argtypes, lib.ft_has_bf16_dot.restype = [], i
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_read_bytes.argtypes, lib.ft_read_bytes.restype = [p, ctypes.c_size_t], ctypes.c_uint64

@@ -192,6 +192,55 @@ static void rows_dots_n(int type, const void *const *rows, int nr, const float *
     }
 }
 
+#if defined(__AVX512BF16__)
+/* bf16 weights times bf16 activations with vdpbf16ps: 32 products per instruction, exact in fp32, no widening.
+   Used when the model runs in bf16, where the activations are bf16 values anyway. */
+INLINE void rows_dots_bf16(const void *const *rows, int nr, const uint16_t *const *xs, int k, int nt, float *out) {
+    __m512 acc[2][TILE];
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) acc[r][t] = _mm512_setzero_ps();
+    int kv = 0;
+    for (; kv + 32 <= k; kv += 32) {
+        __m512bh x[TILE];
+        for (int t = 0; t < nt; t++) x[t] = (__m512bh)_mm512_loadu_si512(xs[t] + kv);
+        for (int r = 0; r < nr; r++) {
+            __m512bh w = (__m512bh)_mm512_loadu_si512((const uint16_t *)rows[r] + kv);
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w, x[t]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) {
+            float s = _mm512_reduce_add_ps(acc[r][t]);
+            for (int j = kv; j < k; j++) s += bf16_scalar(((const uint16_t *)rows[r])[j]) * bf16_scalar(xs[t][j]);
+            out[r * TILE + t] = s;
+        }
+}
+
+static void rows_dots_bf16_n(const void *const *rows, int nr, const uint16_t *const *xs, int k, int n, float *out) {
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        int nt = n - t0 < TILE ? n - t0 : TILE;
+        float tile[2 * TILE];
+#define CASES(NR)                                                               \
+    switch (nt) {                                                              \
+        case 1: rows_dots_bf16(rows, NR, xs + t0, k, 1, tile); break;          \
+        case 2: rows_dots_bf16(rows, NR, xs + t0, k, 2, tile); break;          \
+        case 3: rows_dots_bf16(rows, NR, xs + t0, k, 3, tile); break;          \
+        default: rows_dots_bf16(rows, NR, xs + t0, k, 4, tile); break;         \
+    }
+        if (nr == 2) { CASES(2) } else { CASES(1) }
+#undef CASES
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < nt; t++) out[r * n + t0 + t] = tile[r * TILE + t];
+    }
+}
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+static void rows_dots_bf16_n(const void *const *rows, int nr, const uint16_t *const *xs, int k, int n, float *out) {
+    (void)rows, (void)nr, (void)xs, (void)k, (void)n, (void)out;  /* never called: xb is NULL without it */
+}
+#endif
+
 static size_t row_bytes(int type, int k) {
     return type == FT_Q8_0 ? (size_t)(k / Q8_BLOCK) * Q8_BYTES : (size_t)k * (type == FT_BF16 ? 2 : 4);
 }
@@ -300,6 +349,8 @@ typedef struct {
     float *y;                             /* [T, H] output, overwritten */
     int tokens, hidden, inter;
     int bf16_rounding;                    /* round where a bf16 GPU expert rounds: projections, silu, products */
+    const uint16_t *xb;                   /* [T, H] x as bf16, or NULL: then the bf16 dot path is off */
+    uint16_t *actb;                       /* [P, I] act as bf16 (written in phase 1 when xb is set) */
 } moe_job;
 
 static void phase_gate_up(void *ctx, int task) {
@@ -310,13 +361,19 @@ static void phase_gate_up(void *ctx, int task) {
     size_t gb = row_bytes(j->gate_type, j->hidden), ub = row_bytes(j->up_type, j->hidden);
     const uint8_t *gate = j->gate + expert * j->gate_stride, *up = j->up + expert * j->up_stride;
     const float *xs[MAX_PAIRS];
+    const uint16_t *xbs[MAX_PAIRS];
     float gu[2 * MAX_PAIRS];  /* gate dots, then up dots */
     for (int t0 = 0; t0 < n; t0 += MAX_PAIRS) {
         int nt = n - t0 < MAX_PAIRS ? n - t0 : MAX_PAIRS;
-        for (int t = 0; t < nt; t++) xs[t] = j->x + (size_t)j->pair_tokens[p0 + t0 + t] * j->hidden;
+        for (int t = 0; t < nt; t++) {
+            xs[t] = j->x + (size_t)j->pair_tokens[p0 + t0 + t] * j->hidden;
+            if (j->xb) xbs[t] = j->xb + (size_t)j->pair_tokens[p0 + t0 + t] * j->hidden;
+        }
         for (int r = r0; r < r1; r++) {
             const void *rows[2] = {gate + r * gb, up + r * ub};
-            if (j->gate_type == j->up_type) {  /* the gate and up rows of one unit share every activation load */
+            if (j->xb) {
+                rows_dots_bf16_n(rows, 2, xbs, j->hidden, nt, gu);
+            } else if (j->gate_type == j->up_type) {  /* the gate and up rows of one unit share activation loads */
                 rows_dots_n(j->gate_type, rows, 2, xs, j->hidden, nt, gu);
             } else {
                 rows_dots_n(j->gate_type, rows, 1, xs, j->hidden, nt, gu);
@@ -331,6 +388,11 @@ static void phase_gate_up(void *ctx, int task) {
                     a = g / (1.0f + expf(-g)) * u;
                 }
                 j->act[(size_t)(p0 + t0 + t) * j->inter + r] = a;
+                if (j->actb) {  /* a is a bf16 value here (bf16 rounding is on): its top half is exact */
+                    uint32_t bits;
+                    memcpy(&bits, &a, 4);
+                    j->actb[(size_t)(p0 + t0 + t) * j->inter + r] = (uint16_t)(bits >> 16);
+                }
             }
         }
     }
@@ -341,6 +403,7 @@ static void phase_down(void *ctx, int task) {
     int h0 = task * ROW_BLOCK, h1 = h0 + ROW_BLOCK < j->hidden ? h0 + ROW_BLOCK : j->hidden;
     size_t db = row_bytes(j->down_type, j->inter);
     const float *as[MAX_PAIRS];
+    const uint16_t *abs_[MAX_PAIRS];
     float d[2 * MAX_PAIRS];
     for (int h = h0; h < h1; h++)
         for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
@@ -348,11 +411,17 @@ static void phase_down(void *ctx, int task) {
         const uint8_t *down = j->down + j->experts[e] * j->down_stride;
         for (int p0 = j->pair_offsets[e]; p0 < j->pair_offsets[e + 1]; p0 += MAX_PAIRS) {
             int nt = j->pair_offsets[e + 1] - p0 < MAX_PAIRS ? j->pair_offsets[e + 1] - p0 : MAX_PAIRS;
-            for (int t = 0; t < nt; t++) as[t] = j->act + (size_t)(p0 + t) * j->inter;
+            for (int t = 0; t < nt; t++) {
+                as[t] = j->act + (size_t)(p0 + t) * j->inter;
+                if (j->actb) abs_[t] = j->actb + (size_t)(p0 + t) * j->inter;
+            }
             for (int h = h0; h < h1; h += 2) {
                 const void *rows[2] = {down + h * db, down + (h + 1) * db};
                 int nr = h + 1 < h1 ? 2 : 1;
-                rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
+                if (j->actb)
+                    rows_dots_bf16_n(rows, nr, abs_, j->inter, nt, d);
+                else
+                    rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
                 for (int r = 0; r < nr; r++)
                     for (int t = 0; t < nt; t++) {
                         float w = j->pair_weights[p0 + t], v = d[r * nt + t];
@@ -395,14 +464,21 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
                  int gate_type, int up_type, int down_type,
                  const int32_t *experts, int n_experts, const int32_t *pair_offsets,
                  const int32_t *pair_tokens, const float *pair_weights,
-                 const float *x, float *act, float *y, int tokens, int hidden, int inter, int bf16_rounding) {
+                 const float *x, float *act, float *y, int tokens, int hidden, int inter, int bf16_rounding,
+                 const uint16_t *xb, uint16_t *actb) {
     for (int i = 0; i < 3; i++) {
         int type = (int[]){gate_type, up_type, down_type}[i], k = i < 2 ? hidden : inter;
         if (type < FT_F32 || type > FT_Q8_0 || (type == FT_Q8_0 && k % Q8_BLOCK)) return -1;
     }
     current.job = (moe_job){gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
                             experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden,
-                            inter, bf16_rounding};
+                            inter, bf16_rounding, NULL, NULL};
+    /* the bf16 dot path: bf16 weights, bf16 rounding on (so act is bf16-exact), and the caller's bf16 x */
+    if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type == FT_BF16 && up_type == FT_BF16 &&
+        down_type == FT_BF16) {
+        current.job.xb = xb;
+        current.job.actb = actb;
+    }
     current.phase1_tasks = n_experts * ((inter + ROW_BLOCK - 1) / ROW_BLOCK);
     current.phase2_tasks = (hidden + ROW_BLOCK - 1) / ROW_BLOCK;
     atomic_store(&current.phase1_done, 0);
@@ -411,6 +487,9 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     parallel_start(moe_task, &current, current.phase1_tasks + current.phase2_tasks);
     return 0;
 }
+
+/* Whether this build has the bf16 dot path (AVX-512-BF16). */
+int ft_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
 /* Waits for the started job; returns the seconds it took from posting to its last task (the compute time,
    whatever the caller did meanwhile). */

@@ -56,6 +56,7 @@ class CpuExpertKernel:
     def __init__(self, lib, threads: int):
         self.lib = lib
         self.threads = lib.ft_pool_start(threads)
+        self.bf16_dot = bool(lib.ft_has_bf16_dot())  # AVX-512-BF16: bf16 x bf16 products when the model is bf16
         self._call_lock = threading.Lock()
 
     @classmethod
@@ -96,6 +97,13 @@ class CpuExpertKernel:
         pair_weights = pair_weights.float().contiguous()
         act = torch.empty(pair_tokens.numel(), inter, dtype=torch.float32)
         y = torch.empty(t, h, dtype=torch.float32)
+        xb = actb = None
+        if self.bf16_dot and round_to == torch.bfloat16 and all(m.format == "BF16" for m in (gate, up, down)):
+            xb = x.to(torch.bfloat16)
+            if not torch.equal(xb.float(), x):  # the bf16 dot path needs bf16 activations, not rounded ones
+                xb = None
+            else:
+                actb = torch.empty(pair_tokens.numel(), inter, dtype=torch.bfloat16)
         strides = [m.data.stride(0) * m.data.element_size() for m in (gate, up, down)]
         self._call_lock.acquire()
         rc = self.lib.ft_moe_start(
@@ -103,12 +111,13 @@ class CpuExpertKernel:
             *(_TYPE_CODES[m.format] for m in (gate, up, down)),
             experts.data_ptr(), experts.numel(), pair_offsets.data_ptr(), pair_tokens.data_ptr(),
             pair_weights.data_ptr(), x.data_ptr(), act.data_ptr(), y.data_ptr(), t, h, inter,
-            int(round_to == torch.bfloat16))
+            int(round_to == torch.bfloat16), None if xb is None else xb.data_ptr(),
+            None if actb is None else actb.data_ptr())
         if rc != 0:
             self._call_lock.release()
             raise ValueError(f"CPU expert kernel rejected the shapes (hidden {h}, intermediate {inter})")
         # every buffer the workers read or write stays referenced until wait()
-        return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act))
+        return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act, xb, actb))
 
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""

@@ -58,6 +58,25 @@ def test_kernel_matches_the_reference(kernel, formats, tokens, round_to):
     assert torch.equal(got, kernel.moe_forward(x, gate, up, down, *routing, round_to=round_to))  # deterministic
 
 
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("hidden", [96, 80])
+def test_bf16_activations_take_the_bf16_dot_path_and_match(kernel, tokens, hidden):
+    """A bf16 model's activations are bf16 values: with AVX-512-BF16 the kernel multiplies bf16 by bf16 (exact
+    products, fp32 sums), which must agree with the reference's bf16 rounding points."""
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    gate, up = (_matrix("BF16", 5, 64, hidden, gen) for _ in range(2))
+    down = _matrix("BF16", 5, hidden, 64, gen)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16().float()
+    routing = _routing(tokens, 5, 2, gen)
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert (got - want).norm() / want.norm() < 2e-2
+    pending = kernel.start(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    uses_bf16_dot = pending._keep_alive[-1] is not None
+    pending.wait()
+    assert uses_bf16_dot == kernel.bf16_dot
+
+
 @pytest.mark.parametrize("hidden", [40, 17])
 def test_float_rows_of_any_length(kernel, hidden):
     gen = torch.Generator().manual_seed(hidden)

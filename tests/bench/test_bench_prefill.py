@@ -1,0 +1,20 @@
+"""`ft bench prefill` on a CPU-sized synthetic model: every strategy, budget and prompt gets a complete row."""
+
+from __future__ import annotations
+
+from freetoken.bench.prefill import main
+
+
+def test_bench_prefill_reports_every_row(tmp_path):
+    out = tmp_path / "p1.md"
+    argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--prompts", "96,300", "--chunk", "128",
+            "--budgets", "0,1MiB", "--strategies", "resident,copy,auto", "--out", str(out)]
+    assert main(argv) == 0
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()
+            if line.startswith("| ") and "---" not in line][1:]
+    assert [(r[0].strip(), r[1].strip(), int(r[2])) for r in rows] == [
+        ("resident", "all", 96), ("resident", "all", 300), ("copy", "0", 96), ("copy", "0", 300),
+        ("copy", "1MiB", 96), ("copy", "1MiB", 300), ("auto", "0", 96), ("auto", "0", 300),
+        ("auto", "1MiB", 96), ("auto", "1MiB", 300)]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)  # TTFT and prefill tok/s
+    assert all(float(r[5]) > 0 for r in rows if r[0].strip() != "resident")  # offloaded rows stream experts
