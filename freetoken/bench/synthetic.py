@@ -29,6 +29,16 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
         max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
     ),
+    # DeepSeek-V3's expert pool and routing (61 layers, the first 3 dense; 256 routed experts of 7168×2048, top-8,
+    # one shared expert) on the qwen2_moe block: plain softmax top-k routing instead of grouped sigmoid routing,
+    # and GQA attention standing in for MLA (the deepseek_v3 family is its own issue). Its 1.3 TB of bf16
+    # experts exceed any host's RAM: run it truncated with --layers, or as Q8_0.
+    "deepseek-v3-like": dict(
+        model_type="qwen2_moe", vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=8, head_dim=128, intermediate_size=18432, moe_intermediate_size=2048, num_experts=256,
+        num_experts_per_tok=8, shared_expert_intermediate_size=2048, norm_topk_prob=True, mlp_only_layers=[0, 1, 2],
+        qkv_bias=False, max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
+    ),
     # qwen3-30b-a3b's routing structure (48 layers of 128 experts, top-8) on a small hidden size: routing traces
     # for cache-policy studies on a CPU.
     "qwen3-30b-a3b-routing": dict(

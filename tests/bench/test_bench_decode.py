@@ -17,6 +17,14 @@ def test_qwen3_30b_a3b_shape_has_the_real_expert_pool():
     assert spec.total_routed_experts == 48 * 128 and round(per_expert * spec.total_routed_experts / 1e9) == 58
 
 
+def test_deepseek_v3_like_shape_has_deepseek_v3s_routed_expert_pool():
+    cfg = synthetic_config("deepseek-v3-like")
+    spec = family_for(cfg["model_type"]).ModelArgs.from_config(cfg).moe_spec()
+    assert spec.moe_layers == tuple(range(3, 61)) and spec.num_experts == 256 and spec.top_k == 8
+    assert spec.bytes_per_expert(torch.bfloat16) == 3 * 7168 * 2048 * 2
+    assert round(spec.total_routed_experts * spec.bytes_per_expert(torch.bfloat16) / 1e12, 1) == 1.3
+
+
 def test_synthetic_model_is_seeded_and_offloading_is_lossless():
     resident = build_synthetic("tiny-moe", dtype=torch.float32, seed=3)
     offloaded = build_synthetic("tiny-moe", dtype=torch.float32, seed=3, expert_cache=200_000)

@@ -109,3 +109,17 @@ def test_build_is_cached_and_failures_fall_back(tmp_path, monkeypatch, caplog):
     assert "plain-torch path" in caplog.text
     monkeypatch.setenv("FREETOKEN_CPU_KERNEL", "0")
     assert build.load(tmp_path) is None
+
+
+def test_concurrent_callers_are_serialised(kernel):
+    """The pool runs one job at a time: callers on several threads each get their own correct result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(5)
+    gate, up = (_matrix("BF16", 4, 32, 64, gen) for _ in range(2))
+    down = _matrix("BF16", 4, 64, 32, gen)
+    cases = [(torch.randn(3, 64, generator=gen), _routing(3, 4, 2, gen)) for _ in range(8)]
+    want = [reference.moe_forward(x, gate, up, down, *r) for x, r in cases]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda c: kernel.moe_forward(c[0], gate, up, down, *c[1]), cases * 4))
+    assert all(torch.allclose(g, want[i % 8], atol=1e-5, rtol=1e-5) for i, g in enumerate(got))
