@@ -57,12 +57,14 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def synthetic_config(shape: str, layers: int | None = None) -> dict:
+def synthetic_config(shape: str, layers: int | None = None, vocab_size: int | None = None) -> dict:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     cfg = dict(SHAPES[shape])
     if layers:
         cfg["num_hidden_layers"] = min(layers, cfg["num_hidden_layers"])
+    if vocab_size:
+        cfg["vocab_size"] = vocab_size
     return cfg
 
 
@@ -92,13 +94,14 @@ def _skew_router_(model, exponent: float, gen: torch.Generator) -> None:
 def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                     expert_cache: int | None = None, policy: str = "freq", miss_path: str = "auto",
                     layers: int | None = None, seed: int = 0, skew: float = 0.0,
-                    expert_format: str = "dense") -> LoadedModel:
+                    expert_format: str = "dense", vocab_size: int | None = None) -> LoadedModel:
     """A seeded random model of `shape`; experts resident on `device`, or in host memory (pinned on CUDA)
     behind an expert cache of `expert_cache` bytes. `skew` > 0 makes expert popularity Zipf-like (see
     `_skew_router_`); 0 routes near-uniformly, the pessimistic case for a cache. `expert_format` "Q8_0" keeps
-    offloaded experts as random Q8_0 blocks in host memory (as a Q8_0 GGUF would load)."""
+    offloaded experts as random Q8_0 blocks in host memory (as a Q8_0 GGUF would load). `vocab_size` overrides
+    the shape's (to fit a real tokenizer to a small shape)."""
     device = resolve_device(device)
-    cfg = synthetic_config(shape, layers)
+    cfg = synthetic_config(shape, layers, vocab_size)
     family = family_for(cfg["model_type"])
     args = family.ModelArgs.from_config(cfg)
     spec = args.moe_spec()
