@@ -146,12 +146,12 @@ class OffloadedExpertExecutor:
         for e in to_copy:  # at most N*K ≤ staging_slots experts, so the staging ring never wraps here
             admitted = self.cache.admit((layer, e))
             if admitted is None:
-                ring, _ = copier.to_staging(layer, e, self.slots, self.staging_first)
+                ring = copier.reserve_staging()
                 slot_of[e] = self.staging_first + ring
                 staged.append(ring)
             else:
                 slot_of[e] = admitted[0]
-                copier.to_slot(layer, e, self.slots, admitted[0])
+        copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
         copier.end()
         self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         out = None
@@ -192,16 +192,18 @@ class OffloadedExpertExecutor:
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
         copier = self.copier
         copier.begin()
+        experts, slots = [], []
         for e in missing:
-            key = (layer, e)
-            admitted = self.cache.admit(key)
+            admitted = self.cache.admit((layer, e))
             if admitted is None:
                 break  # every slot holds this step's experts
-            copier.to_slot(layer, e, self.slots, admitted[0])
-            self._prefetched.add(key)
-            self.counters.prefetched += 1
-            self.counters.bytes_copied += self.expert_bytes
+            experts.append(e)
+            slots.append(admitted[0])
+        copier.to_slots(layer, experts, self.slots, slots)
         copier.end()
+        self._prefetched.update((layer, e) for e in experts)
+        self.counters.prefetched += len(experts)
+        self.counters.bytes_copied += len(experts) * self.expert_bytes
 
     def _count_prefetch_use(self, layer: int, routed: dict[int, list[int]]) -> None:
         if self._prefetched:

@@ -21,6 +21,7 @@ import torch
 
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
+from freetoken.kernels.gguf_dequant.reference import dequantize
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class ExpertCopier:
         self._next_staging = 0
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
             self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
+        self._raw_batches: dict[str, torch.Tensor] = {}  # the same for several experts at once (to_slots)
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
 
@@ -76,13 +78,46 @@ class ExpertCopier:
     def to_staging(self, layer: int, expert: int, dest: LayerExperts, first: int) -> tuple[int, object]:
         """Copies one expert into the next of the staging slots dest[first:first + staging_slots], once its
         previous reader is done. Returns (ring index, what `wait` needs)."""
-        i = self._next_staging
-        self._next_staging = (i + 1) % len(self._released)
+        i = self.reserve_staging()
         with self._on_copy_stream():
-            if self._released[i] is not None:
-                self.stream.wait_event(self._released[i])
             self._copy(layer, expert, dest, first + i)
             return i, self._record()
+
+    def reserve_staging(self) -> int:
+        """The next staging ring index; copies issued after this wait until its previous reader is done."""
+        i = self._next_staging
+        self._next_staging = (i + 1) % len(self._released)
+        if self.stream is not None and self._released[i] is not None:
+            self.stream.wait_event(self._released[i])
+        return i
+
+    def to_slots(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
+        """Copies several experts into dest[slots]. Quantized ones are dequantized together, one kernel sequence
+        per projection for all of them instead of one per expert (the launches were the cost, not the bytes)."""
+        if not self.quantized or len(experts) < 2:
+            for e, slot in zip(experts, slots, strict=True):
+                self.to_slot(layer, e, dest, slot)
+            return
+        with self._on_copy_stream():
+            self._start_timing()
+            src, n = self.host[layer], len(experts)
+            index = torch.tensor(slots, device=self.device)
+            for p in PROJECTIONS:
+                raw = self._raw_batch(p, n)
+                for i, e in enumerate(experts):
+                    raw[i].copy_(src.raw[p][e], non_blocking=True)  # only the block-format bytes cross the link
+                out, inp = self.shapes[p]
+                values = dequantize(raw.view(-1), src.type_names[p], n * out * inp, self.dtype).view(n, out, inp)
+                getattr(dest, p).index_copy_(0, index, values)
+            self._finish_timing(n)
+
+    def _raw_batch(self, projection: str, n: int) -> torch.Tensor:
+        buf = self._raw_batches.get(projection)
+        if buf is None or buf.shape[0] < n:
+            width = self.raw[projection].shape[0]
+            buf = torch.empty((max(n, self.staging_slots), width), dtype=torch.uint8, device=self.device)
+            self._raw_batches[projection] = buf
+        return buf[:n]
 
     def wait(self, done) -> None:
         """Makes the compute stream wait for one copy."""
@@ -130,12 +165,21 @@ class ExpertCopier:
     def _record(self):
         return self.stream.record_event() if self.stream is not None else None
 
-    def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
+    def _start_timing(self) -> None:
         batch = self._batch
         if batch.start is None:
             batch.start = torch.cuda.Event(enable_timing=True) if self.stream is not None else time.perf_counter()
             if self.stream is not None:
                 batch.start.record(self.stream)
+
+    def _finish_timing(self, experts: int) -> None:
+        batch = self._batch
+        batch.nbytes += experts * self.expert_bytes
+        if self.stream is None:
+            batch.seconds = time.perf_counter() - batch.start
+
+    def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
+        self._start_timing()
         src = self.host[layer]
         if self.quantized:
             for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
@@ -145,6 +189,4 @@ class ExpertCopier:
         else:
             for d, s in zip(dest.weights_of(slot), src.weights_of(expert), strict=True):
                 d.copy_(s, non_blocking=True)  # pinned host memory → asynchronous DMA
-        batch.nbytes += self.expert_bytes
-        if self.stream is None:
-            batch.seconds = time.perf_counter() - batch.start
+        self._finish_timing(1)

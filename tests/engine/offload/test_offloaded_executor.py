@@ -117,3 +117,15 @@ def test_on_cuda_pinned_host_experts_give_the_resident_tokens(family, tmp_path):
     for miss_path in ("cpu", "auto"):
         lm.experts.miss_path = miss_path
         assert gen.generate_ids(prompt_ids(), GREEDY) == expected
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_without_the_native_kernel_the_cpu_path_falls_back_to_torch(checkpoint, gather):
+    """No C compiler (or FREETOKEN_CPU_KERNEL=0): CPU misses run through torch on the host weights, same tokens."""
+    path, resident, expected = checkpoint
+    lm = load_model(path, progress=False, expert_cache=0)
+    lm.experts.miss_path, lm.experts.gather_small_batches = "cpu", gather
+    lm.experts.cpu.kernel = None
+    assert not lm.experts.cpu.uses_kernel
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert lm.experts.counters.cpu_experts == lm.experts.counters.misses > 0

@@ -43,3 +43,23 @@ def test_dense_gguf_experts_are_kept_dense(tmp_path):
     gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="F16")
     lm = load_model(gguf, progress=False, expert_cache=0)
     assert not isinstance(next(iter(lm.experts.host.values())), QuantizedExperts)
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+def test_gathered_decode_dequantizes_a_step_of_q8_0_experts_together(slots, tmp_path):
+    """The decode path copies a step's Q8_0 experts and dequantizes them in one batch (into cache or staging
+    slots); the result equals the resident run. On CUDA that is the default, here it is switched on."""
+    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
+    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    resident = load_model(gguf, progress=False)
+    expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
+    spec = resident.moe_spec
+    lm = load_model(gguf, progress=False, expert_cache=slots * spec.bytes_per_expert(torch.float32))
+    lm.experts.miss_path, lm.experts.gather_small_batches = "copy", True
+    batches = []
+    to_slots = lm.experts.copier.to_slots
+    lm.experts.copier.to_slots = lambda layer, experts, *a: batches.append(len(experts)) or to_slots(layer, experts, *a)
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert max(batches) >= 2  # several experts of one step went through one dequantization
+    c = lm.experts.counters
+    assert c.bytes_copied // spec.bytes_per_expert("Q8_0") == c.misses + c.prefetched
