@@ -3,7 +3,8 @@
 Strategies: `resident` (every expert on the device: the upper bound), `resident-graphs` (the same, decode steps
 replayed as CUDA graphs), `copy` (fetch-on-demand into the expert cache of each --budgets size; at budget 0 the
 naive baseline), `cpu` (every miss computed on the host: the CPU-only baseline), `auto` (the product: the miss
-planner splits misses between copies and the CPU, overlapped, with next-layer prefetch), `auto-noprefetch`.
+planner splits misses between copies and the CPU, overlapped, with next-layer prefetch), `auto-noprefetch`,
+`hf-accelerate` (transformers + accelerate offload of the very same weights, see `hf_baseline.py`).
 The prompt is prefilled with the copy path for every strategy; only decode is timed. Each row reports tok/s,
 the decode hit rate, the bytes each path moved per token, the achieved bandwidths and the physical floor: miss
 bytes over min(PCIe + CPU-kernel bandwidth, DRAM read bandwidth), all three measured at the start of the run
@@ -160,6 +161,14 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
         policies = a.policies if strategy in ("copy", "auto") else a.policies[:1]
         miss_path = strategy.removesuffix("-noprefetch")
         for budget, policy in ((b, p) for b in budgets for p in policies):
+            if strategy == "hf-accelerate":
+                from freetoken.bench.hf_baseline import hf_decode
+
+                tok_s, produced = hf_decode(lm, host, a.context, a.tokens, parse_bytes(budget))
+                rows.append(Row(strategy, budget, tok_s, same_tokens=produced == reference if reference else None))
+                reference = reference or produced
+                print(_format_row(rows[-1]), file=sys.stderr, flush=True)
+                continue
             if strategy.startswith("resident"):
                 executor = ResidentExpertExecutor({layer: _on_device(le, device, dtype) for layer, le in host.items()})
             else:
@@ -277,7 +286,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")
     p.add_argument("--strategies", default="resident,copy,cpu,auto",
-                   help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto, auto-noprefetch")
+                   help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto, auto-noprefetch, "
+                        "hf-accelerate (transformers + accelerate offload of the same weights; writes them to disk)")
     p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"],

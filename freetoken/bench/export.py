@@ -60,16 +60,18 @@ def _dense_tensors(lm) -> list[tuple[str, torch.Tensor]]:
     return [(name, p.detach()) for name, p in lm.model.named_parameters()]
 
 
-def _hf_expert_tensors(lm):
-    for layer, host in sorted(lm.experts.host.items()):
+def _hf_expert_tensors(host_experts: dict):
+    for layer, host in sorted(host_experts.items()):
         for e in range(host.num_experts):
             for p, w in zip(PROJECTIONS, host.weights_of(e), strict=True):
                 yield f"model.layers.{layer}.mlp.experts.{e}.{p}.weight", w
 
 
-def write_safetensors_dir(lm, out: Path) -> Path:
+def write_safetensors_dir(lm, out: Path, host_experts: dict | None = None, tokenizer: bool = True) -> Path:
+    """`host_experts`: the layers' routed experts (default: the model's executor's host store). `tokenizer`:
+    also write SmolLM2's tokenizer (needs the default model, fetched once)."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = _dense_tensors(lm) + list(_hf_expert_tensors(lm))
+    tensors = _dense_tensors(lm) + list(_hf_expert_tensors(host_experts or lm.experts.host))
     shards, current, size = [], [], 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -91,7 +93,8 @@ def write_safetensors_dir(lm, out: Path) -> Path:
     cfg = dict(lm.config, architectures=[HF_ARCHITECTURES[lm.config["model_type"]]], tie_word_embeddings=False,
                torch_dtype=str(lm.dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    _write_hf_tokenizer(out, cfg["vocab_size"])
+    if tokenizer:
+        _write_hf_tokenizer(out, cfg["vocab_size"])
     return out
 
 

@@ -104,3 +104,15 @@ def test_q8_0_synthetic_experts_dequantize_to_the_intended_scale():
     host = next(iter(lm.experts.host.values()))
     gate = host.dequantized(0, "gate_proj", torch.float32)
     assert gate.shape == (64, 128) and 0.015 < gate.std().item() < 0.025
+
+
+def test_transformers_accelerate_baseline_runs_the_same_weights(tmp_path):
+    """The hf-accelerate row loads the synthetic model's weights into transformers: on CPU in fp32 it must
+    produce the very tokens freetoken produces (the same model, two implementations)."""
+    out = tmp_path / "d1.md"
+    argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--context", "40", "--tokens", "5",
+            "--budgets", "0", "--strategies", "resident,hf-accelerate", "--probe-mib", "64", "--out", str(out)]
+    assert main(argv) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split("|")[1].strip() for r in rows] == ["resident", "hf-accelerate"]
+    assert rows[1].rstrip(" |").endswith("yes") and float(rows[1].split("|")[3]) > 0
