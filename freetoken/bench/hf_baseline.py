@@ -9,6 +9,7 @@ argmax recorded. Needs `transformers` and `accelerate` (the dev extra) and disk 
 
 from __future__ import annotations
 
+import inspect
 import tempfile
 import time
 from pathlib import Path
@@ -37,19 +38,19 @@ def hf_decode(lm, host_experts: dict, context: int, tokens: int, expert_budget: 
         gen = torch.Generator().manual_seed(0)  # the ids run_decode draws
         ids = torch.randint(0, lm.args.decoder.vocab_size, (context + tokens,), generator=gen)
         prompt, feed = ids[:context].to(first), ids[context:].tolist()
+        # transformers renamed `past_key_values` to `cache` (5.2x); accept either
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         with torch.inference_mode():
             out = model(prompt[None], use_cache=True)
-            past = out.past_key_values
             if lm.device.type == "cuda":
                 torch.cuda.synchronize(lm.device)
             produced = []
             t0 = time.perf_counter()
             for token in feed:
-                out = model(torch.tensor([[token]], device=first), past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = model(torch.tensor([[token]], device=first), use_cache=True, **{key: getattr(out, key)})
                 produced.append(int(out.logits[0, -1].argmax()))
             elapsed = time.perf_counter() - t0
-        del model, past, out
+        del model, out
         if lm.device.type == "cuda":
             torch.cuda.empty_cache()
     return tokens / elapsed, produced
