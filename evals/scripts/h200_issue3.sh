@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
-#   bash evals/scripts/h200_issue3.sh COMMIT PART     PART: tests | kernel | d1-bf16 | d1-q8 | d1-16k | prefill
+#   bash evals/scripts/h200_issue3.sh COMMIT PART...
+#   PART: machine | tests | kernel | kernel-pinned | diag | d1-bf16 | d1-q8 | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
@@ -30,5 +31,9 @@ for part in "$@"; do
              --out "$OUT/d1-q8-1k.md" ;;
     d1-16k) ft bench decode --shape qwen3-30b-a3b --context 16384 --tokens 16 --budgets 0,8GiB,16GiB \
               --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-16k.md" ;;
+    p1) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0,8GiB \
+          --strategies resident,copy,auto --commit "$commit" --out "$OUT/p1-bf16.md" ;;
+    hf) ft bench decode --shape qwen3-30b-a3b --layers 16 --context 1024 --tokens 8 --budgets 0 \
+          --strategies resident-graphs,auto,hf-accelerate --commit "$commit" --out "$OUT/d1-hf-16layers.md" ;;
   esac
 done
