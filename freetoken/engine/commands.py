@@ -94,7 +94,8 @@ def generate(argv: list[str]) -> int:
         ex = snapshot(lm).experts
         if ex.mode == "offloaded":
             print(f"freetoken: expert cache {ex.cached}/{ex.slots} slots, hit rate {ex.hit_rate:.1%} ({ex.hits} hits, "
-                  f"{ex.misses} misses, {ex.evictions} evictions, {ex.bytes_copied / 2**20:.1f} MiB copied)",
+                  f"{ex.misses} misses, {ex.evictions} evictions, {ex.bytes_copied / 2**20:.1f} MiB copied, "
+                  f"{ex.cpu_experts} experts computed on the CPU, {ex.prefetch_used}/{ex.prefetched} prefetches used)",
                   file=sys.stderr)
     return 0
 
