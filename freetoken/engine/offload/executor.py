@@ -5,9 +5,13 @@ of two paths, both reading host DRAM, run at the same time:
 - copy: fetched into a cache slot (the policy picks the victim; experts of the current step are never evicted) on
   a side stream, each computed as soon as its own bytes land; when the cache cannot take one (budget 0, or a
   prefill touching every expert) it streams through double-buffered staging instead;
-- cpu: computed on the host where it lives by a worker thread, while the GPU works; only activations cross.
+- cpu: computed on the host where it lives by the native kernel's threads, started before any GPU work of the
+  layer is queued, so both run at once; only activations cross.
 `miss_path` "copy" or "cpu" forces one path (the naive and CPU-only baselines); "auto" lets the `MissPlanner`
-split each layer's misses from bandwidths it keeps measuring. Results equal the resident executor's: the same
+split each layer's misses from bandwidths it keeps measuring. Decode (small batches, on CUDA) gathers every
+expert of the step from one slot tensor [cache | staging | zero slot] in a single batched matmul; larger batches
+(prefill) compute expert by expert, each as soon as its copy lands. Next-layer prefetch starts copies of the
+experts layer L+1's router would pick for layer L's input. Results equal the resident executor's: the same
 weights and function, only where they are computed differs.
 
 Shapes: S slots, E experts, N tokens, H hidden.

@@ -77,11 +77,12 @@ class MissPlanner:
         n = len(misses)
         if n == 0:
             return Split([], [], 0.0)
-        ordered = sorted(misses, key=tokens_of, reverse=True)
-        best_cpu, best_t = 0, float("inf")
+        tokens = sorted(((tokens_of(m), i) for i, m in enumerate(misses)), reverse=True)
+        ordered = [misses[i] for _, i in tokens]
+        best_cpu, best_t, cpu_bytes = 0, float("inf"), 0.0
         for on_cpu in range(n - min(min_copy, n) + 1):
-            # CPU cost grows slightly with tokens beyond the first (activations stay in cache): count pairs lightly
-            cpu_bytes = sum(expert_bytes * (1 + 0.1 * (tokens_of(m) - 1)) for m in ordered[n - on_cpu:])
+            if on_cpu:  # the CPU takes the next-cheapest miss; its cost grows lightly with tokens beyond the first
+                cpu_bytes += expert_bytes * (1 + 0.1 * (tokens[n - on_cpu][0] - 1))
             t = max(self.copy.predict(expert_bytes * (n - on_cpu)), self.cpu.predict(cpu_bytes))
             if t < best_t - 1e-12:
                 best_cpu, best_t = on_cpu, t
