@@ -112,15 +112,37 @@ class ResidentExpertExecutor:
 
     capturable = True  # has a sync-free path, so decode steps can be captured in CUDA graphs
     GATHER_PAIRS = 16  # up to this many (token, expert) pairs, gathering beats grouping (no sync, few launches)
+    # On the CPU, up to this many pairs go through the native expert kernel (memory-bound GEMV, 2-3x torch);
+    # longer batches are matrix products, where torch's GEMM wins.
+    CPU_KERNEL_PAIRS = 64
 
     def __init__(self, layers: dict[int, LayerExperts]):
         self.layers = layers
+        self._cpu: tuple | None = None  # (kernel, {layer: matrices}) once looked up; kernel None when unavailable
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         if hidden.is_cuda and (topk_ids.numel() <= self.GATHER_PAIRS or torch.cuda.is_current_stream_capturing()):
             return gathered_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
+        if hidden.device.type == "cpu" and topk_ids.numel() <= self.CPU_KERNEL_PAIRS:
+            kernel, matrices = self._cpu_kernel()
+            if kernel is not None:
+                from freetoken.engine.offload.cpu_experts import kernel_expert_forward
+
+                return kernel_expert_forward(kernel, matrices[layer], hidden, topk_ids, topk_weights)
         return grouped_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
+
+    def _cpu_kernel(self):
+        if self._cpu is None:
+            from freetoken.engine.offload.cpu_experts import expert_matrices
+            from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
+
+            kernel = CpuExpertKernel.get()
+            matrices = {layer: expert_matrices(le) for layer, le in self.layers.items()}
+            if kernel is None or not all(kernel.supports(*m) for m in matrices.values()):
+                kernel = None
+            self._cpu = (kernel, matrices)
+        return self._cpu
 
     def nbytes(self) -> int:
         return sum(le.nbytes() for le in self.layers.values())

@@ -25,6 +25,26 @@ class _Started:
         self.wait = finish
 
 
+def routed_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """(experts, pair_offsets, pair_tokens, pair_weights) of a [N, K] routing, grouped by expert, all on the CPU:
+    the kernel's input format."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return experts, offsets, order // k, topk_weights.reshape(-1)[order].float()
+
+
+def kernel_expert_forward(kernel: CpuExpertKernel, matrices: tuple[ExpertMatrix, ...], hidden: torch.Tensor,
+                          topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Routed experts of CPU-resident weights through the native kernel (decode-sized batches): same contract as
+    `ExpertExecutor.forward`, in the hidden state's dtype."""
+    y = kernel.moe_forward(hidden.float(), *matrices, *routed_pairs(topk_ids, topk_weights), round_to=hidden.dtype)
+    return y.to(hidden.dtype)
+
+
 def expert_matrices(layer: LayerExperts | QuantizedExperts) -> tuple[ExpertMatrix, ...]:
     if isinstance(layer, QuantizedExperts):
         return tuple(ExpertMatrix(layer.raw[p], layer.type_names[p], layer.shapes[p]) for p in PROJECTIONS)
