@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.rope import RotaryEmbedding
 from freetoken.engine.sources import resolve_model_source
-from freetoken.engine.weights import WeightPlacer
+from freetoken.engine.weights import STACKED_EXPERT, WeightPlacer
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,15 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     items = list(ckpt.tensors(family.MODEL_TYPE, dtype, device, raw_experts=raw_experts))
     # On a terminal the bar redraws often; in a log (no TTY) it writes a line every few seconds at most.
     interactive = sys.stderr.isatty()
-    bar = tqdm(items, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False,
+    bar = tqdm(total=len(items), desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False,
                mininterval=0.2 if interactive else 5.0, ascii=not interactive)
-    for name, load in bar:
-        placer.place(name, load)
+    # Tensors read straight into their destination (safetensors; GGUF experts kept in block format) are read by
+    # several threads at once: storage serves parallel reads faster, and no read makes a temporary copy, so
+    # peak memory stays at the model's bytes. Dequantized GGUF tensors go one by one (each makes a temporary).
+    parallel = (lambda name: True) if ckpt.format == "hf" else \
+        (lambda name: raw_experts and bool(STACKED_EXPERT.fullmatch(name)))
+    place_all(placer, items, parallel, bar.update)
+    bar.close()
     layers = placer.finish()
     experts = build_executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy)
     attach_experts(model, experts)
@@ -137,6 +143,30 @@ def empty_model(family: ModuleType, args, dtype: torch.dtype, device: torch.devi
     model = model.to(dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(args.decoder.rope).to(device)  # buffers are not in checkpoints
     return model
+
+
+READ_THREADS = min(8, os.cpu_count() or 1)
+
+
+def place_all(placer: WeightPlacer, items: list, parallel, done) -> None:
+    """Places every (name, load) item; those `parallel(name)` accepts on READ_THREADS threads."""
+    for name, load in items:
+        if not parallel(name):
+            placer.place(name, load)
+            done()
+    concurrent = [(name, load) for name, load in items if parallel(name)]
+    if not concurrent:
+        return
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ft-load") as pool:
+        futures = [pool.submit(placer.place, name, load) for name, load in concurrent]
+        try:
+            for future in as_completed(futures):
+                future.result()  # re-raises the first failure (a clear ModelLoadError) here
+                done()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
 
 
 def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: torch.device, cache_bytes: int | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from freetoken.engine.offload.quantized import QuantizedExperts
 from freetoken.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
-_STACKED = re.compile(r"model\.layers\.(\d+)\.experts\.(gate_proj|up_proj|down_proj)")
+STACKED_EXPERT = re.compile(r"model\.layers\.(\d+)\.experts\.(gate_proj|up_proj|down_proj)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq|lm_head\.weight")  # recomputed / tied: safe to skip
 
 
@@ -38,13 +39,14 @@ class WeightPlacer:
         self.expert_parts: dict[tuple[int, str], set[int]] = {}
         self.unexpected: list[str] = []
         self.quantized: dict[int, dict[str, tuple[torch.Tensor, str, tuple[int, int]]]] = {}
+        self._lock = threading.Lock()  # place() runs on several threads: stacks are created once
 
     def place(self, name: str, load) -> None:
         """`load` is called only for tensors we keep."""
         if name in self.params:
             self._fill(name, self.params[name], load)
             self.filled.add(name)
-        elif (m := _STACKED.fullmatch(name)) and self.spec is not None:
+        elif (m := STACKED_EXPERT.fullmatch(name)) and self.spec is not None:
             layer, proj = int(m.group(1)), m.group(2)
             value = load()
             if isinstance(value, RawTensor):
@@ -55,7 +57,8 @@ class WeightPlacer:
         elif self.naming is not None and (hit := self.naming.match(name)) and self.spec is not None:
             layer, expert, proj = hit
             self._fill(name, self._expert_slot(layer, proj)[expert], load)
-            self.expert_parts.setdefault((layer, proj), set()).add(expert)
+            with self._lock:
+                self.expert_parts.setdefault((layer, proj), set()).add(expert)
         elif not _IGNORED.fullmatch(name):
             self.unexpected.append(name)
 
@@ -63,12 +66,13 @@ class WeightPlacer:
         spec = self.spec
         if layer not in spec.moe_layers:
             raise ModelLoadError(f"checkpoint has routed experts for layer {layer}, which the config makes dense")
-        slots = self.experts.setdefault(layer, {})
-        if proj not in slots:
-            h, i = spec.hidden_size, spec.expert_intermediate_size
-            shape = (spec.num_experts, h, i) if proj == "down_proj" else (spec.num_experts, i, h)
-            slots[proj] = self._expert_tensor(shape)
-        return slots[proj]
+        with self._lock:
+            slots = self.experts.setdefault(layer, {})
+            if proj not in slots:
+                h, i = spec.hidden_size, spec.expert_intermediate_size
+                shape = (spec.num_experts, h, i) if proj == "down_proj" else (spec.num_experts, i, h)
+                slots[proj] = self._expert_tensor(shape)
+            return slots[proj]
 
     def _keep_quantized(self, name: str, layer: int, proj: str, raw: RawTensor) -> None:
         spec = self.spec
