@@ -118,8 +118,9 @@ class OffloadedExpertExecutor:
 
     def _forward_gathered(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> torch.Tensor:
-        """Order matters: every GPU operation (copies, then the gathered matmul waiting on them) is queued before
-        the CPU experts run on this thread, so the GPU, the copy engine and the CPU work at the same time."""
+        """Order matters: the CPU experts start first (on the kernel's own threads, asynchronously), then every GPU
+        operation is queued (copies, the gathered matmul waiting on them, the next layer's prefetch), and only then
+        does this thread wait for the CPU result: the CPU, the copy engine and the GPU work at the same time."""
         next_layer = self._next_layer.get(layer) if self.prefetch and self.cache.capacity else None
         predicted = None
         if next_layer is not None:
