@@ -180,7 +180,17 @@ def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: tor
     log.info("expert cache: %d of %d experts on %s (%.1f MiB), the rest in host memory (%.1f MiB)", slots,
              spec.total_routed_experts, device, slots * per_expert / 2**20,
              spec.total_routed_experts * per_expert / 2**20)
-    return OffloadedExpertExecutor(layers, device, slots, policy, miss_path, dtype, planner_for(device))
+    return OffloadedExpertExecutor(layers, device, slots, policy, miss_path, dtype, planner_for(device),
+                                   staging_slots_for(spec, per_expert))
+
+
+STAGING_BYTES = 512 << 20
+
+
+def staging_slots_for(spec: MoESpec, expert_bytes: int) -> int:
+    """Staging slots beyond the cache: two decode steps' worth of experts (2 × top-k: one step streaming while
+    the last computes), capped at STAGING_BYTES of device memory (Mixtral's 352 MB experts get 2), never < 2."""
+    return max(2, min(2 * spec.top_k, STAGING_BYTES // max(expert_bytes, 1)))
 
 
 def planner_for(device: torch.device) -> MissPlanner | None:

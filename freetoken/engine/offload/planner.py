@@ -61,9 +61,12 @@ class Split:
 class MissPlanner:
     PROBE_EVERY = 256  # layer-steps a path may go unused before one miss is sent down it to re-measure it
 
-    def __init__(self, copy_gb_s: float, cpu_gb_s: float, copy_fixed_s: float = 20e-6, cpu_fixed_s: float = 100e-6):
+    def __init__(self, copy_gb_s: float, cpu_gb_s: float, copy_fixed_s: float = 20e-6, cpu_fixed_s: float = 100e-6,
+                 learn: bool = True):
+        """`learn=False` keeps the given costs (a fixed split, for reproducible runs) and never probes."""
         self.copy = LinearCost(copy_fixed_s, 1e-9 / copy_gb_s)
         self.cpu = LinearCost(cpu_fixed_s, 1e-9 / cpu_gb_s)
+        self.learn = learn
         self._idle = {"copy": 0, "cpu": 0}
         self.steps = 0
 
@@ -86,7 +89,7 @@ class MissPlanner:
             t = max(self.copy.predict(expert_bytes * (n - on_cpu)), self.cpu.predict(cpu_bytes))
             if t < best_t - 1e-12:
                 best_cpu, best_t = on_cpu, t
-        best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe else best_cpu
+        best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe and self.learn else best_cpu
         return Split(ordered[:n - best_cpu], ordered[n - best_cpu:], best_t)
 
     def _probe(self, on_cpu: int, n: int) -> int:
@@ -101,7 +104,9 @@ class MissPlanner:
         return on_cpu
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
-        self.copy.observe(nbytes, seconds)
+        if self.learn:
+            self.copy.observe(nbytes, seconds)
 
     def observe_cpu(self, nbytes: int, seconds: float) -> None:
-        self.cpu.observe(nbytes, seconds)
+        if self.learn:
+            self.cpu.observe(nbytes, seconds)

@@ -9,10 +9,17 @@ import torch
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
+from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def EVEN_SPLIT() -> MissPlanner:  # noqa: N802 - a planner factory that reads like a constant
+    """Equal, fixed costs: `auto` splits each step's misses evenly, the same on every machine (the learnt split
+    depends on this machine's timings, which a test must not)."""
+    return MissPlanner(20, 20, copy_fixed_s=0, cpu_fixed_s=0, learn=False)
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
 
@@ -32,7 +39,7 @@ def test_greedy_tokens_equal_the_resident_run(checkpoint, slots, policy, miss_pa
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert, expert_policy=policy)
     assert isinstance(lm.experts, OffloadedExpertExecutor) and lm.experts.cache.capacity == slots
-    lm.experts.miss_path = miss_path
+    lm.experts.miss_path, lm.experts.planner = miss_path, EVEN_SPLIT()
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     c, spec = lm.experts.counters, lm.moe_spec
     steps = 1 + GREEDY.max_tokens - 1  # the prefill and one decode step per token but the last
@@ -59,7 +66,7 @@ def test_the_gathered_decode_path_gives_the_resident_tokens(checkpoint, slots, m
     path, resident, expected = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert)
-    lm.experts.miss_path, lm.experts.gather_small_batches = miss_path, True
+    lm.experts.miss_path, lm.experts.gather_small_batches, lm.experts.planner = miss_path, True, EVEN_SPLIT()
     calls = []
     gathered = lm.experts._forward_gathered
     lm.experts._forward_gathered = lambda *a: calls.append(1) or gathered(*a)
