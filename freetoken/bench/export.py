@@ -47,7 +47,8 @@ def tokenizer_metadata(vocab_size: int) -> dict:
     md = GGUFFile(ensure_default_model()).metadata
     keys = [k for k in md if k.startswith("tokenizer.")]
     out = {k: md[k] for k in keys}
-    tokens, types = list(out["tokenizer.ggml.tokens"]), list(out["tokenizer.ggml.token_type"])
+    tokens = [str(t) for t in out["tokenizer.ggml.tokens"]]
+    types = [int(t) for t in out["tokenizer.ggml.token_type"]]
     if vocab_size < len(tokens):
         raise ValueError(f"vocab size {vocab_size} is smaller than the tokenizer's {len(tokens)} tokens")
     pad = vocab_size - len(tokens)
@@ -196,8 +197,8 @@ def _write_gguf_metadata(w: gguf.GGUFWriter, cfg: dict, spec) -> None:
 def _add_kv(w: gguf.GGUFWriter, key: str, value) -> None:
     if isinstance(value, np.ndarray | np.generic):  # as the GGUF parser returned it
         value = value.tolist()
-    if isinstance(value, list) and value and isinstance(value[0], np.generic):
-        value = [v.item() for v in value]
+    if isinstance(value, list):
+        value = [v.item() if isinstance(v, np.generic) else v for v in value]
     if isinstance(value, str):
         w.add_string(key, value)
     elif isinstance(value, bool):

@@ -70,3 +70,14 @@ def test_a_larger_vocabulary_is_padded_with_unused_tokens(smollm2_gguf):
         "Hello world").ids
     with pytest.raises(ValueError, match="smaller than the tokenizer"):
         tokenizer_metadata(1000)
+
+
+def test_a_gguf_with_a_padded_vocabulary_writes_and_loads(tmp_path, smollm2_gguf):
+    from freetoken.bench.export import write_gguf_q8_0
+    from freetoken.bench.synthetic import build_synthetic
+
+    lm = build_synthetic("tiny-moe", device="cpu", dtype=torch.bfloat16, expert_cache=0, layers=1,
+                         expert_format="Q8_0", vocab_size=49152 + 8)
+    path = write_gguf_q8_0(lm, tmp_path / "padded.gguf")
+    assert len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data) == 49160
+    assert load_model(path, progress=False).config["vocab_size"] == 49160
