@@ -80,6 +80,8 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     lib.ft_pool_start.argtypes, lib.ft_pool_start.restype = [i], i
     lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i, p, p]
     lib.ft_has_bf16_dot.argtypes, lib.ft_has_bf16_dot.restype = [], i
+    lib.ft_has_amx.argtypes, lib.ft_has_amx.restype = [], i
+    lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i], None
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_read_bytes.argtypes, lib.ft_read_bytes.restype = [p, ctypes.c_size_t], ctypes.c_uint64

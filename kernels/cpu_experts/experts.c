@@ -21,6 +21,14 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include <stdlib.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -433,27 +441,181 @@ static void phase_down(void *ctx, int task) {
     }
 }
 
+/* ---- AMX (Sapphire Rapids and later): 16 rows x 32 weights x 16 tokens per tile instruction ----
+   With tiles the arithmetic is free even at 8-16 tokens, so the kernel stays bound by DRAM reads at any decode
+   batch. Activations are packed per expert into the VNNI layout a B tile wants ([K/2][16 tokens][2], unused token
+   columns zero): phase 0 packs x, phase 1 writes act packed. Used for bf16 weights of bf16 models. */
+#if HAVE_AMX
+enum { AMX_TOKENS = 16 };
+static int amx_min_tokens = 2, amx_disabled;  /* tuning: fewest tokens worth tiles; a switch to measure without */
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_permitted(void) {  /* the kernel must enable the tile state for this process, once */
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+static void amx_configure(void) {  /* per thread: tiles 0-1 accumulators, 2-3 weights, 4 activations */
+    static __thread int configured;
+    if (configured) return;
+    tile_config cfg = {.palette = 1};
+    for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    configured = 1;
+}
+
+static uint16_t *amx_scratch(size_t elements) {  /* one job at a time: a growing buffer serves every job */
+    static uint16_t *buf;
+    static size_t capacity;
+    if (elements > capacity) {
+        free(buf);
+        capacity = elements + elements / 2;
+        buf = aligned_alloc(64, (capacity * 2 + 63) / 64 * 64);
+    }
+    return buf;
+}
+
+/* Expert e's tokens as a B-tile stream: xp[e][k/2][t][k%2] = x[token t][k]. */
+static void amx_pack_x(const moe_job *j, const uint16_t *xb, uint16_t *xp, int e) {
+    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
+    uint16_t *dst = xp + (size_t)e * j->hidden * AMX_TOKENS;
+    memset(dst, 0, (size_t)j->hidden * AMX_TOKENS * 2);
+    for (int t = 0; t < n; t++) {
+        const uint16_t *src = xb + (size_t)j->pair_tokens[p0 + t] * j->hidden;
+        for (int k = 0; k < j->hidden; k++) dst[(size_t)(k / 2) * AMX_TOKENS * 2 + t * 2 + (k & 1)] = src[k];
+    }
+}
+
+/* out[r][t] (16 x 16) = rows r0..r0+15 of w (stride bytes per row) . packed activations over k weights. */
+static void amx_rows_x_tokens(const uint8_t *w, size_t stride, const uint16_t *packed, int k, float *out) {
+    amx_configure();
+    _tile_zero(0);
+    for (int kc = 0; kc < k / 32; kc++) {
+        _tile_loadd(2, w + (size_t)kc * 64, stride);
+        _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+        _tile_dpbf16ps(0, 2, 4);
+    }
+    _tile_stored(0, out, 64);
+}
+
+static void amx_rows_x_tokens2(const uint8_t *w0, size_t s0, const uint8_t *w1, size_t s1, const uint16_t *packed,
+                               int k, float *out0, float *out1) {
+    amx_configure();
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int kc = 0; kc < k / 32; kc++) {
+        _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+        _tile_loadd(2, w0 + (size_t)kc * 64, s0);
+        _tile_loadd(3, w1 + (size_t)kc * 64, s1);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, out0, 64);
+    _tile_stored(1, out1, 64);
+}
+
+static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, int task) {
+    int blocks = j->inter / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK, expert = j->experts[e];
+    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
+    size_t gb = (size_t)j->hidden * 2, ub = gb;
+    float g[16][16], u[16][16];
+    amx_rows_x_tokens2(j->gate + expert * j->gate_stride + r0 * gb, gb, j->up + expert * j->up_stride + r0 * ub, ub,
+                       xp + (size_t)e * j->hidden * AMX_TOKENS, j->hidden, &g[0][0], &u[0][0]);
+    uint16_t *dst = actp + (size_t)e * j->inter * AMX_TOKENS;
+    for (int r = 0; r < ROW_BLOCK; r++)
+        for (int t = 0; t < AMX_TOKENS; t++) {
+            int row = r0 + r;
+            float a = 0.0f;
+            if (t < n) {
+                float gv = round_bf16(g[r][t]);
+                a = round_bf16(round_bf16(gv / (1.0f + expf(-gv))) * round_bf16(u[r][t]));
+                j->act[(size_t)(p0 + t) * j->inter + row] = a;
+            }
+            uint32_t bits;
+            memcpy(&bits, &a, 4);
+            dst[(size_t)(row / 2) * AMX_TOKENS * 2 + t * 2 + (row & 1)] = (uint16_t)(bits >> 16);
+        }
+}
+
+static void amx_down(const moe_job *j, const uint16_t *actp, int task) {
+    int h0 = task * ROW_BLOCK;
+    size_t db = (size_t)j->inter * 2;
+    float d[16][16];
+    for (int h = h0; h < h0 + ROW_BLOCK; h++)
+        for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
+    for (int e = 0; e < j->n_experts; e++) {
+        int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
+        amx_rows_x_tokens(j->down + j->experts[e] * j->down_stride + h0 * db, db,
+                          actp + (size_t)e * j->inter * AMX_TOKENS, j->inter, &d[0][0]);
+        for (int r = 0; r < ROW_BLOCK; r++)
+            for (int t = 0; t < n; t++) {
+                float v = round_bf16(round_bf16(d[r][t]) * round_bf16(j->pair_weights[p0 + t]));
+                j->y[(size_t)j->pair_tokens[p0 + t] * j->hidden + h0 + r] += v;
+            }
+    }
+}
+#endif
+
 /* Both phases as one job: phase-1 tasks are numbered first, and a worker that draws a phase-2 task waits until
    every phase-1 task has finished (all were drawn before it, so this cannot deadlock). One wake-up per layer. */
 typedef struct {
     moe_job job;
-    int phase1_tasks, phase2_tasks;
-    atomic_int phase1_done, phase2_done;
+    int phase0_tasks, phase1_tasks, phase2_tasks;  /* phase 0 (packing) only on the AMX path */
+    atomic_int phase0_done, phase1_done, phase2_done;
     long start_ns, end_ns;  /* when the job was posted and when its last task finished */
+    uint16_t *xp, *actp;    /* AMX: packed activations per expert, or NULL */
 } moe_run;
 
 static moe_run current;  /* the job in flight between ft_moe_start and ft_moe_wait */
 
 static void moe_task(void *ctx, int task) {
     moe_run *run = ctx;
+    if (task < run->phase0_tasks) {
+#if HAVE_AMX
+        amx_pack_x(&run->job, run->job.xb, run->xp, task);
+#endif
+        atomic_fetch_add(&run->phase0_done, 1);
+        return;
+    }
+    task -= run->phase0_tasks;
     if (task < run->phase1_tasks) {
+        while (atomic_load(&run->phase0_done) < run->phase0_tasks) CPU_RELAX();
+#if HAVE_AMX
+        if (run->xp) amx_gate_up(&run->job, run->xp, run->actp, task); else
+#endif
         phase_gate_up(&run->job, task);
         atomic_fetch_add(&run->phase1_done, 1);
         return;
     }
     while (atomic_load(&run->phase1_done) < run->phase1_tasks) CPU_RELAX();
+#if HAVE_AMX
+    if (run->xp) amx_down(&run->job, run->actp, task - run->phase1_tasks); else
+#endif
     phase_down(&run->job, task - run->phase1_tasks);
     if (atomic_fetch_add(&run->phase2_done, 1) + 1 == run->phase2_tasks) run->end_ns = now_ns();
+}
+
+/* Whether this job can run on AMX tiles: bf16 path on, shapes in whole tiles, at most 16 tokens per expert, and
+   at least AMX_MIN tokens on some expert (below that the AVX-512 path is as fast and needs no packing). */
+static int use_amx(const moe_job *j) {
+#if HAVE_AMX
+    if (!j->xb || j->hidden % 32 || j->inter % 32 || amx_disabled) return 0;
+    int most = 0;
+    for (int e = 0; e < j->n_experts; e++) {
+        int n = j->pair_offsets[e + 1] - j->pair_offsets[e];
+        most = n > most ? n : most;
+    }
+    return most <= AMX_TOKENS && most >= amx_min_tokens && amx_permitted();
+#else
+    (void)j;
+    return 0;
+#endif
 }
 
 /* Starts y[T, H] = sum over the given experts of routing weight * SwiGLU expert(x) on the pool's workers and
@@ -479,13 +641,45 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
         current.job.xb = xb;
         current.job.actb = actb;
     }
+    current.xp = current.actp = NULL;
+    current.phase0_tasks = 0;
+#if HAVE_AMX
+    if (use_amx(&current.job)) {
+        uint16_t *scratch = amx_scratch((size_t)n_experts * (hidden + inter) * AMX_TOKENS);
+        if (scratch) {
+            current.xp = scratch;
+            current.actp = scratch + (size_t)n_experts * hidden * AMX_TOKENS;
+            current.phase0_tasks = n_experts;
+        }
+    }
+#endif
     current.phase1_tasks = n_experts * ((inter + ROW_BLOCK - 1) / ROW_BLOCK);
     current.phase2_tasks = (hidden + ROW_BLOCK - 1) / ROW_BLOCK;
+    atomic_store(&current.phase0_done, 0);
     atomic_store(&current.phase1_done, 0);
     atomic_store(&current.phase2_done, 0);
     current.start_ns = now_ns();
-    parallel_start(moe_task, &current, current.phase1_tasks + current.phase2_tasks);
+    parallel_start(moe_task, &current, current.phase0_tasks + current.phase1_tasks + current.phase2_tasks);
     return 0;
+}
+
+/* AMX tuning: the fewest tokens per expert worth tiles, and a switch for measuring without them. */
+void ft_set_amx(int min_tokens, int disabled) {
+#if HAVE_AMX
+    amx_min_tokens = min_tokens;
+    amx_disabled = disabled;
+#else
+    (void)min_tokens, (void)disabled;
+#endif
+}
+
+/* Whether AMX tiles are compiled in and the OS lets this process use them. */
+int ft_has_amx(void) {
+#if HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
 }
 
 /* Whether this build has the bf16 dot path (AVX-512-BF16). */
