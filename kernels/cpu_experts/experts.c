@@ -492,27 +492,53 @@ static void amx_pack_x(const moe_job *j, const uint16_t *xb, uint16_t *xp, int e
     }
 }
 
+/* Q8_0 rows r..r+15, block kc, as a bf16 tile in `tile` (16 x 32): q * d rounded to bf16, exactly the weights a
+   bf16 GPU expert computes with after dequantization. One Q8_0 block is one tile row. */
+static void amx_q8_tile(const uint8_t *w, size_t stride, int kc, uint16_t *tile) {
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *blk = w + r * stride + (size_t)kc * Q8_BYTES;
+        __m512 d = _mm512_set1_ps(f16_scalar(blk));
+        __m512bh b = _mm512_cvtne2ps_pbh((__m512)(load_q8((const int8_t *)blk + 2 + LANES) * (vf)d),
+                                         (__m512)(load_q8((const int8_t *)blk + 2) * (vf)d));
+        _mm512_storeu_si512(tile + r * 32, (__m512i)b);
+    }
+}
+
+/* Loads weight tile `t` for rows at w (stride bytes per row), k-chunk kc of 32, from bf16 or Q8_0 rows. */
+static inline void amx_load_weights(int t, int type, const uint8_t *w, size_t stride, int kc, uint16_t *scratch) {
+    if (type == FT_Q8_0) {
+        amx_q8_tile(w, stride, kc, scratch);
+        if (t == 2) _tile_loadd(2, scratch, 64); else _tile_loadd(3, scratch, 64);
+    } else if (t == 2) {
+        _tile_loadd(2, w + (size_t)kc * 64, stride);
+    } else {
+        _tile_loadd(3, w + (size_t)kc * 64, stride);
+    }
+}
+
 /* out[r][t] (16 x 16) = rows r0..r0+15 of w (stride bytes per row) . packed activations over k weights. */
-static void amx_rows_x_tokens(const uint8_t *w, size_t stride, const uint16_t *packed, int k, float *out) {
+static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const uint16_t *packed, int k, float *out) {
+    uint16_t scratch[16 * 32] __attribute__((aligned(64)));
     amx_configure();
     _tile_zero(0);
     for (int kc = 0; kc < k / 32; kc++) {
-        _tile_loadd(2, w + (size_t)kc * 64, stride);
+        amx_load_weights(2, type, w, stride, kc, scratch);
         _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
         _tile_dpbf16ps(0, 2, 4);
     }
     _tile_stored(0, out, 64);
 }
 
-static void amx_rows_x_tokens2(const uint8_t *w0, size_t s0, const uint8_t *w1, size_t s1, const uint16_t *packed,
-                               int k, float *out0, float *out1) {
+static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
+                               const uint16_t *packed, int k, float *out0, float *out1) {
+    uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
     amx_configure();
     _tile_zero(0);
     _tile_zero(1);
     for (int kc = 0; kc < k / 32; kc++) {
         _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-        _tile_loadd(2, w0 + (size_t)kc * 64, s0);
-        _tile_loadd(3, w1 + (size_t)kc * 64, s1);
+        amx_load_weights(2, t0, w0, s0, kc, scratch0);
+        amx_load_weights(3, t1, w1, s1, kc, scratch1);
         _tile_dpbf16ps(0, 2, 4);
         _tile_dpbf16ps(1, 3, 4);
     }
@@ -523,9 +549,10 @@ static void amx_rows_x_tokens2(const uint8_t *w0, size_t s0, const uint8_t *w1, 
 static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, int task) {
     int blocks = j->inter / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK, expert = j->experts[e];
     int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
-    size_t gb = (size_t)j->hidden * 2, ub = gb;
+    size_t gb = row_bytes(j->gate_type, j->hidden), ub = row_bytes(j->up_type, j->hidden);
     float g[16][16], u[16][16];
-    amx_rows_x_tokens2(j->gate + expert * j->gate_stride + r0 * gb, gb, j->up + expert * j->up_stride + r0 * ub, ub,
+    amx_rows_x_tokens2(j->gate_type, j->gate + expert * j->gate_stride + r0 * gb, gb,
+                       j->up_type, j->up + expert * j->up_stride + r0 * ub, ub,
                        xp + (size_t)e * j->hidden * AMX_TOKENS, j->hidden, &g[0][0], &u[0][0]);
     uint16_t *dst = actp + (size_t)e * j->inter * AMX_TOKENS;
     for (int r = 0; r < ROW_BLOCK; r++)
@@ -545,13 +572,13 @@ static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, in
 
 static void amx_down(const moe_job *j, const uint16_t *actp, int task) {
     int h0 = task * ROW_BLOCK;
-    size_t db = (size_t)j->inter * 2;
+    size_t db = row_bytes(j->down_type, j->inter);
     float d[16][16];
     for (int h = h0; h < h0 + ROW_BLOCK; h++)
         for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
     for (int e = 0; e < j->n_experts; e++) {
         int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
-        amx_rows_x_tokens(j->down + j->experts[e] * j->down_stride + h0 * db, db,
+        amx_rows_x_tokens(j->down_type, j->down + j->experts[e] * j->down_stride + h0 * db, db,
                           actp + (size_t)e * j->inter * AMX_TOKENS, j->inter, &d[0][0]);
         for (int r = 0; r < ROW_BLOCK; r++)
             for (int t = 0; t < n; t++) {
@@ -570,6 +597,7 @@ typedef struct {
     atomic_int phase0_done, phase1_done, phase2_done;
     long start_ns, end_ns;  /* when the job was posted and when its last task finished */
     uint16_t *xp, *actp;    /* AMX: packed activations per expert, or NULL */
+    const uint16_t *xb_amx; /* bf16 x the AMX path packs (bf16 or Q8_0 weights), or NULL */
 } moe_run;
 
 static moe_run current;  /* the job in flight between ft_moe_start and ft_moe_wait */
@@ -578,7 +606,7 @@ static void moe_task(void *ctx, int task) {
     moe_run *run = ctx;
     if (task < run->phase0_tasks) {
 #if HAVE_AMX
-        amx_pack_x(&run->job, run->job.xb, run->xp, task);
+        amx_pack_x(&run->job, run->xb_amx, run->xp, task);
 #endif
         atomic_fetch_add(&run->phase0_done, 1);
         return;
@@ -603,9 +631,9 @@ static void moe_task(void *ctx, int task) {
 
 /* Whether this job can run on AMX tiles: bf16 path on, shapes in whole tiles, at most 16 tokens per expert, and
    at least AMX_MIN tokens on some expert (below that the AVX-512 path is as fast and needs no packing). */
-static int use_amx(const moe_job *j) {
+static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
 #if HAVE_AMX
-    if (!j->xb || j->hidden % 32 || j->inter % 32 || amx_disabled) return 0;
+    if (!xb_amx || j->hidden % 32 || j->inter % 32 || amx_disabled) return 0;
     int most = 0;
     for (int e = 0; e < j->n_experts; e++) {
         int n = j->pair_offsets[e + 1] - j->pair_offsets[e];
@@ -613,7 +641,7 @@ static int use_amx(const moe_job *j) {
     }
     return most <= AMX_TOKENS && most >= amx_min_tokens && amx_permitted();
 #else
-    (void)j;
+    (void)j, (void)xb_amx;
     return 0;
 #endif
 }
@@ -643,8 +671,11 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     }
     current.xp = current.actp = NULL;
     current.phase0_tasks = 0;
+    /* AMX takes bf16 activations against bf16 or Q8_0 weights (dequantized to bf16 in a tile, as on the GPU) */
+    current.xb_amx = xb && bf16_rounding && gate_type != FT_F32 && up_type != FT_F32 && down_type != FT_F32
+                         ? xb : NULL;
 #if HAVE_AMX
-    if (use_amx(&current.job)) {
+    if (use_amx(&current.job, current.xb_amx)) {
         uint16_t *scratch = amx_scratch((size_t)n_experts * (hidden + inter) * AMX_TOKENS);
         if (scratch) {
             current.xp = scratch;

@@ -101,9 +101,10 @@ class CpuExpertKernel:
         act = torch.empty(pair_tokens.numel(), inter, dtype=torch.float32)
         y = torch.empty(t, h, dtype=torch.float32)
         xb = actb = None
-        if self.bf16_dot and round_to == torch.bfloat16 and all(m.format == "BF16" for m in (gate, up, down)):
+        # bf16 activations for the bf16 dot path (bf16 weights) and the AMX path (bf16 or Q8_0 weights)
+        if self.bf16_dot and round_to == torch.bfloat16 and all(m.format != "F32" for m in (gate, up, down)):
             xb = x.to(torch.bfloat16)
-            if not torch.equal(xb.float(), x):  # the bf16 dot path needs bf16 activations, not rounded ones
+            if not torch.equal(xb.float(), x):  # they must be bf16 values already, not rounded ones
                 xb = None
             else:
                 actb = torch.empty(pair_tokens.numel(), inter, dtype=torch.bfloat16)

@@ -147,3 +147,21 @@ def test_amx_tiles_match_the_reference(kernel, tokens):
         kernel.lib.ft_set_amx(2, 0)
     assert torch.isfinite(tiles).all()
     assert (tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
+
+
+def test_amx_q8_0_computes_what_a_bf16_gpu_expert_computes(kernel):
+    """On tiles, Q8_0 weights are dequantized to bf16 in the tile (as the GPU path dequantizes them for a bf16
+    model), so the result equals the reference run on bf16-dequantized weights."""
+    if not kernel.amx:
+        pytest.skip("no AMX on this CPU")
+    gen = torch.Generator().manual_seed(3)
+    gate, up = (_matrix("Q8_0", 4, 64, 96, gen) for _ in range(2))
+    down = _matrix("Q8_0", 4, 96, 64, gen)
+    as_bf16 = [ExpertMatrix.of(torch.stack([m.expert(e) for e in range(4)]).bfloat16()) for m in (gate, up, down)]
+    x = torch.randn(5, 96, generator=gen).bfloat16().float()
+    every = list(range(5))
+    routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 5, 10], dtype=torch.int32),
+               torch.tensor(every + every, dtype=torch.int32), torch.rand(10, generator=gen))
+    want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
+    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert (got - want).norm() / want.norm() < 2e-3
