@@ -461,13 +461,13 @@ static int amx_permitted(void) {  /* the kernel must enable the tile state for t
     return state;
 }
 
-static void amx_configure(void) {  /* per thread: tiles 0-1 accumulators, 2-3 weights, 4 activations */
-    static __thread int configured;
-    if (configured) return;
+/* Tiles 0-1 accumulators, 2-3 weights, 4 activations. Loaded at every use and released after it: other code on
+   the same thread (oneDNN inside torch uses AMX too) releases the tiles when it is done, which would leave a
+   configuration cached per thread dangling (the next tile instruction would fault). */
+static void amx_configure(void) {
     tile_config cfg = {.palette = 1};
     for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
-    configured = 1;
 }
 
 static uint16_t *amx_scratch(size_t elements) {  /* one job at a time: a growing buffer serves every job */
@@ -527,6 +527,7 @@ static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const u
         _tile_dpbf16ps(0, 2, 4);
     }
     _tile_stored(0, out, 64);
+    _tile_release();
 }
 
 static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
@@ -544,6 +545,7 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
     }
     _tile_stored(0, out0, 64);
     _tile_stored(1, out1, 64);
+    _tile_release();
 }
 
 static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, int task) {
