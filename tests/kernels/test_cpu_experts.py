@@ -158,10 +158,10 @@ def test_amx_q8_0_computes_what_a_bf16_gpu_expert_computes(kernel):
     gate, up = (_matrix("Q8_0", 4, 64, 96, gen) for _ in range(2))
     down = _matrix("Q8_0", 4, 96, 64, gen)
     as_bf16 = [ExpertMatrix.of(torch.stack([m.expert(e) for e in range(4)]).bfloat16()) for m in (gate, up, down)]
-    x = torch.randn(5, 96, generator=gen).bfloat16().float()
-    every = list(range(5))
-    routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 5, 10], dtype=torch.int32),
-               torch.tensor(every + every, dtype=torch.int32), torch.rand(10, generator=gen))
+    x = torch.randn(8, 96, generator=gen).bfloat16().float()  # Q8_0 takes tiles from 6 tokens per expert
+    every = list(range(8))
+    routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32),
+               torch.tensor(every + every, dtype=torch.int32), torch.rand(16, generator=gen))
     want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
     got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert (got - want).norm() / want.norm() < 2e-3
