@@ -1,8 +1,9 @@
 """Missed experts computed on the CPU, where their weights live; only activations cross the link.
 
-`CpuExpertRunner.submit` hands one layer's groups to a worker thread and returns at once, so the calling thread
-can keep the GPU busy (hits, copies) meanwhile; the fast kernel releases the GIL. Without a C compiler the
-runner falls back to torch on the host weights (slower, same function).
+`CpuExpertRunner.start_pairs` (decode) starts the native kernel on its own threads and returns at once;
+`submit` (larger batches) hands a layer's groups to a Python worker thread. Either way the calling thread keeps
+the GPU busy meanwhile. Without a C compiler the runner falls back to torch on the host weights (slower, same
+function). `kernel_expert_forward` serves CPU-resident experts (no GPU) through the same kernel.
 
 Shapes: T tokens, H hidden, P (token, expert) pairs.
 """
@@ -105,6 +106,3 @@ class CpuExpertRunner:
                 (lambda e: host.weights_of(e, self.dtype))
             y = run_groups(x.to(self.dtype), groups, weights_of).float()
         return y, time.perf_counter() - t0
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
