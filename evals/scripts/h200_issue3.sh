@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | kernel | kernel-pinned | diag | d1-bf16 | d1-q8 | d1-16k | p1 | hf
+#   PART: machine | tests | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
@@ -22,7 +22,10 @@ for part in "$@"; do
     kernel-pinned) (cd /tmp && FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench --batches 1 4 \
              --pinned; grep -i huge /proc/meminfo; cat /sys/kernel/mm/transparent_hugepage/enabled) ;;
     diag) ft bench decode --shape qwen3-30b-a3b --layers 12 --context 256 --tokens 16 --budgets 0 \
-            --strategies copy,cpu,auto --probe-mib 512 --commit "$commit" ;;
+            --strategies copy,cpu,auto,auto-noprefetch --probe-mib 512 --commit "$commit" ;;
+    profile) for s in auto auto-noprefetch; do
+               (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 12 --strategy $s --out "$OUT")
+             done ;;
     d1-bf16) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
                --strategies resident-graphs,copy,cpu,auto,auto-noprefetch --commit "$commit" \
                --out "$OUT/d1-bf16-1k.md" ;;

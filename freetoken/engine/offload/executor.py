@@ -11,8 +11,10 @@ of two paths, both reading host DRAM, run at the same time:
 split each layer's misses from bandwidths it keeps measuring. Decode (small batches, on CUDA) gathers every
 expert of the step from one slot tensor [cache | staging | zero slot] in a single batched matmul; larger batches
 (prefill) compute expert by expert, each as soon as its copy lands. Next-layer prefetch starts copies of the
-experts layer L+1's router would pick for layer L's input. Results equal the resident executor's: the same
-weights and function, only where they are computed differs.
+experts layer L+1's router would pick for layer L's input, into cache slots, or with no cache (budget 0) into
+staging slots held for layer L+1: the link would otherwise idle while L+1's dense work runs and its routing
+reaches the host. Results equal the resident executor's: the same weights and function, only where they are
+computed differs.
 
 Shapes: S slots, E experts, N tokens, H hidden.
 """
@@ -72,6 +74,9 @@ class OffloadedExpertExecutor:
         self._routers: dict[int, tuple[torch.Tensor, int]] = {}
         self._next_layer: dict[int, int] = {}
         self._prefetched: set[tuple[int, int]] = set()
+        self._staged_ahead: dict[tuple[int, int], int] = {}  # prefetched into staging: (layer, expert) → ring index
+        self._prefetch_done: list = []  # completion of the last prefetch's copies (the link's backlog)
+        self._prefetch_seconds = 0.0  # their predicted copy time
 
     def set_routers(self, routers: dict[int, tuple[torch.Tensor, int]]) -> None:
         """layer → (router weight [E, H], top-k), for predicting the next layer's experts."""
@@ -121,7 +126,7 @@ class OffloadedExpertExecutor:
         """Order matters: the CPU experts start first (on the kernel's own threads, asynchronously), then every GPU
         operation is queued (copies, the gathered matmul waiting on them, the next layer's prefetch), and only then
         does this thread wait for the CPU result: the CPU, the copy engine and the GPU work at the same time."""
-        next_layer = self._next_layer.get(layer) if self.prefetch and self.cache.capacity else None
+        next_layer = self._next_layer.get(layer) if self.prefetch and self.miss_path != "cpu" else None
         predicted = None
         if next_layer is not None:
             weight, k = self._routers[next_layer]
@@ -132,26 +137,30 @@ class OffloadedExpertExecutor:
             for e in row:
                 tokens_of.setdefault(e, []).append(t)
         self._count_prefetch_use(layer, tokens_of)
+        ahead = self._take_staged_ahead(layer)
         self.cache.begin_step((layer, e) for e in tokens_of)
-        slot_of, misses = {}, []
+        slot_of, misses, staged = {}, [], []
         for e in tokens_of:
             slot = self.cache.lookup((layer, e))
-            if slot is None:
-                misses.append(e)
-            else:
+            if slot is not None:
                 slot_of[e] = slot
-        to_copy, to_cpu = self._plan(misses, lambda e: len(tokens_of[e]))
+            elif e in ahead:  # a miss of the cache, already copied by the previous layer's prefetch
+                slot_of[e] = self.staging_first + ahead[e]
+                staged.append(ahead[e])
+            else:
+                misses.append(e)
+        to_copy, to_cpu = self._plan(misses, lambda e: len(tokens_of[e]), self._copy_backlog())
         on_cpu = None
         if to_cpu:  # started first: the CPU computes while this thread queues the GPU work below
             pairs = [[(t, k) for t, row in enumerate(ids) for k, x_e in enumerate(row) if x_e == e] for e in to_cpu]
             on_cpu = self.cpu.start_pairs(layer, x, to_cpu, pairs, weights)
         copier = self.copier
         copier.begin()
-        staged = []
+        busy = set(staged)
         for e in to_copy:  # at most N*K ≤ staging_slots experts, so the staging ring never wraps here
             admitted = self.cache.admit((layer, e))
             if admitted is None:
-                ring = copier.reserve_staging()
+                ring = copier.reserve_staging(busy)
                 slot_of[e] = self.staging_first + ring
                 staged.append(ring)
             else:
@@ -167,7 +176,8 @@ class OffloadedExpertExecutor:
                                           topk_weights)
             copier.release(*staged)
         if predicted is not None:
-            self._prefetch(next_layer, {e for row in predicted for e in row})
+            room = copier.staging_slots - len(ids) * len(ids[0])  # the next layer's own copies need the rest
+            self._prefetch(next_layer, {e for row in predicted for e in row}, room)
         if on_cpu is not None:
             y, seconds = on_cpu.wait()
             self._count_cpu(len(to_cpu), seconds)
@@ -188,10 +198,11 @@ class OffloadedExpertExecutor:
         return (ids.tolist(), weights.float().tolist(), None if x is None else x.float(),
                 None if pred is None else pred.tolist())
 
-    def _prefetch(self, layer: int, experts: set[int]) -> None:
+    def _prefetch(self, layer: int, experts: set[int], room: int) -> None:
         """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
         this layer's compute (a victim's slot may still be read by it). Only the share the planner would copy
-        if they were misses: the rest would go to the CPU anyway, and extra copies would crowd the link."""
+        if they were misses: the rest would go to the CPU anyway, and extra copies would crowd the link.
+        Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs."""
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
         if self.miss_path == "auto":
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
@@ -199,16 +210,42 @@ class OffloadedExpertExecutor:
         copier.begin()
         experts, slots = [], []
         for e in missing:
-            admitted = self.cache.admit((layer, e))
-            if admitted is None:
-                break  # every slot holds this step's experts
+            if self.cache.capacity:
+                admitted = self.cache.admit((layer, e))
+                if admitted is None:
+                    break  # every slot holds this step's experts
+                slot = admitted[0]
+            elif len(self._staged_ahead) < room:
+                ring = copier.reserve_staging(set(self._staged_ahead.values()))
+                self._staged_ahead[(layer, e)] = ring
+                slot = self.staging_first + ring
+            else:
+                break
             experts.append(e)
-            slots.append(admitted[0])
+            slots.append(slot)
         copier.to_slots(layer, experts, self.slots, slots)
+        if experts and copier.stream is not None:
+            self._prefetch_done = [copier.stream.record_event()]
+            self._prefetch_seconds = self.planner.copy.predict(len(experts) * self.expert_bytes)
         copier.end()
         self._prefetched.update((layer, e) for e in experts)
         self.counters.prefetched += len(experts)
         self.counters.bytes_copied += len(experts) * self.expert_bytes
+
+    def _take_staged_ahead(self, layer: int) -> dict[int, int]:
+        """expert → ring index of the staging slots prefetched for `layer`. Those of any other layer (a step cut
+        short, a prefill in between) are dropped: nothing will read them, so their slots are free again."""
+        ahead = {e: ring for (at, e), ring in self._staged_ahead.items() if at == layer}
+        self._staged_ahead = {}
+        return ahead
+
+    def _copy_backlog(self) -> float:
+        """Seconds the link still owes the last prefetch (its predicted time while its copies have not all
+        landed): this step's copies queue behind them."""
+        if not self._prefetch_done or self._prefetch_done[0].query():
+            self._prefetch_done = []
+            return 0.0
+        return self._prefetch_seconds
 
     def _count_prefetch_use(self, layer: int, routed: dict[int, list[int]]) -> None:
         if self._prefetched:
@@ -232,6 +269,7 @@ class OffloadedExpertExecutor:
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
+        self._take_staged_ahead(layer)
         self.cache.begin_step((layer, g.expert) for g in groups)
         hits, misses = [], []
         for g in groups:
@@ -242,13 +280,13 @@ class OffloadedExpertExecutor:
         out = self._copy_and_compute(layer, hidden, hits, to_copy)
         return self._add_cpu(out, on_cpu, len(to_cpu))
 
-    def _plan(self, misses: list, tokens_of) -> tuple[list, list]:
+    def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0) -> tuple[list, list]:
         if not misses or self.miss_path == "copy":
             return misses, []
         if self.miss_path == "cpu":
             return [], misses
         split = self.planner.split(misses, self.expert_bytes, tokens_of=tokens_of,
-                                   min_copy=len(self.cache.free_slots))
+                                   min_copy=len(self.cache.free_slots), copy_busy_s=copy_busy_s)
         return split.copy, split.cpu
 
     def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup]):

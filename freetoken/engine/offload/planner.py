@@ -71,10 +71,11 @@ class MissPlanner:
         self.steps = 0
 
     def split(self, misses: list, expert_bytes: int, tokens_of=lambda m: 1, min_copy: int = 0,
-              observe: bool = True) -> Split:
+              observe: bool = True, copy_busy_s: float = 0.0) -> Split:
         """Orders `misses` so the experts with the most tokens are copied first (a copy costs the same for any
         number of tokens, CPU work grows with them), then picks how many to leave to the CPU. At least
         `min_copy` are copied (the executor fills free cache slots: a copy's value outlives the step).
+        `copy_busy_s`: the link is still busy that long (earlier prefetches) before this step's copies start.
         `observe=False`: a what-if (prefetch sizing) that does not count as a step or probe a path."""
         self.steps += observe
         n = len(misses)
@@ -86,7 +87,8 @@ class MissPlanner:
         for on_cpu in range(n - min(min_copy, n) + 1):
             if on_cpu:  # the CPU takes the next-cheapest miss; its cost grows lightly with tokens beyond the first
                 cpu_bytes += expert_bytes * (1 + 0.1 * (tokens[n - on_cpu][0] - 1))
-            t = max(self.copy.predict(expert_bytes * (n - on_cpu)), self.cpu.predict(cpu_bytes))
+            copy_t = copy_busy_s + self.copy.predict(expert_bytes * (n - on_cpu)) if on_cpu < n else 0.0
+            t = max(copy_t, self.cpu.predict(cpu_bytes))
             if t < best_t - 1e-12:
                 best_cpu, best_t = on_cpu, t
         best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe and self.learn else best_cpu

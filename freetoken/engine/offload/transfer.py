@@ -83,10 +83,16 @@ class ExpertCopier:
             self._copy(layer, expert, dest, first + i)
             return i, self._record()
 
-    def reserve_staging(self) -> int:
-        """The next staging ring index; copies issued after this wait until its previous reader is done."""
+    def reserve_staging(self, busy: frozenset[int] | set[int] = frozenset()) -> int:
+        """The next staging ring index not in `busy` (slots holding prefetched experts not yet read); copies
+        issued after this wait until its previous reader is done."""
+        ring = len(self._released)
+        if len(busy) >= ring:
+            raise RuntimeError("every staging slot is busy")
         i = self._next_staging
-        self._next_staging = (i + 1) % len(self._released)
+        while i in busy:
+            i = (i + 1) % ring
+        self._next_staging = (i + 1) % ring
         if self.stream is not None and self._released[i] is not None:
             self.stream.wait_event(self._released[i])
         return i

@@ -46,6 +46,15 @@ def test_experts_with_more_tokens_are_copied_and_free_slots_are_filled():
     assert not planner.split(list(tokens), EXPERT, tokens_of=tokens.get, min_copy=4).cpu
 
 
+def test_a_link_still_busy_with_prefetches_moves_misses_to_the_cpu():
+    planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0, learn=False)
+    idle = planner.split(list(range(8)), EXPERT)
+    busy = planner.split(list(range(8)), EXPERT, copy_busy_s=planner.copy.predict(4 * EXPERT))
+    assert len(idle.cpu) == 4 and len(busy.cpu) == 6  # 2 copies after the backlog of 4 finish with 6 on the CPU
+    assert busy.predicted_seconds == pytest.approx(planner.cpu.predict(6 * EXPERT))
+    assert len(planner.split(list(range(8)), EXPERT, copy_busy_s=1.0).cpu) == 8  # nothing waits behind a jam
+
+
 @pytest.mark.parametrize("seed_cpu_gb_s", [500.0, 0.5])
 def test_a_wrong_seed_is_corrected_online(seed_cpu_gb_s):
     """Seeded with a CPU bandwidth 25x off in either direction, the planner converges to within 10% of the

@@ -64,4 +64,5 @@ def test_gathered_decode_dequantizes_a_step_of_q8_0_experts_together(slots, tmp_
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     assert max(batches) >= 2  # several experts of one step went through one dequantization
     c = lm.experts.counters
-    assert c.bytes_copied // spec.bytes_per_expert("Q8_0") == c.misses + c.prefetched
+    staged = 0 if slots else c.prefetch_used  # with no cache, a used prefetch is a miss that needs no copy
+    assert c.bytes_copied // spec.bytes_per_expert("Q8_0") == c.misses + c.prefetched - staged
