@@ -23,7 +23,7 @@ for part in "$@"; do
              --pinned; grep -i huge /proc/meminfo; cat /sys/kernel/mm/transparent_hugepage/enabled) ;;
     diag) ft bench decode --shape qwen3-30b-a3b --layers 12 --context 256 --tokens 16 --budgets 0 \
             --strategies copy,cpu,auto,auto-noprefetch --probe-mib 512 --commit "$commit" ;;
-    profile) for s in auto auto-noprefetch; do
+    profile) for s in auto; do
                (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 12 --strategy $s --out "$OUT")
              done ;;
     d1-bf16) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \

@@ -5,7 +5,8 @@ expert cache of each --budgets size, through staging when it is full), `auto` (t
 same, with the miss planner free to compute experts on the CPU). Each prompt is prefilled in chunks of
 --chunk tokens; a long chunk routes to nearly every expert of a layer, so each chunk streams the experts the
 cache lacks once. The PCIe streaming bound is that: chunks × uncached expert bytes over the pinned host→device
-bandwidth measured at the start of the run (plus the resident prefill time, when a `resident` row was run).
+bandwidth measured at the start of the run. Streaming overlaps compute, so a row's true floor is the larger of
+that bound and the `resident` row's TTFT (the compute alone); both ratios are reported.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class Row:
     ttft_s: float
     copied_gb: float = 0.0
     cpu_experts: int = 0
-    bound_s: float | None = None
+    bound_s: float | None = None  # PCIe streaming bound
+    compute_s: float | None = None  # the resident row's TTFT for this prompt
 
 
 def prefill_once(lm, prompt: int, chunk: int, seed: int) -> float:
@@ -84,7 +86,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
                     cached = executor.cache.capacity
                     uncached = max(spec.total_routed_experts - cached, 0) * expert_bytes
                     if h2d:
-                        row.bound_s = math.ceil(prompt / a.chunk) * uncached / (h2d * 1e9) + resident_s.get(prompt, 0)
+                        row.bound_s = math.ceil(prompt / a.chunk) * uncached / (h2d * 1e9)
+                    row.compute_s = resident_s.get(prompt)
                 else:
                     resident_s[prompt] = ttft
                 rows.append(row)
@@ -99,9 +102,11 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
 
 def _format_row(r: Row) -> str:
     bound = "—" if r.bound_s is None else f"{r.bound_s:.2f}"
-    ratio = "—" if r.bound_s is None else f"{r.ttft_s / r.bound_s:.2f}×"
+    ratio = "—" if not r.bound_s else f"{r.ttft_s / r.bound_s:.2f}×"
+    floor = max(r.bound_s or 0.0, r.compute_s or 0.0)
+    of_floor = "—" if r.bound_s is None or r.compute_s is None else f"{r.ttft_s / floor:.2f}×"
     return (f"| {r.strategy} | {r.budget} | {r.prompt} | {r.ttft_s:.3f} | {r.prompt / r.ttft_s:.0f} | "
-            f"{r.copied_gb:.3f} | {r.cpu_experts} | {bound} | {ratio} |")
+            f"{r.copied_gb:.3f} | {r.cpu_experts} | {bound} | {ratio} | {of_floor} |")
 
 
 def render(rows: list[Row], a: argparse.Namespace, h2d: float | None) -> str:
@@ -116,11 +121,12 @@ def render(rows: list[Row], a: argparse.Namespace, h2d: float | None) -> str:
         f"- random prompts, chunks of {a.chunk} tokens, random weights"
         f"{f', router skewed (Zipf s={a.skew})' if a.skew else ', near-uniform routing'}",
         f"- pinned host→device bandwidth measured in this run: {h2d:.1f} GB/s" if h2d else "- no PCIe (CPU run)",
-        "- bound: chunks × uncached expert bytes / that bandwidth (+ the resident row's TTFT when measured)",
+        "- PCIe bound: chunks × uncached expert bytes / that bandwidth; floor: the larger of it and the resident "
+        "row's TTFT (streaming overlaps compute)",
         "",
         "| strategy | expert budget | prompt tokens | TTFT s | prefill tok/s | GB copied | CPU experts | "
-        "PCIe streaming bound s | TTFT / bound |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "PCIe streaming bound s | TTFT / PCIe bound | TTFT / floor |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(_format_row(r) for r in rows),
     ]
     return "\n".join(lines) + "\n"
