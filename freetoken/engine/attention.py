@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 
@@ -32,18 +33,21 @@ class SequenceAttention:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """q [T, H, D] at positions past..past+T-1; k, v [past + T, Hkv, D] → [T, H, D]."""
+    """q [T, H, D] at positions past..past+T-1; k, v [past + T, Hkv, D] → [T, H, D].
+
+    Inputs go to SDPA as 4-D [1, heads, tokens, D]: its fused kernels (flash, memory-efficient) take only 4-D
+    inputs, and the math fallback materialises [H, T, L + T] scores (32 GB for a 16k-token chunk)."""
     t = q.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, tokens, D]
     if t == 1:
         out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
     elif past == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:
-        q_pos = torch.arange(past, past + t, device=q.device)[:, None]
-        mask = torch.arange(past + t, device=q.device)[None, :] <= q_pos  # [T, L + T]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+    else:  # a later chunk: causal aligned to the last key (lower right), which the fused kernels take as a bias
+        group = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, past + t))
+    return out[0].transpose(0, 1)
 
 
 class StaticDecodeAttention:

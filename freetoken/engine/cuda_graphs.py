@@ -9,6 +9,9 @@ An executor that must look routing up on the host (offloaded experts) cannot be 
 captured in segments, cut at every routed-expert call: segment i runs everything from the previous MoE's output
 up to layer i's router, the executor runs eagerly on the segment's output tensors, and its result is copied into
 the static input of segment i+1. The dense work still replays from graphs; only the expert work is eager.
+An executor that offers the graph-boundary calls (`prepare_graph_io`, `capture_route`, `capture_experts`,
+`capture_combine`, `run_boundary`: the offloading executor) gets more captured: the segment also copies the
+routing to the host, its expert matmul is a graph of its own, and only planning and copies stay on the host.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ class _Boundary:
     hidden: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
-    out: torch.Tensor  # the next segment reads the experts' output from here
+    out: torch.Tensor  # the next segment reads the experts' output (or, two-phase, their GPU share) from here
+    route: object = None  # the executor's handle for this call (graph-boundary executor)
+    experts_graph: torch.cuda.CUDAGraph | None = None  # its captured expert matmul
 
 
 @dataclass(slots=True)
@@ -41,13 +46,17 @@ class _Captured:
     ctx: StaticDecodeAttention
     token: torch.Tensor  # [1] input buffer
     logits: torch.Tensor  # [1, V] output buffer
+    slots_version: int = 0  # the executor's slot tensors these graphs read (recaptured when they change)
 
     def replay(self, experts) -> None:
         for i, graph in enumerate(self.graphs):
             graph.replay()
             if i < len(self.boundaries):
                 b = self.boundaries[i]
-                b.out.copy_(experts.forward(b.layer, b.hidden, b.topk_ids, b.topk_weights))
+                if b.route is not None:
+                    experts.run_boundary(b.route, b.experts_graph.replay)
+                else:
+                    b.out.copy_(experts.forward(b.layer, b.hidden, b.topk_ids, b.topk_weights))
 
 
 class _SegmentingExecutor:
@@ -56,19 +65,30 @@ class _SegmentingExecutor:
 
     capturable = True
 
-    def __init__(self, pool):
-        self.pool = pool
+    def __init__(self, pool, executor):
+        self.pool, self.executor = pool, executor
+        self.two_phase = hasattr(executor, "run_boundary")
         self.graphs = [torch.cuda.CUDAGraph()]
         self.boundaries: list[_Boundary] = []
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        ex = self.executor
+        route = ex.capture_route(layer, hidden, topk_ids, topk_weights) if self.two_phase else None
         self.graphs[-1].capture_end()
-        out = torch.empty_like(hidden)
-        self.boundaries.append(_Boundary(layer, hidden, topk_ids, topk_weights, out))
+        if route is None:
+            out = torch.empty_like(hidden)
+            self.boundaries.append(_Boundary(layer, hidden, topk_ids, topk_weights, out))
+        else:
+            experts_graph = torch.cuda.CUDAGraph()
+            experts_graph.capture_begin(pool=self.pool)
+            gpu_out = ex.capture_experts(route)
+            experts_graph.capture_end()
+            # gpu_out stays referenced, so no later capture in the shared pool reuses its memory
+            self.boundaries.append(_Boundary(layer, hidden, topk_ids, topk_weights, gpu_out, route, experts_graph))
         self.graphs.append(torch.cuda.CUDAGraph())
         self.graphs[-1].capture_begin(pool=self.pool)
-        return out
+        return out if route is None else ex.capture_combine(route, gpu_out)
 
 
 class GraphedDecoder:
@@ -90,7 +110,9 @@ class GraphedDecoder:
         """Appends `token` to `seq` and returns the next-token logits [V]."""
         self.cache.reserve(seq, 1)
         window = self.window_for(seq.length + 1)
-        entry = self.captured.get(window) or self._capture(window, seq)
+        entry = self.captured.get(window)
+        if entry is None or entry.slots_version != getattr(self.lm.experts, "slots_version", 0):
+            entry = self._capture(window, seq)  # first use, or the executor's slots were reallocated
         entry.ctx.prepare(seq)
         entry.token.fill_(token)
         entry.replay(self.lm.experts)
@@ -120,8 +142,10 @@ class GraphedDecoder:
     def _capture_segments(self, ctx: StaticDecodeAttention, token: torch.Tensor) -> _Captured:
         from freetoken.engine.loader import attach_experts
 
-        segmenter = _SegmentingExecutor(self.pool)
         experts = self.lm.experts
+        segmenter = _SegmentingExecutor(self.pool, experts)
+        if segmenter.two_phase:
+            experts.prepare_graph_io(int(token.numel()))
         attach_experts(self.lm.model, segmenter)
         torch.cuda.synchronize()
         try:
@@ -132,4 +156,5 @@ class GraphedDecoder:
         finally:
             attach_experts(self.lm.model, experts)
         torch.cuda.synchronize()
-        return _Captured(segmenter.graphs, segmenter.boundaries, ctx, token, logits)
+        return _Captured(segmenter.graphs, segmenter.boundaries, ctx, token, logits,
+                         getattr(experts, "slots_version", 0))

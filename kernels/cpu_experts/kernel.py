@@ -87,9 +87,12 @@ class CpuExpertKernel:
 
     def start(self, x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
               experts: torch.Tensor, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
-              pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32) -> PendingExperts:
+              pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32, *,
+              x_bf16: torch.Tensor | None = None, out: torch.Tensor | None = None) -> PendingExperts:
         """`moe_forward` started on the pool's workers; returns at once. Call `.wait()` for the result; until
-        then no other call may use the kernel (the lock is held)."""
+        then no other call may use the kernel (the lock is held). `x_bf16`: x in bf16, from a caller that knows x
+        holds bf16 values exactly (a bf16 model's activations; skips checking it). `out`: a [T, H] fp32 buffer
+        for the result (pinned memory, to copy it to the GPU)."""
         if not self.supports(gate, up, down):
             raise ValueError("the CPU expert kernel reads contiguous host F32/BF16/Q8_0 stacks only")
         t, h = x.shape
@@ -99,12 +102,14 @@ class CpuExpertKernel:
                                               for a in (experts, pair_offsets, pair_tokens))
         pair_weights = pair_weights.float().contiguous()
         act = torch.empty(pair_tokens.numel(), inter, dtype=torch.float32)
-        y = torch.empty(t, h, dtype=torch.float32)
+        y = torch.empty(t, h, dtype=torch.float32) if out is None else out
+        if y.shape != (t, h) or y.dtype != torch.float32 or not y.is_contiguous():
+            raise ValueError(f"out must be a contiguous fp32 [{t}, {h}] tensor")
         xb = actb = None
         # bf16 activations for the bf16 dot path (bf16 weights) and the AMX path (bf16 or Q8_0 weights)
         if self.bf16_dot and round_to == torch.bfloat16 and all(m.format != "F32" for m in (gate, up, down)):
-            xb = x.to(torch.bfloat16)
-            if not torch.equal(xb.float(), x):  # they must be bf16 values already, not rounded ones
+            xb = x_bf16.contiguous() if x_bf16 is not None else x.to(torch.bfloat16)
+            if x_bf16 is None and not torch.equal(xb.float(), x):  # they must be bf16 values, not rounded ones
                 xb = None
             else:
                 actb = torch.empty(pair_tokens.numel(), inter, dtype=torch.bfloat16)

@@ -72,19 +72,25 @@ class CpuExpertRunner:
         return self._worker.submit(self._run, layer, x, cpu_groups)
 
     def start_pairs(self, layer: int, x: torch.Tensor, experts: list[int], pairs: list[list[tuple[int, int]]],
-                    weights: list[list[float]]):
+                    weights: list[list[float]], *, x_bf16: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None):
         """Starts experts[i] on the (token, k) pairs[i], weighted by weights[token][k], and returns at once with
-        an object whose `wait()` gives (out [T, H] fp32, compute seconds). x [T, H] fp32 on the CPU. Without the
-        fast kernel the work happens inside `wait()`."""
+        an object whose `wait()` gives (y [T, H] fp32, compute seconds). x [T, H] fp32 on the CPU; `x_bf16` the
+        same values in bf16 when the model is bf16 (spares the kernel a check); `out` a buffer for y (the
+        kernel writes it there; the fallback returns its own). Without the fast kernel the work happens inside
+        `wait()`."""
         gate, up, down = self.matrices[layer]
         if self.kernel is not None and self.kernel.supports(gate, up, down):
-            offsets = [0]
+            offsets, tokens, pair_weights = [0], [], []
             for p in pairs:
-                offsets.append(offsets[-1] + len(p))
+                for t, k in p:
+                    tokens.append(t)
+                    pair_weights.append(weights[t][k])
+                offsets.append(len(tokens))
             pending = self.kernel.start(
                 x, gate, up, down, torch.tensor(experts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
-                torch.tensor([t for p in pairs for t, _ in p], dtype=torch.int32),
-                torch.tensor([weights[t][k] for p in pairs for t, k in p]), round_to=self.dtype)
+                torch.tensor(tokens, dtype=torch.int32), torch.tensor(pair_weights, dtype=torch.float32),
+                round_to=self.dtype, x_bf16=x_bf16 if self.dtype == torch.bfloat16 else None, out=out)
             return _Started(lambda: (pending.wait(), pending.seconds))
         groups = [ExpertGroup(e, torch.tensor([t for t, _ in p]), torch.tensor([weights[t][k] for t, k in p]))
                   for e, p in zip(experts, pairs, strict=True)]

@@ -22,6 +22,7 @@ Shapes: S slots, E experts, N tokens, H hidden.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +33,7 @@ from freetoken.engine.experts import (
     group_by_expert,
     run_groups,
 )
+from freetoken.engine.offload import cudart
 from freetoken.engine.offload.cpu_experts import CpuExpertRunner
 from freetoken.engine.offload.expert_cache import ExpertCache
 from freetoken.engine.offload.planner import MissPlanner
@@ -43,6 +45,42 @@ log = logging.getLogger(__name__)
 
 # Seeds for the planner when this machine has no calibration profile; the online fit replaces them in a few steps.
 DEFAULT_COPY_GB_S, DEFAULT_CPU_GB_S = 20.0, 10.0
+
+
+@dataclass(slots=True)
+class _Step:
+    """One layer-step after `_dispatch`: where each (token, k) pair computes, and what is still running."""
+
+    slot_map: list[list[int]]  # [N][K] slot of each pair's expert; the zero slot for pairs on the CPU
+    staged: list[int]  # staging ring slots the GPU share reads (released after it is queued)
+    on_gpu: bool  # some pair computes on the GPU
+    on_cpu: object | None  # the started CPU share (`wait()` → (y, seconds)), or None
+    cpu_count: int  # experts in it
+
+
+@dataclass(slots=True)
+class _GraphIO:
+    """The buffers between captured decode graphs and the host; one set, shared by every layer."""
+
+    ids: torch.Tensor  # [N, K] int64, pinned: routing, written by the captured segment
+    weights: torch.Tensor  # [N, K] fp32, pinned
+    x: torch.Tensor  # [N, H] fp32, pinned: the layer's input, for the CPU share
+    x_bf16: torch.Tensor | None  # [N, H] bf16, pinned: the same values (bf16 models), for the CPU's bf16 paths
+    predicted: torch.Tensor  # [N, K] int64, pinned: the next layer's router on this input
+    slot_map_host: torch.Tensor  # [N, K] int64, pinned: written by the host
+    slot_map: torch.Tensor  # [N, K] int64, device: read by the captured gathered matmul
+    y_host: torch.Tensor  # [N, H] fp32, pinned: the CPU share, written by the kernel
+    y: torch.Tensor  # [N, H] fp32, device: read by the next segment
+
+
+@dataclass(slots=True)
+class GraphBoundary:
+    """One layer's expert call inside a captured decode step (its segment's static tensors)."""
+
+    layer: int
+    hidden: torch.Tensor
+    topk_weights: torch.Tensor
+    predicts: bool  # the segment also captured the next layer's predicted experts
 
 
 class OffloadedExpertExecutor:
@@ -77,6 +115,8 @@ class OffloadedExpertExecutor:
         self._staged_ahead: dict[tuple[int, int], int] = {}  # prefetched into staging: (layer, expert) → ring index
         self._prefetch_done: list = []  # completion of the last prefetch's copies (the link's backlog)
         self._prefetch_seconds = 0.0  # their predicted copy time
+        self._graph_io: _GraphIO | None = None  # allocated by prepare_graph_io for captured decode
+        self.slots_version = 0  # bumped when the slot tensors are reallocated (captured graphs read them)
 
     def set_routers(self, routers: dict[int, tuple[torch.Tensor, int]]) -> None:
         """layer → (router weight [E, H], top-k), for predicting the next layer's experts."""
@@ -112,12 +152,15 @@ class OffloadedExpertExecutor:
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        for nbytes, seconds in self.copier.finished_timings():
-            self.planner.observe_copy(nbytes, seconds)
-            self.counters.copy_seconds += seconds
+        self._collect_copy_timings()
         if self.gather_small_batches and topk_ids.numel() <= self.copier.staging_slots:
             return self._forward_gathered(layer, hidden, topk_ids, topk_weights)
         return self._forward_grouped(layer, hidden, topk_ids, topk_weights)
+
+    def _collect_copy_timings(self) -> None:
+        for nbytes, seconds in self.copier.finished_timings():
+            self.planner.observe_copy(nbytes, seconds)
+            self.counters.copy_seconds += seconds
 
     # -- small batches: one host sync, the copies, one gathered matmul --
 
@@ -126,22 +169,42 @@ class OffloadedExpertExecutor:
         """Order matters: the CPU experts start first (on the kernel's own threads, asynchronously), then every GPU
         operation is queued (copies, the gathered matmul waiting on them, the next layer's prefetch), and only then
         does this thread wait for the CPU result: the CPU, the copy engine and the GPU work at the same time."""
-        next_layer = self._next_layer.get(layer) if self.prefetch and self.miss_path != "cpu" else None
+        next_layer = self._prefetch_target(layer)
         predicted = None
         if next_layer is not None:
             weight, k = self._routers[next_layer]
             predicted = torch.topk(hidden @ weight.t(), k, dim=-1).indices  # softmax keeps the order
         ids, weights, x, predicted = self._to_host(topk_ids, topk_weights, hidden, predicted)
+        step = self._dispatch(layer, ids, weights, x)
+        out = None
+        if step.on_gpu:
+            slot_map = torch.tensor(step.slot_map).to(hidden.device, non_blocking=True)
+            out = gathered_expert_forward(self.slots, hidden, slot_map, topk_weights)
+            self.copier.release(*step.staged)
+        if predicted is not None:
+            self._prefetch(next_layer, {e for row in predicted for e in row}, self._prefetch_room(ids))
+        if step.on_cpu is not None:
+            y = self._wait_cpu(step)
+            y = y.to(hidden.device, hidden.dtype, non_blocking=True)
+            out = y if out is None else out + y
+        return out
+
+    def _dispatch(self, layer: int, ids: list[list[int]], weights: list[list[float]], x: torch.Tensor | None,
+                  x_bf16: torch.Tensor | None = None, cpu_out: torch.Tensor | None = None) -> _Step:
+        """One layer-step's routing, known on the host: looks the experts up, splits the misses, starts the CPU
+        share, queues the copies (and makes the compute stream wait for them). The caller then computes the GPU
+        share from `slot_map` (pairs on the CPU point at the zero slot) and collects the CPU share."""
         tokens_of: dict[int, list[int]] = {}
         for t, row in enumerate(ids):
             for e in row:
                 tokens_of.setdefault(e, []).append(t)
         self._count_prefetch_use(layer, tokens_of)
         ahead = self._take_staged_ahead(layer)
-        self.cache.begin_step((layer, e) for e in tokens_of)
+        cache = self.cache
+        cache.begin_step((layer, e) for e in tokens_of)
         slot_of, misses, staged = {}, [], []
         for e in tokens_of:
-            slot = self.cache.lookup((layer, e))
+            slot = cache.lookup((layer, e))
             if slot is not None:
                 slot_of[e] = slot
             elif e in ahead:  # a miss of the cache, already copied by the previous layer's prefetch
@@ -151,39 +214,44 @@ class OffloadedExpertExecutor:
                 misses.append(e)
         to_copy, to_cpu = self._plan(misses, lambda e: len(tokens_of[e]), self._copy_backlog())
         on_cpu = None
-        if to_cpu:  # started first: the CPU computes while this thread queues the GPU work below
+        if to_cpu:  # started first: the CPU computes while this thread queues the GPU work
             pairs = [[(t, k) for t, row in enumerate(ids) for k, x_e in enumerate(row) if x_e == e] for e in to_cpu]
-            on_cpu = self.cpu.start_pairs(layer, x, to_cpu, pairs, weights)
+            on_cpu = self.cpu.start_pairs(layer, x, to_cpu, pairs, weights, x_bf16=x_bf16, out=cpu_out)
         copier = self.copier
-        copier.begin()
-        busy = set(staged)
-        for e in to_copy:  # at most N*K ≤ staging_slots experts, so the staging ring never wraps here
-            admitted = self.cache.admit((layer, e))
-            if admitted is None:
-                ring = copier.reserve_staging(busy)
-                slot_of[e] = self.staging_first + ring
-                staged.append(ring)
-            else:
-                slot_of[e] = admitted[0]
-        copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
-        copier.end()
-        self.counters.bytes_copied += len(to_copy) * self.expert_bytes
-        out = None
-        if slot_of:  # some experts compute on the GPU
+        if to_copy:
+            copier.begin()
+            busy = set(staged)
+            for e in to_copy:  # at most N*K ≤ staging_slots experts, so the staging ring never wraps here
+                admitted = cache.admit((layer, e))
+                if admitted is None:
+                    ring = copier.reserve_staging(busy)
+                    slot_of[e] = self.staging_first + ring
+                    staged.append(ring)
+                else:
+                    slot_of[e] = admitted[0]
+            copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
+            copier.end()
+            self.counters.bytes_copied += len(to_copy) * self.expert_bytes
+        if slot_of:
             copier.wait_all()
-            slot_map = torch.tensor([[slot_of.get(e, self.zero_slot) for e in row] for row in ids])
-            out = gathered_expert_forward(self.slots, hidden, slot_map.to(hidden.device, non_blocking=True),
-                                          topk_weights)
-            copier.release(*staged)
-        if predicted is not None:
-            room = copier.staging_slots - len(ids) * len(ids[0])  # the next layer's own copies need the rest
-            self._prefetch(next_layer, {e for row in predicted for e in row}, room)
-        if on_cpu is not None:
-            y, seconds = on_cpu.wait()
-            self._count_cpu(len(to_cpu), seconds)
-            y = y.to(hidden.device, hidden.dtype, non_blocking=True)
-            out = y if out is None else out + y
-        return out
+        zero = self.zero_slot
+        return _Step([[slot_of.get(e, zero) for e in row] for row in ids], staged, bool(slot_of), on_cpu,
+                     len(to_cpu))
+
+    def _wait_cpu(self, step: _Step) -> torch.Tensor:
+        y, seconds = step.on_cpu.wait()
+        self._count_cpu(step.cpu_count, seconds)
+        return y
+
+    def _prefetch_target(self, layer: int) -> int | None:
+        """The layer whose experts to prefetch from this layer's input, if any (not for the CPU-only path)."""
+        if not self.prefetch or self.miss_path == "cpu":
+            return None
+        return self._next_layer.get(layer)
+
+    def _prefetch_room(self, ids: list[list[int]]) -> int:
+        """Staging slots a budget-0 prefetch may hold: the next layer's own copies need the rest."""
+        return self.copier.staging_slots - len(ids) * len(ids[0])
 
     def _to_host(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden: torch.Tensor,
                  predicted: torch.Tensor | None):
@@ -198,6 +266,96 @@ class OffloadedExpertExecutor:
         return (ids.tolist(), weights.float().tolist(), None if x is None else x.float(),
                 None if pred is None else pred.tolist())
 
+    # -- decode replayed from CUDA graphs (cuda_graphs.py): the same step, with its tensor work captured --
+    #
+    # At layer L's expert call the graph segment ending there also captures the copies of the routing, the
+    # activations and the next layer's predicted experts into pinned host buffers (`capture_route`); the
+    # gathered matmul over a static slot map is captured as a graph of its own (`capture_experts`); the next
+    # segment starts by adding the CPU share from a static buffer (`capture_combine`). Between them
+    # `run_boundary` does only host work: plan, start the CPU, queue the copies, write the slot map, replay
+    # the experts' graph, prefetch, collect the CPU share. The host thread is the step's critical path; this
+    # cuts its ~40 tensor operations per layer to ~6.
+
+    def prepare_graph_io(self, tokens: int) -> None:
+        """Allocates the buffers graphs of `tokens`-token steps read and write (before any capture: pinned
+        allocations are not allowed while capturing). Shared by every layer: layers run one after another."""
+        k = max((k for _, k in self._routers.values()), default=self.num_experts)
+        hidden = self.copier.shapes["gate_proj"][1]
+        io = self._graph_io
+        if io is not None and io.ids.shape == (tokens, k):
+            return
+        pinned = {"pin_memory": self.device.type == "cuda"}  # (the CPU runs these calls eagerly in tests)
+        self._graph_io = _GraphIO(
+            ids=torch.empty(tokens, k, dtype=torch.int64, **pinned),
+            weights=torch.empty(tokens, k, dtype=torch.float32, **pinned),
+            x=torch.empty(tokens, hidden, dtype=torch.float32, **pinned),
+            x_bf16=torch.empty(tokens, hidden, dtype=torch.bfloat16, **pinned) if self.dtype == torch.bfloat16
+            else None,
+            predicted=torch.empty(tokens, k, dtype=torch.int64, **pinned),
+            slot_map_host=torch.empty(tokens, k, dtype=torch.int64, **pinned),
+            slot_map=torch.full((tokens, k), self.zero_slot, dtype=torch.int64, device=self.device),
+            y_host=torch.zeros(tokens, hidden, dtype=torch.float32, **pinned),
+            y=torch.zeros(tokens, hidden, dtype=torch.float32, device=self.device))
+
+    def capture_route(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> GraphBoundary:
+        """While a segment is being captured: its last operations copy what the host needs to the host."""
+        io = self._graph_io
+        if io is None or io.ids.shape != topk_ids.shape:
+            raise RuntimeError("prepare_graph_io(tokens) must come before capturing a step of that size")
+        io.ids.copy_(topk_ids, non_blocking=True)
+        io.weights.copy_(topk_weights.float(), non_blocking=True)
+        io.x.copy_(hidden.float(), non_blocking=True)
+        if io.x_bf16 is not None:
+            io.x_bf16.copy_(hidden.to(torch.bfloat16), non_blocking=True)
+        next_layer = self._next_layer.get(layer)
+        if next_layer is not None:
+            weight, k = self._routers[next_layer]
+            io.predicted[:, :k].copy_(torch.topk(hidden @ weight.t(), k, dim=-1).indices, non_blocking=True)
+        return GraphBoundary(layer, hidden, topk_weights, next_layer is not None)
+
+    def capture_experts(self, boundary: GraphBoundary) -> torch.Tensor:
+        """Captured as its own graph: every pair of the step from the slot the host wrote into the slot map."""
+        return gathered_expert_forward(self.slots, boundary.hidden, self._graph_io.slot_map, boundary.topk_weights)
+
+    def capture_combine(self, boundary: GraphBoundary, gpu_out: torch.Tensor) -> torch.Tensor:
+        """Captured at the head of the next segment: adds the CPU share, as `_forward_gathered` does."""
+        return gpu_out + self._graph_io.y.to(gpu_out.dtype)
+
+    def run_boundary(self, boundary: GraphBoundary, replay_experts) -> None:
+        """The host work between two segments: the previous segment has been replayed, the next one reads the
+        GPU share from `replay_experts()` and the CPU share from the static buffer."""
+        self._collect_copy_timings()
+        io, layer = self._graph_io, boundary.layer
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the segment's copies to the host have landed
+        ids, weights = io.ids.tolist(), io.weights.tolist()
+        step = self._dispatch(layer, ids, weights, io.x, io.x_bf16, io.y_host)
+        io.slot_map_host.numpy()[:] = step.slot_map
+        self._to_device(io.slot_map, io.slot_map_host)
+        replay_experts()
+        if step.staged:
+            self.copier.release(*step.staged)
+        next_layer = self._prefetch_target(layer)
+        if next_layer is not None and boundary.predicts:
+            k = self._routers[next_layer][1]
+            self._prefetch(next_layer, set(io.predicted[:, :k].flatten().tolist()), self._prefetch_room(ids))
+        if step.on_cpu is None:
+            io.y.zero_()
+            return
+        y = self._wait_cpu(step)
+        if y.data_ptr() != io.y_host.data_ptr():  # the torch fallback returns its own tensor
+            io.y_host.copy_(y)
+        self._to_device(io.y, io.y_host)
+
+    def _to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Small pinned → device copy on the compute stream, through the runtime directly where possible."""
+        if self.device.type == "cuda" and cudart.available():
+            cudart.copy_to_device(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
+                                  torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            dst.copy_(src, non_blocking=True)
+
     def _prefetch(self, layer: int, experts: set[int], room: int) -> None:
         """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
         this layer's compute (a victim's slot may still be read by it). Only the share the planner would copy
@@ -206,6 +364,8 @@ class OffloadedExpertExecutor:
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
         if self.miss_path == "auto":
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
+        if not missing:
+            return
         copier = self.copier
         copier.begin()
         experts, slots = [], []
@@ -332,3 +492,4 @@ class OffloadedExpertExecutor:
             for d, s in zip(new.weights_of(new_slot), self.slots.weights_of(old), strict=True):
                 d.copy_(s)
         self.slots = new
+        self.slots_version += 1

@@ -6,7 +6,9 @@ Experts the cache cannot take this step go through a ring of staging slots (at l
 into a staging slot waits for the compute that last read it, through an event recorded on the compute stream.
 The staging slots are the executor's, placed after the cache slots in one tensor so one gather reaches both.
 Quantized experts cross the link in their block format and are dequantized on the copy stream, into the slot.
-On the CPU (tests, CI) the same calls run synchronously with no streams.
+Dense experts in pinned memory are copied through the CUDA runtime directly (`cudart`): the host thread issuing
+the copies is the decode step's critical path. On the CPU (tests, CI) the same calls run synchronously with no
+streams.
 
 Shapes: S slots, H hidden, I expert intermediate.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.engine.experts import LayerExperts
+from freetoken.engine.offload import cudart
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.kernels.gguf_dequant.reference import dequantize
 
@@ -45,6 +48,10 @@ class ExpertCopier:
         self.expert_bytes = first.expert_nbytes() if self.quantized else \
             sum(first.weights_of(0)[i].numel() for i in range(3)) * dtype.itemsize
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # dense pinned experts of the slots' dtype: raw byte copies through the runtime, no torch dispatch
+        self._direct = self.stream is not None and not self.quantized and cudart.available() and all(
+            t.dtype == dtype and t.is_contiguous() and t.is_pinned()
+            for le in host.values() for t in (le.gate_proj, le.up_proj, le.down_proj))
         self._released: list[torch.cuda.Event | None] = [None] * staging_slots
         self._next_staging = 0
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
@@ -100,7 +107,12 @@ class ExpertCopier:
     def to_slots(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """Copies several experts into dest[slots]. Quantized ones are dequantized together, one kernel sequence
         per projection for all of them instead of one per expert (the launches were the cost, not the bytes)."""
-        if not self.quantized or len(experts) < 2:
+        if not self.quantized:
+            with self._on_copy_stream():
+                for e, slot in zip(experts, slots, strict=True):
+                    self._copy(layer, e, dest, slot)
+            return
+        if len(experts) < 2:
             for e, slot in zip(experts, slots, strict=True):
                 self.to_slot(layer, e, dest, slot)
             return
@@ -192,6 +204,12 @@ class ExpertCopier:
                 raw = self.raw[p]
                 raw.copy_(src.raw[p][expert], non_blocking=True)  # only the block-format bytes cross the link
                 d.copy_(src.dequantized(expert, p, self.dtype, raw))
+        elif self._direct:
+            stream = self.stream.cuda_stream
+            for d, s in zip((dest.gate_proj, dest.up_proj, dest.down_proj),
+                            (src.gate_proj, src.up_proj, src.down_proj), strict=True):
+                n = d.stride(0) * d.element_size()  # one expert's projection: contiguous, same size on both sides
+                cudart.copy_to_device(d.data_ptr() + slot * n, s.data_ptr() + expert * n, n, stream)
         else:
             for d, s in zip(dest.weights_of(slot), src.weights_of(expert), strict=True):
                 d.copy_(s, non_blocking=True)  # pinned host memory → asynchronous DMA

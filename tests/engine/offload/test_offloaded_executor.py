@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from freetoken.engine.generator import Generator
-from freetoken.engine.loader import load_model
+from freetoken.engine.loader import attach_experts, load_model
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.sampling import SamplingParams
@@ -85,6 +85,50 @@ def test_the_gathered_decode_path_gives_the_resident_tokens(checkpoint, slots, m
         assert c.hits == 0 and copies + c.cpu_experts == c.misses + c.prefetched - c.prefetch_used
 
 
+class _EagerBoundaries:
+    """Makes the executor's graph-boundary calls in the order a replayed CUDA-graph decode step makes them, but
+    eagerly (CPU): the segment's routing copies, the host work (which replays the experts' "graph" after writing
+    the slot map), then the next segment's head adding the CPU share. Prefill goes to the executor as usual."""
+
+    capturable = False
+
+    def __init__(self, executor: OffloadedExpertExecutor):
+        self.executor, self.boundaries = executor, 0
+
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        ex = self.executor
+        if hidden.shape[0] != 1:
+            return ex.forward(layer, hidden, topk_ids, topk_weights)
+        ex.prepare_graph_io(1)
+        route = ex.capture_route(layer, hidden, topk_ids, topk_weights)
+        gpu_share = []
+        ex.run_boundary(route, lambda: gpu_share.append(ex.capture_experts(route)))
+        self.boundaries += 1
+        return ex.capture_combine(route, gpu_share[0])
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+@pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
+def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path):
+    """The calls CUDA-graph decode makes instead of `forward` (cuda_graphs.py), checked for numerics and
+    bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used."""
+    path, resident, expected = checkpoint
+    per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(path, progress=False, expert_cache=slots * per_expert)
+    ex = lm.experts
+    ex.miss_path, ex.planner = miss_path, EVEN_SPLIT()
+    driver = _EagerBoundaries(ex)
+    attach_experts(lm.model, driver)
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert driver.boundaries == (GREEDY.max_tokens - 1) * len(lm.moe_spec.moe_layers)
+    c = ex.counters
+    copies = c.bytes_copied // per_expert
+    staged = 0 if slots else c.prefetch_used
+    assert copies + c.cpu_experts == c.misses + c.prefetched - staged
+    assert (c.cpu_experts > 0) == (miss_path != "copy") and (copies > 0) == (miss_path != "cpu")
+    assert (c.prefetch_used > 0) == (miss_path != "cpu")
+
+
 def test_a_cache_holding_every_expert_misses_each_expert_once(checkpoint):
     path, resident, expected = checkpoint
     spec = resident.moe_spec
@@ -124,10 +168,14 @@ def test_on_cuda_pinned_host_experts_give_the_resident_tokens(family, tmp_path):
     assert gen.generate_ids(prompt_ids(), GREEDY) == expected
     entry = next(iter(gen._graphs.captured.values()))
     assert len(entry.graphs) == len(entry.boundaries) + 1 == len(lm.moe_spec.moe_layers) + 1
+    assert all(b.route is not None and b.experts_graph is not None for b in entry.boundaries)  # two-phase
     assert lm.experts.counters.evictions > 0
     for miss_path in ("cpu", "auto"):
         lm.experts.miss_path = miss_path
         assert gen.generate_ids(prompt_ids(), GREEDY) == expected
+    lm.experts.resize(2)  # new slot tensors: the graphs that read the old ones are captured again
+    assert gen.generate_ids(prompt_ids(), GREEDY) == expected
+    assert next(iter(gen._graphs.captured.values())).slots_version == lm.experts.slots_version == 1
 
 
 @pytest.mark.parametrize("gather", [False, True])
