@@ -67,7 +67,7 @@ class _SegmentingExecutor:
 
     def __init__(self, pool, executor):
         self.pool, self.executor = pool, executor
-        self.two_phase = hasattr(executor, "run_boundary")
+        self.two_phase = hasattr(executor, "graph_boundaries") and executor.graph_boundaries(1)
         self.graphs = [torch.cuda.CUDAGraph()]
         self.boundaries: list[_Boundary] = []
 

@@ -106,27 +106,44 @@ class CpuExpertKernel:
         if y.shape != (t, h) or y.dtype != torch.float32 or not y.is_contiguous():
             raise ValueError(f"out must be a contiguous fp32 [{t}, {h}] tensor")
         xb = actb = None
-        # bf16 activations for the bf16 dot path (bf16 weights) and the AMX path (bf16 or Q8_0 weights)
-        if self.bf16_dot and round_to == torch.bfloat16 and all(m.format != "F32" for m in (gate, up, down)):
+        if self.wants_bf16_activations(gate, up, down, round_to):
             xb = x_bf16.contiguous() if x_bf16 is not None else x.to(torch.bfloat16)
             if x_bf16 is None and not torch.equal(xb.float(), x):  # they must be bf16 values, not rounded ones
                 xb = None
             else:
                 actb = torch.empty(pair_tokens.numel(), inter, dtype=torch.bfloat16)
+        return self.launch(x, gate, up, down, experts, experts.numel(), pair_offsets, pair_tokens, pair_weights,
+                           act, y, round_to, xb, actb)
+
+    def wants_bf16_activations(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
+                               round_to: torch.dtype) -> bool:
+        """Whether a bf16 model's call also takes x in bf16: for the bf16 dot path (bf16 weights) and the AMX
+        path (bf16 or Q8_0 weights)."""
+        return self.bf16_dot and round_to == torch.bfloat16 and all(m.format != "F32" for m in (gate, up, down))
+
+    def launch(self, x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
+               experts: torch.Tensor, n_experts: int, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
+               pair_weights: torch.Tensor, act: torch.Tensor, y: torch.Tensor, round_to: torch.dtype,
+               x_bf16: torch.Tensor | None, act_bf16: torch.Tensor | None) -> PendingExperts:
+        """`start` without checks or conversions, for callers that keep their own buffers (the decode hot path):
+        every tensor contiguous on the CPU in the kernel's dtypes (int32 indices, fp32 x/weights/act/y, bf16
+        x_bf16/act_bf16 or None), the first `n_experts` entries of `experts` used, act [pairs, I], y [T, H]."""
+        t, h = x.shape
+        inter = gate.shape[0]
         strides = [m.data.stride(0) * m.data.element_size() for m in (gate, up, down)]
         self._call_lock.acquire()
         rc = self.lib.ft_moe_start(
             gate.data.data_ptr(), up.data.data_ptr(), down.data.data_ptr(), *strides,
             *(_TYPE_CODES[m.format] for m in (gate, up, down)),
-            experts.data_ptr(), experts.numel(), pair_offsets.data_ptr(), pair_tokens.data_ptr(),
+            experts.data_ptr(), n_experts, pair_offsets.data_ptr(), pair_tokens.data_ptr(),
             pair_weights.data_ptr(), x.data_ptr(), act.data_ptr(), y.data_ptr(), t, h, inter,
-            int(round_to == torch.bfloat16), None if xb is None else xb.data_ptr(),
-            None if actb is None else actb.data_ptr())
+            int(round_to == torch.bfloat16), None if x_bf16 is None else x_bf16.data_ptr(),
+            None if act_bf16 is None else act_bf16.data_ptr())
         if rc != 0:
             self._call_lock.release()
             raise ValueError(f"CPU expert kernel rejected the shapes (hidden {h}, intermediate {inter})")
         # every buffer the workers read or write stays referenced until wait()
-        return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act, xb, actb))
+        return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act, x_bf16, act_bf16))
 
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""

@@ -5,8 +5,8 @@ of two paths, both reading host DRAM, run at the same time:
 - copy: fetched into a cache slot (the policy picks the victim; experts of the current step are never evicted) on
   a side stream, each computed as soon as its own bytes land; when the cache cannot take one (budget 0, or a
   prefill touching every expert) it streams through double-buffered staging instead;
-- cpu: computed on the host where it lives by the native kernel's threads, started before any GPU work of the
-  layer is queued, so both run at once; only activations cross.
+- cpu: computed on the host where it lives by the native kernel's threads, started as soon as the layer's copies
+  are queued, so both run at once; only activations cross.
 `miss_path` "copy" or "cpu" forces one path (the naive and CPU-only baselines); "auto" lets the `MissPlanner`
 split each layer's misses from bandwidths it keeps measuring. Decode (small batches, on CUDA) gathers every
 expert of the step from one slot tensor [cache | staging | zero slot] in a single batched matmul; larger batches
@@ -87,6 +87,7 @@ class OffloadedExpertExecutor:
     capturable = False  # looks routing up on the host every layer
 
     MISS_PATHS = ("auto", "copy", "cpu")
+    GATHER_PAIRS = 16
 
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, num_slots: int,
                  policy: str = "freq", miss_path: str = "auto", dtype: torch.dtype | None = None,
@@ -105,10 +106,12 @@ class OffloadedExpertExecutor:
         # Small batches (decode) gather their experts' slots into one batched matmul: a few launches per layer
         # instead of several per expert. On the CPU the gather would copy weights for nothing.
         self.gather_small_batches = self.device.type == "cuda"
+        # up to this many (token, expert) pairs per step; the gather copies every pair's weights
+        self.gather_pairs = min(self.copier.staging_slots, self.GATHER_PAIRS)
         self._cpu: CpuExpertRunner | None = None  # started on first use: a thread pool and maybe a compile
         # Next-layer prefetch: layer L's MoE input through layer L+1's router predicts L+1's experts; their
         # copies start while L still computes. Needs the routers (attach_experts gives them) and cache slots.
-        self.prefetch = True
+        self.prefetch = self.device.type == "cuda"  # on a CPU-only machine a copy overlaps nothing
         self._routers: dict[int, tuple[torch.Tensor, int]] = {}
         self._next_layer: dict[int, int] = {}
         self._prefetched: set[tuple[int, int]] = set()
@@ -153,7 +156,7 @@ class OffloadedExpertExecutor:
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         self._collect_copy_timings()
-        if self.gather_small_batches and topk_ids.numel() <= self.copier.staging_slots:
+        if self.gather_small_batches and topk_ids.numel() <= self.gather_pairs:
             return self._forward_gathered(layer, hidden, topk_ids, topk_weights)
         return self._forward_grouped(layer, hidden, topk_ids, topk_weights)
 
@@ -166,9 +169,10 @@ class OffloadedExpertExecutor:
 
     def _forward_gathered(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> torch.Tensor:
-        """Order matters: the CPU experts start first (on the kernel's own threads, asynchronously), then every GPU
-        operation is queued (copies, the gathered matmul waiting on them, the next layer's prefetch), and only then
-        does this thread wait for the CPU result: the CPU, the copy engine and the GPU work at the same time."""
+        """Order matters: the copies are queued, the CPU experts start (on the kernel's own threads,
+        asynchronously), the gathered matmul is queued behind the copies, and only then does this thread wait for
+        the CPU result: the CPU, the copy engine and the GPU work at the same time. The next layer's prefetch
+        comes last (see run_boundary)."""
         next_layer = self._prefetch_target(layer)
         predicted = None
         if next_layer is not None:
@@ -181,19 +185,19 @@ class OffloadedExpertExecutor:
             slot_map = torch.tensor(step.slot_map).to(hidden.device, non_blocking=True)
             out = gathered_expert_forward(self.slots, hidden, slot_map, topk_weights)
             self.copier.release(*step.staged)
-        if predicted is not None:
-            self._prefetch(next_layer, {e for row in predicted for e in row}, self._prefetch_room(ids))
         if step.on_cpu is not None:
             y = self._wait_cpu(step)
             y = y.to(hidden.device, hidden.dtype, non_blocking=True)
             out = y if out is None else out + y
+        if predicted is not None:  # after the CPU share: both miss paths read host DRAM, see run_boundary
+            self._prefetch(next_layer, {e for row in predicted for e in row}, self._prefetch_room(ids))
         return out
 
     def _dispatch(self, layer: int, ids: list[list[int]], weights: list[list[float]], x: torch.Tensor | None,
                   x_bf16: torch.Tensor | None = None, cpu_out: torch.Tensor | None = None) -> _Step:
-        """One layer-step's routing, known on the host: looks the experts up, splits the misses, starts the CPU
-        share, queues the copies (and makes the compute stream wait for them). The caller then computes the GPU
-        share from `slot_map` (pairs on the CPU point at the zero slot) and collects the CPU share."""
+        """One layer-step's routing, known on the host: looks the experts up, splits the misses, queues the
+        copies, starts the CPU share (and makes the compute stream wait for the copies). The caller then computes
+        the GPU share from `slot_map` (pairs on the CPU point at the zero slot) and collects the CPU share."""
         tokens_of: dict[int, list[int]] = {}
         for t, row in enumerate(ids):
             for e in row:
@@ -213,10 +217,6 @@ class OffloadedExpertExecutor:
             else:
                 misses.append(e)
         to_copy, to_cpu = self._plan(misses, lambda e: len(tokens_of[e]), self._copy_backlog())
-        on_cpu = None
-        if to_cpu:  # started first: the CPU computes while this thread queues the GPU work
-            pairs = [[(t, k) for t, row in enumerate(ids) for k, x_e in enumerate(row) if x_e == e] for e in to_cpu]
-            on_cpu = self.cpu.start_pairs(layer, x, to_cpu, pairs, weights, x_bf16=x_bf16, out=cpu_out)
         copier = self.copier
         if to_copy:
             copier.begin()
@@ -232,6 +232,10 @@ class OffloadedExpertExecutor:
             copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
             copier.end()
             self.counters.bytes_copied += len(to_copy) * self.expert_bytes
+        on_cpu = None
+        if to_cpu:  # after the copies, which take the host ~3 µs each to queue; starting the CPU takes longer
+            pairs = [[(t, k) for t, row in enumerate(ids) for k, x_e in enumerate(row) if x_e == e] for e in to_cpu]
+            on_cpu = self.cpu.start_pairs(layer, x, to_cpu, pairs, weights, x_bf16=x_bf16, out=cpu_out)
         if slot_of:
             copier.wait_all()
         zero = self.zero_slot
@@ -275,6 +279,11 @@ class OffloadedExpertExecutor:
     # `run_boundary` does only host work: plan, start the CPU, queue the copies, write the slot map, replay
     # the experts' graph, prefetch, collect the CPU share. The host thread is the step's critical path; this
     # cuts its ~40 tensor operations per layer to ~6.
+
+    def graph_boundaries(self, tokens: int) -> bool:
+        """Whether steps of `tokens` tokens take the gathered path, so their expert calls can be two-phase."""
+        k = max((k for _, k in self._routers.values()), default=self.num_experts)
+        return self.gather_small_batches and tokens * k <= self.gather_pairs
 
     def prepare_graph_io(self, tokens: int) -> None:
         """Allocates the buffers graphs of `tokens`-token steps read and write (before any capture: pinned
@@ -336,17 +345,20 @@ class OffloadedExpertExecutor:
         replay_experts()
         if step.staged:
             self.copier.release(*step.staged)
+        if step.on_cpu is None:
+            io.y.zero_()
+        else:
+            y = self._wait_cpu(step)
+            if y.data_ptr() != io.y_host.data_ptr():  # the torch fallback returns its own tensor
+                io.y_host.copy_(y)
+            self._to_device(io.y, io.y_host)
+        # The prefetch goes last: host DRAM feeds both miss paths and is their shared limit, so copies queued
+        # while the CPU share still reads it would only slow that down. From here to the next layer's routing
+        # (the next segment's dense work, the sync) DRAM and the link would otherwise idle.
         next_layer = self._prefetch_target(layer)
         if next_layer is not None and boundary.predicts:
             k = self._routers[next_layer][1]
             self._prefetch(next_layer, set(io.predicted[:, :k].flatten().tolist()), self._prefetch_room(ids))
-        if step.on_cpu is None:
-            io.y.zero_()
-            return
-        y = self._wait_cpu(step)
-        if y.data_ptr() != io.y_host.data_ptr():  # the torch fallback returns its own tensor
-            io.y_host.copy_(y)
-        self._to_device(io.y, io.y_host)
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Small pinned → device copy on the compute stream, through the runtime directly where possible."""
@@ -356,18 +368,19 @@ class OffloadedExpertExecutor:
         else:
             dst.copy_(src, non_blocking=True)
 
-    def _prefetch(self, layer: int, experts: set[int], room: int) -> None:
+    def _prefetch(self, layer: int, experts, room: int, plan: bool = True) -> None:
         """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
         this layer's compute (a victim's slot may still be read by it). Only the share the planner would copy
         if they were misses: the rest would go to the CPU anyway, and extra copies would crowd the link.
-        Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs."""
-        missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
-        if self.miss_path == "auto":
+        Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs. Prefill
+        passes `plan=False` and the experts in priority order: its misses all go over the link."""
+        missing = [e for e in (sorted(experts) if plan else experts) if (layer, e) not in self.cache.slot_of]
+        if plan and self.miss_path == "auto":
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
         if not missing:
             return
         copier = self.copier
-        copier.begin()
+        copier.begin(wait_compute=bool(self.cache.capacity))  # staging slots wait for their own last reader
         experts, slots = [], []
         for e in missing:
             if self.cache.capacity:
@@ -426,19 +439,40 @@ class OffloadedExpertExecutor:
 
     # -- any batch (prefill): experts one by one, copies pipelined against compute --
 
+    CPU_MAX_TOKENS = 16  # a miss with more tokens than this is a matrix product: the GPU's, whatever the link costs
+
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
+        """Prefill: the link is the bound. While this layer computes, the next layer's predicted experts are
+        copied into staging slots (or the cache) so the link keeps streaming through the next layer's attention."""
+        next_layer = self._prefetch_target(layer)
+        if next_layer is not None:
+            weight, k = self._routers[next_layer]
+            predicted = torch.topk(hidden @ weight.t(), k, dim=-1).indices
+            predicted_counts = torch.bincount(predicted.reshape(-1), minlength=self.num_experts)
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
-        self._take_staged_ahead(layer)
+        self._count_prefetch_use(layer, {g.expert: g.tokens for g in groups})
+        ahead = self._take_staged_ahead(layer)
         self.cache.begin_step((layer, g.expert) for g in groups)
-        hits, misses = [], []
+        hits, misses, ahead_used = [], [], []
         for g in groups:
             slot = self.cache.lookup((layer, g.expert))
+            if slot is None and g.expert in ahead:  # a miss, already copied during the previous layer
+                slot = self.staging_first + ahead[g.expert]
+                ahead_used.append(ahead[g.expert])
             (misses if slot is None else hits).append((g, slot))
-        to_copy, to_cpu = self._plan([g for g, _ in misses], lambda g: len(g.tokens))
+        limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
+        to_copy, to_cpu = self._plan([g for g, _ in misses if len(g.tokens) <= limit], lambda g: len(g.tokens))
+        to_copy += [g for g, _ in misses if len(g.tokens) > limit]
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
-        out = self._copy_and_compute(layer, hidden, hits, to_copy)
-        return self._add_cpu(out, on_cpu, len(to_cpu))
+        out = self._copy_and_compute(layer, hidden, hits, to_copy, ahead_used)
+        out = self._add_cpu(out, on_cpu, len(to_cpu))
+        if next_layer is not None:  # after this layer's copies on the link; the most used experts first
+            counts = predicted_counts.tolist()
+            order = sorted((e for e, c in enumerate(counts) if c), key=lambda e: -counts[e])
+            # small batches leave the CPU its planned share; a long chunk's misses all cross the link
+            self._prefetch(next_layer, order, self.copier.staging_slots - 2, plan=len(topk_ids) <= self.CPU_MAX_TOKENS)
+        return out
 
     def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0) -> tuple[list, list]:
         if not misses or self.miss_path == "copy":
@@ -449,10 +483,13 @@ class OffloadedExpertExecutor:
                                    min_copy=len(self.cache.free_slots), copy_busy_s=copy_busy_s)
         return split.copy, split.cpu
 
-    def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup]):
+    def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup],
+                          ahead_used: list[int]):
         """Issues the copies first (side stream), computes the hits meanwhile, then each copied expert once its
-        bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns."""
+        bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns; the
+        ring slots in `ahead_used` hold hits (prefetched experts) and are left alone."""
         copier = self.copier
+        before = copier.mark()  # the copies of earlier layers' prefetches, not this layer's
         copier.begin()
         cached, staged = [], []
         for g in to_copy:
@@ -461,10 +498,14 @@ class OffloadedExpertExecutor:
                 staged.append(g)
             else:
                 cached.append((g, admitted[0], copier.to_slot(layer, g.expert, self.slots, admitted[0])))
-        ring = copier.staging_slots
-        in_flight = [copier.to_staging(layer, g.expert, self.slots, self.staging_first) for g in staged[:ring]]
+        busy = set(ahead_used)
+        ring = copier.staging_slots - len(busy)
+        in_flight = [copier.to_staging(layer, g.expert, self.slots, self.staging_first, busy) for g in staged[:ring]]
         slot_of = {g.expert: slot for g, slot in hits}
+        if hits:
+            copier.wait(before)  # prefetched hits were copied during the previous layer
         out = run_groups(hidden, [g for g, _ in hits], lambda e: self.slots.weights_of(slot_of[e]))
+        copier.release(*ahead_used)
         for g, slot, done in cached:
             copier.wait(done)
             out += run_groups(hidden, [g], lambda e, s=slot: self.slots.weights_of(s))
@@ -474,7 +515,8 @@ class OffloadedExpertExecutor:
             out += run_groups(hidden, [g], lambda e, s=self.staging_first + index: self.slots.weights_of(s))
             copier.release(index)
             if i + ring < len(staged):
-                in_flight.append(copier.to_staging(layer, staged[i + ring].expert, self.slots, self.staging_first))
+                in_flight.append(copier.to_staging(layer, staged[i + ring].expert, self.slots, self.staging_first,
+                                                   busy))
         copier.end()  # the copy stream holds only copies, so this marks the last one's completion
         self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         return out

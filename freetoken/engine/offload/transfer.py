@@ -70,11 +70,16 @@ class ExpertCopier:
 
     # -- one layer-step: begin, any number of copies, end --
 
-    def begin(self) -> None:
-        """Before the step's copies: slots about to be overwritten may still be read by queued compute."""
+    def begin(self, wait_compute: bool = True) -> None:
+        """Before the step's copies: slots about to be overwritten may still be read by queued compute.
+        `wait_compute=False` when every copy goes to staging slots (their release events order them)."""
         self._batch = _Batch()
-        if self.stream is not None:
+        if self.stream is not None and wait_compute:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def mark(self):
+        """An event after every copy issued so far (None on the CPU): `wait(mark)` waits for those only."""
+        return self._record()
 
     def to_slot(self, layer: int, expert: int, dest: LayerExperts, slot: int):
         """Copies one expert into dest[slot]; returns what `wait` needs before computing from it."""
@@ -82,10 +87,11 @@ class ExpertCopier:
             self._copy(layer, expert, dest, slot)
             return self._record()
 
-    def to_staging(self, layer: int, expert: int, dest: LayerExperts, first: int) -> tuple[int, object]:
-        """Copies one expert into the next of the staging slots dest[first:first + staging_slots], once its
-        previous reader is done. Returns (ring index, what `wait` needs)."""
-        i = self.reserve_staging()
+    def to_staging(self, layer: int, expert: int, dest: LayerExperts, first: int,
+                   busy: frozenset[int] | set[int] = frozenset()) -> tuple[int, object]:
+        """Copies one expert into the next of the staging slots dest[first:first + staging_slots] not in `busy`,
+        once its previous reader is done. Returns (ring index, what `wait` needs)."""
+        i = self.reserve_staging(busy)
         with self._on_copy_stream():
             self._copy(layer, expert, dest, first + i)
             return i, self._record()
@@ -115,6 +121,11 @@ class ExpertCopier:
         if len(experts) < 2:
             for e, slot in zip(experts, slots, strict=True):
                 self.to_slot(layer, e, dest, slot)
+            return
+        batch = max(2, self.staging_slots // 4)  # bounds the raw and dequantized temporaries
+        if len(experts) > batch:
+            for i in range(0, len(experts), batch):
+                self.to_slots(layer, experts[i:i + batch], dest, slots[i:i + batch])
             return
         with self._on_copy_stream():
             self._start_timing()
