@@ -184,16 +184,13 @@ def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: tor
                                    staging_slots_for(spec, per_expert))
 
 
-STAGING_BYTES = 1 << 30
-STAGING_SLOTS = 64
+STAGING_BYTES = 512 << 20
 
 
 def staging_slots_for(spec: MoESpec, expert_bytes: int) -> int:
-    """Staging slots beyond the cache. Prefill wants many: while one layer's attention runs, the link keeps
-    streaming the next layer's experts into them (Qwen3-30B-A3B at 16k tokens: ~10 ms of attention ≈ 60
-    experts). Decode needs 2 × top-k (one step streaming while the last computes). Capped at STAGING_BYTES of
-    device memory (Mixtral's 352 MB experts get 2), never < 2."""
-    return max(2, min(max(STAGING_SLOTS, 2 * spec.top_k), STAGING_BYTES // max(expert_bytes, 1)))
+    """Staging slots beyond the cache: two decode steps' worth of experts (2 × top-k: one step streaming while
+    the last computes), capped at STAGING_BYTES of device memory (Mixtral's 352 MB experts get 2), never < 2."""
+    return max(2, min(2 * spec.top_k, STAGING_BYTES // max(expert_bytes, 1)))
 
 
 def planner_for(device: torch.device) -> MissPlanner | None:

@@ -368,14 +368,13 @@ class OffloadedExpertExecutor:
         else:
             dst.copy_(src, non_blocking=True)
 
-    def _prefetch(self, layer: int, experts, room: int, plan: bool = True) -> None:
+    def _prefetch(self, layer: int, experts: set[int], room: int) -> None:
         """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
         this layer's compute (a victim's slot may still be read by it). Only the share the planner would copy
         if they were misses: the rest would go to the CPU anyway, and extra copies would crowd the link.
-        Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs. Prefill
-        passes `plan=False` and the experts in priority order: its misses all go over the link."""
-        missing = [e for e in (sorted(experts) if plan else experts) if (layer, e) not in self.cache.slot_of]
-        if plan and self.miss_path == "auto":
+        Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs."""
+        missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
+        if self.miss_path == "auto":
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
         if not missing:
             return
@@ -443,36 +442,19 @@ class OffloadedExpertExecutor:
 
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
-        """Prefill: the link is the bound. While this layer computes, the next layer's predicted experts are
-        copied into staging slots (or the cache) so the link keeps streaming through the next layer's attention."""
-        next_layer = self._prefetch_target(layer)
-        if next_layer is not None:
-            weight, k = self._routers[next_layer]
-            predicted = torch.topk(hidden @ weight.t(), k, dim=-1).indices
-            predicted_counts = torch.bincount(predicted.reshape(-1), minlength=self.num_experts)
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
-        self._count_prefetch_use(layer, {g.expert: g.tokens for g in groups})
-        ahead = self._take_staged_ahead(layer)
+        self._take_staged_ahead(layer)
         self.cache.begin_step((layer, g.expert) for g in groups)
-        hits, misses, ahead_used = [], [], []
+        hits, misses = [], []
         for g in groups:
             slot = self.cache.lookup((layer, g.expert))
-            if slot is None and g.expert in ahead:  # a miss, already copied during the previous layer
-                slot = self.staging_first + ahead[g.expert]
-                ahead_used.append(ahead[g.expert])
             (misses if slot is None else hits).append((g, slot))
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
         to_copy, to_cpu = self._plan([g for g, _ in misses if len(g.tokens) <= limit], lambda g: len(g.tokens))
         to_copy += [g for g, _ in misses if len(g.tokens) > limit]
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
-        out = self._copy_and_compute(layer, hidden, hits, to_copy, ahead_used)
-        out = self._add_cpu(out, on_cpu, len(to_cpu))
-        if next_layer is not None:  # after this layer's copies on the link; the most used experts first
-            counts = predicted_counts.tolist()
-            order = sorted((e for e, c in enumerate(counts) if c), key=lambda e: -counts[e])
-            # small batches leave the CPU its planned share; a long chunk's misses all cross the link
-            self._prefetch(next_layer, order, self.copier.staging_slots - 2, plan=len(topk_ids) <= self.CPU_MAX_TOKENS)
-        return out
+        out = self._copy_and_compute(layer, hidden, hits, to_copy)
+        return self._add_cpu(out, on_cpu, len(to_cpu))
 
     def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0) -> tuple[list, list]:
         if not misses or self.miss_path == "copy":
@@ -483,13 +465,10 @@ class OffloadedExpertExecutor:
                                    min_copy=len(self.cache.free_slots), copy_busy_s=copy_busy_s)
         return split.copy, split.cpu
 
-    def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup],
-                          ahead_used: list[int]):
+    def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup]):
         """Issues the copies first (side stream), computes the hits meanwhile, then each copied expert once its
-        bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns; the
-        ring slots in `ahead_used` hold hits (prefetched experts) and are left alone."""
+        bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns."""
         copier = self.copier
-        before = copier.mark()  # the copies of earlier layers' prefetches, not this layer's
         copier.begin()
         cached, staged = [], []
         for g in to_copy:
@@ -498,14 +477,10 @@ class OffloadedExpertExecutor:
                 staged.append(g)
             else:
                 cached.append((g, admitted[0], copier.to_slot(layer, g.expert, self.slots, admitted[0])))
-        busy = set(ahead_used)
-        ring = copier.staging_slots - len(busy)
-        in_flight = [copier.to_staging(layer, g.expert, self.slots, self.staging_first, busy) for g in staged[:ring]]
+        ring = copier.staging_slots
+        in_flight = [copier.to_staging(layer, g.expert, self.slots, self.staging_first) for g in staged[:ring]]
         slot_of = {g.expert: slot for g, slot in hits}
-        if hits:
-            copier.wait(before)  # prefetched hits were copied during the previous layer
         out = run_groups(hidden, [g for g, _ in hits], lambda e: self.slots.weights_of(slot_of[e]))
-        copier.release(*ahead_used)
         for g, slot, done in cached:
             copier.wait(done)
             out += run_groups(hidden, [g], lambda e, s=slot: self.slots.weights_of(s))
@@ -515,8 +490,7 @@ class OffloadedExpertExecutor:
             out += run_groups(hidden, [g], lambda e, s=self.staging_first + index: self.slots.weights_of(s))
             copier.release(index)
             if i + ring < len(staged):
-                in_flight.append(copier.to_staging(layer, staged[i + ring].expert, self.slots, self.staging_first,
-                                                   busy))
+                in_flight.append(copier.to_staging(layer, staged[i + ring].expert, self.slots, self.staging_first))
         copier.end()  # the copy stream holds only copies, so this marks the last one's completion
         self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         return out

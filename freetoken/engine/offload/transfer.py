@@ -77,21 +77,16 @@ class ExpertCopier:
         if self.stream is not None and wait_compute:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def mark(self):
-        """An event after every copy issued so far (None on the CPU): `wait(mark)` waits for those only."""
-        return self._record()
-
     def to_slot(self, layer: int, expert: int, dest: LayerExperts, slot: int):
         """Copies one expert into dest[slot]; returns what `wait` needs before computing from it."""
         with self._on_copy_stream():
             self._copy(layer, expert, dest, slot)
             return self._record()
 
-    def to_staging(self, layer: int, expert: int, dest: LayerExperts, first: int,
-                   busy: frozenset[int] | set[int] = frozenset()) -> tuple[int, object]:
-        """Copies one expert into the next of the staging slots dest[first:first + staging_slots] not in `busy`,
-        once its previous reader is done. Returns (ring index, what `wait` needs)."""
-        i = self.reserve_staging(busy)
+    def to_staging(self, layer: int, expert: int, dest: LayerExperts, first: int) -> tuple[int, object]:
+        """Copies one expert into the next of the staging slots dest[first:first + staging_slots], once its
+        previous reader is done. Returns (ring index, what `wait` needs)."""
+        i = self.reserve_staging()
         with self._on_copy_stream():
             self._copy(layer, expert, dest, first + i)
             return i, self._record()
@@ -121,11 +116,6 @@ class ExpertCopier:
         if len(experts) < 2:
             for e, slot in zip(experts, slots, strict=True):
                 self.to_slot(layer, e, dest, slot)
-            return
-        batch = max(2, self.staging_slots // 4)  # bounds the raw and dequantized temporaries
-        if len(experts) > batch:
-            for i in range(0, len(experts), batch):
-                self.to_slots(layer, experts[i:i + batch], dest, slots[i:i + batch])
             return
         with self._on_copy_stream():
             self._start_timing()

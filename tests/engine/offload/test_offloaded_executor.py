@@ -130,24 +130,6 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
     assert (c.prefetch_used > 0) == (miss_path != "cpu")
 
 
-@pytest.mark.parametrize("slots", [0, 3])
-def test_prefill_prefetches_the_next_layers_experts(checkpoint, slots):
-    """Large batches (prefill) copy the next layer's predicted experts while the current layer computes (into
-    staging slots held for it at budget 0); the next layer computes them as hits. Same tokens, and the counts
-    add up: a used staging prefetch is a miss that needed no copy of its own."""
-    path, resident, expected = checkpoint
-    per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
-    lm = load_model(path, progress=False, expert_cache=slots * per_expert)
-    ex = lm.experts
-    ex.miss_path, ex.prefetch = "copy", True
-    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
-    c = ex.counters
-    assert 0 < c.prefetch_used <= c.prefetched
-    staged = 0 if slots else c.prefetch_used
-    assert c.bytes_copied // per_expert == c.misses + c.prefetched - staged
-    assert not ex._staged_ahead or all(layer == lm.moe_spec.moe_layers[-1] + 1 for layer, _ in ex._staged_ahead)
-
-
 def test_a_cache_holding_every_expert_misses_each_expert_once(checkpoint):
     path, resident, expected = checkpoint
     spec = resident.moe_spec
