@@ -198,16 +198,19 @@ class OffloadedExpertExecutor:
         """One layer-step's routing, known on the host: looks the experts up, splits the misses, queues the
         copies, starts the CPU share (and makes the compute stream wait for the copies). The caller then computes
         the GPU share from `slot_map` (pairs on the CPU point at the zero slot) and collects the CPU share."""
-        tokens_of: dict[int, list[int]] = {}
+        pairs_of: dict[int, list[tuple[int, int]]] = {}  # expert → its (token, k) pairs, one per token
         for t, row in enumerate(ids):
-            for e in row:
-                tokens_of.setdefault(e, []).append(t)
-        self._count_prefetch_use(layer, tokens_of)
+            for k, e in enumerate(row):
+                if e in pairs_of:
+                    pairs_of[e].append((t, k))
+                else:
+                    pairs_of[e] = [(t, k)]
+        self._count_prefetch_use(layer, pairs_of)
         ahead = self._take_staged_ahead(layer)
         cache = self.cache
-        cache.begin_step((layer, e) for e in tokens_of)
+        cache.begin_step({(layer, e) for e in pairs_of})
         slot_of, misses, staged = {}, [], []
-        for e in tokens_of:
+        for e in pairs_of:
             slot = cache.lookup((layer, e))
             if slot is not None:
                 slot_of[e] = slot
@@ -216,7 +219,7 @@ class OffloadedExpertExecutor:
                 staged.append(ahead[e])
             else:
                 misses.append(e)
-        to_copy, to_cpu = self._plan(misses, lambda e: len(tokens_of[e]), self._copy_backlog())
+        to_copy, to_cpu = self._plan(misses, lambda e: len(pairs_of[e]), self._copy_backlog())
         copier = self.copier
         if to_copy:
             copier.begin()
@@ -234,8 +237,8 @@ class OffloadedExpertExecutor:
             self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         on_cpu = None
         if to_cpu:  # after the copies, which take the host ~3 µs each to queue; starting the CPU takes longer
-            pairs = [[(t, k) for t, row in enumerate(ids) for k, x_e in enumerate(row) if x_e == e] for e in to_cpu]
-            on_cpu = self.cpu.start_pairs(layer, x, to_cpu, pairs, weights, x_bf16=x_bf16, out=cpu_out)
+            on_cpu = self.cpu.start_pairs(layer, x, to_cpu, [pairs_of[e] for e in to_cpu], weights, x_bf16=x_bf16,
+                                          out=cpu_out)
         if slot_of:
             copier.wait_all()
         zero = self.zero_slot
@@ -419,7 +422,8 @@ class OffloadedExpertExecutor:
             return 0.0
         return self._prefetch_seconds
 
-    def _count_prefetch_use(self, layer: int, routed: dict[int, list[int]]) -> None:
+    def _count_prefetch_use(self, layer: int, routed) -> None:
+        """`routed`: the experts the layer routed to (any iterable of expert ids)."""
         if self._prefetched:
             self.counters.prefetch_used += sum((layer, e) in self._prefetched for e in routed)
             self._prefetched = {key for key in self._prefetched if key[0] != layer}
