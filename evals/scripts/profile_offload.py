@@ -3,9 +3,10 @@
     python evals/scripts/profile_offload.py --layers 12 --budget 0 --strategy auto --out DIR
 
 Builds the synthetic qwen3-30b-a3b shape (random weights) on CUDA, decodes through segmented CUDA graphs as the
-engine does, and profiles a few steps with each executor phase marked (routing to the host, planning, CPU start,
-copies, gathered compute, prefetch, waiting for the CPU). Writes DIR/trace.json (chrome://tracing) and prints the
-mean wall time per layer of each phase and the busy share of each CUDA stream. A diagnostic, not a benchmark.
+engine does, and profiles a few steps with each host-side phase of the executor marked (the work between two
+graph segments, dispatch, planning, copies, CPU start, prefetch, waiting for the CPU). Writes DIR/trace-*.json
+(chrome://tracing) and prints the mean wall time per layer of each phase and the busy share of each CUDA
+stream. A diagnostic, not a benchmark.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from freetoken.engine.offload.planner import MissPlanner
 from freetoken.units import parse_bytes
 
 PHASES = {  # (object, attribute) wrapped with a profiler range of the same name
-    "to_host": (executor_module.OffloadedExpertExecutor, "_to_host"),
+    "layer": (executor_module.OffloadedExpertExecutor, "run_boundary"),  # host work between two graph segments
+    "dispatch": (executor_module.OffloadedExpertExecutor, "_dispatch"),
     "plan": (executor_module.OffloadedExpertExecutor, "_plan"),
     "prefetch": (executor_module.OffloadedExpertExecutor, "_prefetch"),
-    "layer": (executor_module.OffloadedExpertExecutor, "forward"),
 }
 
 
@@ -44,16 +45,6 @@ def _mark(owner, name: str, label: str) -> None:
             return fn(*args, **kwargs)
 
     setattr(owner, name, marked)
-
-
-def _mark_module_function(module, name: str, label: str) -> None:
-    fn = getattr(module, name)
-
-    def marked(*args, **kwargs):
-        with record_function(label):
-            return fn(*args, **kwargs)
-
-    setattr(module, name, marked)
 
 
 def summarize(trace: dict, layers: int, tokens: int) -> str:
@@ -104,7 +95,6 @@ def main() -> None:
     for label, (owner, name) in PHASES.items():
         _mark(owner, name, f"ft.{label}")
     _mark(executor.copier, "to_slots", "ft.copies")
-    _mark_module_function(executor_module, "gathered_expert_forward", "ft.gathered")
     _mark(type(executor.cpu), "start_pairs", "ft.cpu_start")
     started = cpu_experts._Started.__init__
 
