@@ -15,6 +15,7 @@ import argparse
 import datetime as dt
 import math
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -74,15 +75,16 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
                 executor = build_executor(host, spec, dtype, device, parse_bytes(budget), "freq", strategy)
             attach_experts(lm.model, executor)
             lm.experts = executor
-            prefill_once(lm, min(a.chunk, 256), a.chunk, a.seed + 1)  # warm-up: allocations, kernel selection
+            # warm-up at full chunk length: the allocator's blocks and kernel choices of the timed runs
+            prefill_once(lm, min(a.chunk, max(a.prompts)), a.chunk, a.seed + 1)
             for prompt in a.prompts:
                 before = replace(executor.counters) if hasattr(executor, "counters") else None
-                ttft = prefill_once(lm, prompt, a.chunk, a.seed)
+                ttft = statistics.median(prefill_once(lm, prompt, a.chunk, a.seed) for _ in range(a.repeats))
                 row = Row(strategy, budget, prompt, ttft)
                 if before is not None:
                     c = executor.counters
-                    row.copied_gb = (c.bytes_copied - before.bytes_copied) / 1e9
-                    row.cpu_experts = c.cpu_experts - before.cpu_experts
+                    row.copied_gb = (c.bytes_copied - before.bytes_copied) / 1e9 / a.repeats
+                    row.cpu_experts = (c.cpu_experts - before.cpu_experts) // a.repeats
                     cached = executor.cache.capacity
                     uncached = max(spec.total_routed_experts - cached, 0) * expert_bytes
                     if h2d:
@@ -118,7 +120,8 @@ def render(rows: list[Row], a: argparse.Namespace, h2d: float | None) -> str:
         "",
         f"- date: {dt.date.today().isoformat()}; torch {torch.__version__}; commit: {a.commit}",
         f"- command: `{shlex.join(['ft', 'bench', 'prefill', *a.argv])}`",
-        f"- random prompts, chunks of {a.chunk} tokens, random weights"
+        f"- random prompts, chunks of {a.chunk} tokens, median of {a.repeats} prefill(s) per row after a "
+        "full-chunk warm-up, random weights"
         f"{f', router skewed (Zipf s={a.skew})' if a.skew else ', near-uniform routing'}",
         f"- pinned host→device bandwidth measured in this run: {h2d:.1f} GB/s" if h2d else "- no PCIe (CPU run)",
         "- PCIe bound: chunks × uncached expert bytes / that bandwidth; floor: the larger of it and the resident "
@@ -143,6 +146,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--budgets", default="0,8GiB", help="comma-separated expert-cache sizes")
     p.add_argument("--strategies", default="resident,copy,auto", help="comma-separated: resident, copy, auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="prefills per row (the median TTFT is reported)")
     p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"])
     p.add_argument("--skew", type=float, default=0.0)
     p.add_argument("--commit", default="unknown")

@@ -8,7 +8,7 @@ from freetoken.bench.prefill import main
 def test_bench_prefill_reports_every_row(tmp_path):
     out = tmp_path / "p1.md"
     argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--prompts", "96,300", "--chunk", "128",
-            "--budgets", "0,1MiB", "--strategies", "resident,copy,auto", "--out", str(out)]
+            "--budgets", "0,1MiB", "--strategies", "resident,copy,auto", "--repeats", "2", "--out", str(out)]
     assert main(argv) == 0
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()
             if line.startswith("| ") and "---" not in line][1:]
