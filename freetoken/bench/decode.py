@@ -48,6 +48,7 @@ class Row:
     miss_gb_per_token: float = 0.0
     prefetch: str = "—"  # used / prefetched
     same_tokens: bool | None = None  # greedy tokens equal the first strategy's (lossless check)
+    layer_step_us: str = "—"  # per decode layer-step, µs: "GPU wait / host work / CPU wait" (host thread)
 
 
 @dataclass(slots=True, frozen=True)
@@ -230,7 +231,19 @@ def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, exe
     return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), copied / 1e9, cpu / 1e9,
                copied * tokens / copy_s / 1e9 if copy_s > 0 else None,
                cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor, miss_bytes / 1e9,
-               f"{used / prefetched:.0%} of {prefetched / tokens:.1f}" if prefetched else "—")
+               f"{used / prefetched:.0%} of {prefetched / tokens:.1f}" if prefetched else "—",
+               layer_step_us=_layer_step_us(before, after))
+
+
+def _layer_step_us(before, after) -> str:
+    """Mean µs per decode layer-step the host thread spent waiting for the GPU (the routing), working, and
+    waiting for the CPU share: where the step's critical path runs."""
+    steps = after.layer_steps - before.layer_steps
+    if not steps:
+        return "—"
+    parts = (after.gpu_wait_seconds - before.gpu_wait_seconds, after.host_seconds - before.host_seconds,
+             after.cpu_wait_seconds - before.cpu_wait_seconds)
+    return " / ".join(f"{v / steps * 1e6:.0f}" for v in parts)
 
 
 def _format_row(r: Row) -> str:
@@ -240,7 +253,8 @@ def _format_row(r: Row) -> str:
     same = {True: "yes", False: "no", None: "—"}[r.same_tokens]
     pcie, cpu = ("—" if v is None else f"{v:.1f}" for v in (r.pcie_gb_s, r.cpu_gb_s))
     return (f"| {r.strategy} | {r.budget} | {r.tok_s:.2f} | {hit} | {r.copied_gb_per_token:.3f} | "
-            f"{r.cpu_gb_per_token:.3f} | {pcie} | {cpu} | {r.prefetch} | {floor} | {of_floor} | {same} |")
+            f"{r.cpu_gb_per_token:.3f} | {pcie} | {cpu} | {r.prefetch} | {floor} | {of_floor} | {same} | "
+            f"{r.layer_step_us} |")
 
 
 def _routing(skew: float) -> str:
@@ -265,8 +279,8 @@ def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
         "",
         "| strategy | expert budget | decode tok/s | hit rate | GB copied / token | GB read by CPU / token | "
         "PCIe GB/s while copying | CPU GB/s while computing | prefetches used (per token) | floor tok/s | "
-        "of floor | same tokens as first row |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "of floor | same tokens as first row | µs per layer-step: GPU wait / host / CPU wait |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
         *(_format_row(r) for r in rows),
     ]
     return "\n".join(lines) + "\n"

@@ -27,6 +27,10 @@ class ExpertStats:
     cpu_seconds: float = 0.0
     prefetched: int = 0
     prefetch_used: int = 0
+    layer_steps: int = 0  # decode layer-steps of the host thread, and where their time went:
+    gpu_wait_seconds: float = 0.0  # waiting for the routing
+    host_seconds: float = 0.0  # planning and queueing
+    cpu_wait_seconds: float = 0.0  # waiting for the CPU share
 
     @property
     def hit_rate(self) -> float:
@@ -62,7 +66,8 @@ def snapshot(lm, cache: PagedKVCache | None = None) -> EngineStats:
         slot_bytes = spec.bytes_per_expert(ex.dtype)
         experts = ExpertStats("offloaded", ex.cache.capacity, len(ex.cache.slot_of), spec.total_routed_experts,
                               slot_bytes, ex.expert_bytes, c.hits, c.misses, c.evictions, c.rejected, c.cpu_experts,
-                              c.bytes_copied, c.copy_seconds, c.cpu_seconds, c.prefetched, c.prefetch_used)
+                              c.bytes_copied, c.copy_seconds, c.cpu_seconds, c.prefetched, c.prefetch_used,
+                              c.layer_steps, c.gpu_wait_seconds, c.host_seconds, c.cpu_wait_seconds)
     else:
         total = spec.total_routed_experts
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype))

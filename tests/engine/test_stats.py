@@ -20,10 +20,12 @@ def test_snapshot_of_resident_offloaded_and_dense_models(tmp_path):
     assert snapshot(resident).experts.mode == "resident"
 
     lm = load_model(tmp_path / "moe", progress=False, expert_cache=5 * spec.bytes_per_expert(torch.float32))
+    lm.experts.gather_small_batches = True  # the decode path CUDA takes, which times its layer-steps
     cache = lm.new_cache()
     Generator(lm).generate_ids(prompt_ids(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     stats = snapshot(lm, cache)
     ex, c = stats.experts, lm.experts.counters
     assert (ex.mode, ex.slots, ex.cached, ex.total_experts) == ("offloaded", 5, 5, spec.total_routed_experts)
     assert (ex.hits, ex.misses, ex.evictions, ex.bytes_copied) == (c.hits, c.misses, c.evictions, c.bytes_copied)
+    assert ex.layer_steps == c.layer_steps > 0 and ex.host_seconds == c.host_seconds > 0
     assert stats.kv.pages_total == cache.allocator.num_pages and stats.as_dict()["experts"]["hit_rate"] == c.hit_rate

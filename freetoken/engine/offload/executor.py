@@ -22,6 +22,7 @@ Shapes: S slots, E experts, N tokens, H hidden.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -173,24 +174,30 @@ class OffloadedExpertExecutor:
         asynchronously), the gathered matmul is queued behind the copies, and only then does this thread wait for
         the CPU result: the CPU, the copy engine and the GPU work at the same time. The next layer's prefetch
         comes last (see run_boundary)."""
+        t0 = time.perf_counter()
         next_layer = self._prefetch_target(layer)
         predicted = None
         if next_layer is not None:
             weight, k = self._routers[next_layer]
             predicted = torch.topk(hidden @ weight.t(), k, dim=-1).indices  # softmax keeps the order
         ids, weights, x, predicted = self._to_host(topk_ids, topk_weights, hidden, predicted)
+        t_routed = time.perf_counter()
         step = self._dispatch(layer, ids, weights, x)
         out = None
         if step.on_gpu:
             slot_map = torch.tensor(step.slot_map).to(hidden.device, non_blocking=True)
             out = gathered_expert_forward(self.slots, hidden, slot_map, topk_weights)
             self.copier.release(*step.staged)
+        cpu_wait = 0.0
         if step.on_cpu is not None:
+            t_wait = time.perf_counter()
             y = self._wait_cpu(step)
+            cpu_wait = time.perf_counter() - t_wait
             y = y.to(hidden.device, hidden.dtype, non_blocking=True)
             out = y if out is None else out + y
         if predicted is not None:  # after the CPU share: both miss paths read host DRAM, see run_boundary
             self._prefetch(next_layer, {e for row in predicted for e in row}, self._prefetch_room(ids))
+        self._count_step_time(t0, t_routed, cpu_wait)
         return out
 
     def _dispatch(self, layer: int, ids: list[list[int]], weights: list[list[float]], x: torch.Tensor | None,
@@ -337,10 +344,12 @@ class OffloadedExpertExecutor:
     def run_boundary(self, boundary: GraphBoundary, replay_experts) -> None:
         """The host work between two segments: the previous segment has been replayed, the next one reads the
         GPU share from `replay_experts()` and the CPU share from the static buffer."""
+        t0 = time.perf_counter()
         self._collect_copy_timings()
         io, layer = self._graph_io, boundary.layer
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the segment's copies to the host have landed
+        t_routed = time.perf_counter()
         ids, weights = io.ids.tolist(), io.weights.tolist()
         step = self._dispatch(layer, ids, weights, io.x, io.x_bf16, io.y_host)
         io.slot_map_host.numpy()[:] = step.slot_map
@@ -348,10 +357,13 @@ class OffloadedExpertExecutor:
         replay_experts()
         if step.staged:
             self.copier.release(*step.staged)
+        cpu_wait = 0.0
         if step.on_cpu is None:
             io.y.zero_()
         else:
+            t_wait = time.perf_counter()
             y = self._wait_cpu(step)
+            cpu_wait = time.perf_counter() - t_wait
             if y.data_ptr() != io.y_host.data_ptr():  # the torch fallback returns its own tensor
                 io.y_host.copy_(y)
             self._to_device(io.y, io.y_host)
@@ -362,6 +374,14 @@ class OffloadedExpertExecutor:
         if next_layer is not None and boundary.predicts:
             k = self._routers[next_layer][1]
             self._prefetch(next_layer, set(io.predicted[:, :k].flatten().tolist()), self._prefetch_room(ids))
+        self._count_step_time(t0, t_routed, cpu_wait)
+
+    def _count_step_time(self, start: float, routed: float, cpu_wait: float) -> None:
+        c = self.counters
+        c.layer_steps += 1
+        c.gpu_wait_seconds += routed - start
+        c.cpu_wait_seconds += cpu_wait
+        c.host_seconds += time.perf_counter() - routed - cpu_wait
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Small pinned → device copy on the compute stream, through the runtime directly where possible."""

@@ -25,6 +25,11 @@ class CacheCounters:
     cpu_seconds: float = 0.0  # time the CPU expert kernel ran (wall, all its threads)
     prefetched: int = 0  # experts copied ahead of their layer on a prediction
     prefetch_used: int = 0  # of those, the ones their layer then routed to
+    # where a decode layer-step's host thread spends its time (small batches; the step's critical path)
+    layer_steps: int = 0
+    gpu_wait_seconds: float = 0.0  # blocked until the layer's routing reached the host
+    cpu_wait_seconds: float = 0.0  # blocked on the CPU share after queueing everything else
+    host_seconds: float = 0.0  # the rest: planning, queueing copies and graphs, starting the CPU, prefetch
 
     @property
     def hit_rate(self) -> float:

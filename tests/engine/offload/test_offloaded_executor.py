@@ -75,6 +75,8 @@ def test_the_gathered_decode_path_gives_the_resident_tokens(checkpoint, slots, m
     assert len(calls) == (GREEDY.max_tokens - 1) * len(lm.moe_spec.moe_layers)  # every decode step, no prefill
     c = lm.experts.counters
     copies = c.bytes_copied // per_expert
+    assert c.layer_steps == len(calls) and c.host_seconds > 0  # the step-time breakdown the bench reports
+    assert (c.cpu_wait_seconds > 0) == (miss_path != "copy") and c.gpu_wait_seconds > 0
     assert not any(t.abs().sum() for t in lm.experts.slots.weights_of(lm.experts.zero_slot))
     if miss_path == "cpu":  # nothing is copied, so nothing is prefetched
         assert c.prefetched == 0 and copies == 0
@@ -123,6 +125,7 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     assert driver.boundaries == (GREEDY.max_tokens - 1) * len(lm.moe_spec.moe_layers)
     c = ex.counters
+    assert c.layer_steps == driver.boundaries
     copies = c.bytes_copied // per_expert
     staged = 0 if slots else c.prefetch_used
     assert copies + c.cpu_experts == c.misses + c.prefetched - staged
