@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | graphs-test | d1-main | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-16k | p1 | hf
+#   PART: machine | tests | graphs-test | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
@@ -19,7 +19,9 @@ for part in "$@"; do
     d1-main) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
     p1-main) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0 \
-          --strategies resident,copy,auto --commit "$commit" --out "$OUT/p1-bf16.md" ;;
+          --strategies resident,copy,auto --repeats 2 --commit "$commit" --out "$OUT/p1-bf16.md" ;;
+    d1-ab) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,16GiB \
+             --strategies resident-graphs,cpu,auto,auto-noprefetch --commit "$commit" --out "$OUT/d1-ab.md" ;;
     tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k "cuda or kernel" \
              "$OLDPWD/tests/engine/offload" "$OLDPWD/tests/kernels" "$OLDPWD/tests/engine/test_static_decode.py" \
              2>&1 | tail -5) ;;
