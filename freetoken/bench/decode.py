@@ -261,15 +261,22 @@ def _routing(skew: float) -> str:
     return f"router skewed to Zipf-like popularity (s={skew})" if skew else "near-uniform routing"
 
 
-def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
+def result_header(title: str, verb: str, a: argparse.Namespace) -> list[str]:
+    """The first lines of every `ft bench` result: what ran where, when, at which commit, by which command."""
     device = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "CPU"
-    cfg = SHAPES[a.shape]
-    lines = [
-        f"# Decode, synthetic {a.shape} ({a.layers or cfg['num_hidden_layers']} layers), {a.dtype}"
+    layers = a.layers or SHAPES[a.shape]["num_hidden_layers"]
+    return [
+        f"# {title}, synthetic {a.shape} ({layers} layers), {a.dtype}"
         f"{', Q8_0 experts in host memory' if a.expert_format == 'Q8_0' else ''}, {device}",
         "",
         f"- date: {dt.date.today().isoformat()}; torch {torch.__version__}; commit: {a.commit}",
-        f"- command: `{shlex.join(['ft', 'bench', 'decode', *a.argv])}`",
+        f"- command: `{shlex.join(['ft', 'bench', verb, *a.argv])}`",
+    ]
+
+
+def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
+    lines = [
+        *result_header("Decode", "decode", a),
         f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random weights, "
         f"{_routing(a.skew)}; decode teacher-forced with random tokens; on CUDA every row but `resident` "
         "decodes through CUDA graphs (cut at each expert call when experts are offloaded)",

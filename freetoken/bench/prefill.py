@@ -12,9 +12,7 @@ that bound and the `resident` row's TTFT (the compute alone); both ratios are re
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
-import shlex
 import statistics
 import sys
 import time
@@ -22,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from freetoken.bench.decode import _on_device, _sync, h2d_bandwidth
+from freetoken.bench.decode import _on_device, _routing, _sync, h2d_bandwidth, result_header
 from freetoken.bench.synthetic import SHAPES, build_synthetic
 from freetoken.engine.experts import ResidentExpertExecutor
 from freetoken.engine.loader import attach_experts, build_executor
@@ -112,17 +110,10 @@ def _format_row(r: Row) -> str:
 
 
 def render(rows: list[Row], a: argparse.Namespace, h2d: float | None) -> str:
-    device = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "CPU"
-    cfg = SHAPES[a.shape]
     lines = [
-        f"# Prefill / TTFT, synthetic {a.shape} ({a.layers or cfg['num_hidden_layers']} layers), {a.dtype}"
-        f"{', Q8_0 experts in host memory' if a.expert_format == 'Q8_0' else ''}, {device}",
-        "",
-        f"- date: {dt.date.today().isoformat()}; torch {torch.__version__}; commit: {a.commit}",
-        f"- command: `{shlex.join(['ft', 'bench', 'prefill', *a.argv])}`",
+        *result_header("Prefill / TTFT", "prefill", a),
         f"- random prompts, chunks of {a.chunk} tokens, median of {a.repeats} prefill(s) per row after a "
-        "full-chunk warm-up, random weights"
-        f"{f', router skewed (Zipf s={a.skew})' if a.skew else ', near-uniform routing'}",
+        f"full-chunk warm-up, random weights, {_routing(a.skew)}",
         f"- pinned host→device bandwidth measured in this run: {h2d:.1f} GB/s" if h2d else "- no PCIe (CPU run)",
         "- PCIe bound: chunks × uncached expert bytes / that bandwidth; floor: the larger of it and the resident "
         "row's TTFT (streaming overlaps compute)",
