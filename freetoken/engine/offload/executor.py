@@ -286,20 +286,23 @@ class OffloadedExpertExecutor:
     # activations and the next layer's predicted experts into pinned host buffers (`capture_route`); the
     # gathered matmul over a static slot map is captured as a graph of its own (`capture_experts`); the next
     # segment starts by adding the CPU share from a static buffer (`capture_combine`). Between them
-    # `run_boundary` does only host work: plan, start the CPU, queue the copies, write the slot map, replay
-    # the experts' graph, prefetch, collect the CPU share. The host thread is the step's critical path; this
+    # `run_boundary` does only host work: plan, queue the copies, start the CPU, write the slot map, replay
+    # the experts' graph, collect the CPU share, prefetch. The host thread is the step's critical path; this
     # cuts its ~40 tensor operations per layer to ~6.
+
+    @property
+    def _top_k(self) -> int:
+        """Experts per token (the routers' largest top-k; every expert when no router is known)."""
+        return max((k for _, k in self._routers.values()), default=self.num_experts)
 
     def graph_boundaries(self, tokens: int) -> bool:
         """Whether steps of `tokens` tokens take the gathered path, so their expert calls can be two-phase."""
-        k = max((k for _, k in self._routers.values()), default=self.num_experts)
-        return self.gather_small_batches and tokens * k <= self.gather_pairs
+        return self.gather_small_batches and tokens * self._top_k <= self.gather_pairs
 
     def prepare_graph_io(self, tokens: int) -> None:
         """Allocates the buffers graphs of `tokens`-token steps read and write (before any capture: pinned
         allocations are not allowed while capturing). Shared by every layer: layers run one after another."""
-        k = max((k for _, k in self._routers.values()), default=self.num_experts)
-        hidden = self.copier.shapes["gate_proj"][1]
+        k, hidden = self._top_k, self.copier.shapes["gate_proj"][1]
         io = self._graph_io
         if io is not None and io.ids.shape == (tokens, k):
             return
