@@ -297,12 +297,17 @@ def _gb(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f} GB/s"
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ft bench decode", description=__doc__.splitlines()[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options every `ft bench` shares: which synthetic model, how many layers, where, in which dtype."""
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=None, help="truncate the model to this many layers")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ft bench decode", description=__doc__.splitlines()[0])
+    add_model_args(p)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from freetoken.bench.decode import _on_device, _routing, _sync, h2d_bandwidth, result_header
-from freetoken.bench.synthetic import SHAPES, build_synthetic
+from freetoken.bench.decode import _on_device, _routing, _sync, add_model_args, h2d_bandwidth, result_header
+from freetoken.bench.synthetic import build_synthetic
 from freetoken.engine.experts import ResidentExpertExecutor
 from freetoken.engine.loader import attach_experts, build_executor
 from freetoken.units import parse_bytes
@@ -128,10 +128,7 @@ def render(rows: list[Row], a: argparse.Namespace, h2d: float | None) -> str:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ft bench prefill", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-    p.add_argument("--layers", type=int, default=None, help="truncate the model to this many layers")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add_model_args(p)
     p.add_argument("--prompts", default="4096,16384,32768", help="comma-separated prompt lengths")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens")
     p.add_argument("--budgets", default="0,8GiB", help="comma-separated expert-cache sizes")
