@@ -5,9 +5,10 @@ one event per copied expert lets the compute stream start on an expert as soon a
 Experts the cache cannot take this step go through a ring of staging slots (at least double buffering): the copy
 into a staging slot waits for the compute that last read it, through an event recorded on the compute stream.
 The staging slots are the executor's, placed after the cache slots in one tensor so one gather reaches both.
-Quantized experts cross the link in their block format and are dequantized on the copy stream, into the slot.
-Dense experts in pinned memory are copied through the CUDA runtime directly (`cudart`): the host thread issuing
-the copies is the decode step's critical path. On the CPU (tests, CI) the same calls run synchronously with no
+Quantized experts cross the link in their block format and are dequantized on the copy stream, into the slot
+(Q8_0 by one fused Triton launch per expert or batch, other types by the plain-torch reference). Experts in pinned
+memory are copied through the CUDA runtime directly (`cudart`): the host thread issuing the copies is the decode
+step's critical path. On the CPU (tests, CI) the same calls run synchronously with no
 streams.
 
 Shapes: S slots, H hidden, I expert intermediate.
@@ -24,7 +25,12 @@ import torch
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.offload import cudart
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
+from freetoken.kernels.gguf_dequant import fused
 from freetoken.kernels.gguf_dequant.reference import dequantize
+
+
+def _stacks(experts: LayerExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return experts.gate_proj, experts.up_proj, experts.down_proj
 
 
 @dataclass(slots=True)
@@ -48,15 +54,21 @@ class ExpertCopier:
         self.expert_bytes = first.expert_nbytes() if self.quantized else \
             sum(first.weights_of(0)[i].numel() for i in range(3)) * dtype.itemsize
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # dense pinned experts of the slots' dtype: raw byte copies through the runtime, no torch dispatch
-        self._direct = self.stream is not None and not self.quantized and cudart.available() and all(
-            t.dtype == dtype and t.is_contiguous() and t.is_pinned()
-            for le in host.values() for t in (le.gate_proj, le.up_proj, le.down_proj))
+        # pinned experts (dense ones of the slots' dtype): raw byte copies through the runtime, no torch dispatch
+        sources = [t for le in host.values() for t in (le.raw.values() if self.quantized else
+                                                        (le.gate_proj, le.up_proj, le.down_proj))]
+        self._direct = self.stream is not None and cudart.available() and all(
+            t.is_contiguous() and t.is_pinned() and (self.quantized or t.dtype == dtype) for t in sources)
+        # Q8_0 experts: bytes of a whole expert land in one row of a device buffer, one launch dequantizes them
+        self.fused = self.quantized and self.stream is not None and fused.available(device) and all(
+            set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
+            for le in host.values())
         self._released: list[torch.cuda.Event | None] = [None] * staging_slots
         self._next_staging = 0
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
             self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
         self._raw_batches: dict[str, torch.Tensor] = {}  # the same for several experts at once (to_slots)
+        self._rows: torch.Tensor | None = None  # fused path: [n, expert bytes] on the device
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
 
@@ -121,6 +133,13 @@ class ExpertCopier:
             self._start_timing()
             src, n = self.host[layer], len(experts)
             index = torch.tensor(slots, device=self.device)
+            if self.fused:
+                rows = self._raw_rows(n)
+                for i, e in enumerate(experts):
+                    self._raw_to_device(src, e, rows[i])
+                fused.dequantize_into(rows, src.type_names["gate_proj"], _stacks(dest), index)
+                self._finish_timing(n)
+                return
             for p in PROJECTIONS:
                 raw = self._raw_batch(p, n)
                 for i, e in enumerate(experts):
@@ -129,6 +148,24 @@ class ExpertCopier:
                 values = dequantize(raw.view(-1), src.type_names[p], n * out * inp, self.dtype).view(n, out, inp)
                 getattr(dest, p).index_copy_(0, index, values)
             self._finish_timing(n)
+
+    def _raw_rows(self, n: int) -> torch.Tensor:
+        """[n, expert bytes] on the device: whole experts' block bytes, gate, up and down back to back."""
+        if self._rows is None or self._rows.shape[0] < n:
+            self._rows = torch.empty((max(n, self.staging_slots), self.expert_bytes), dtype=torch.uint8,
+                                     device=self.device)
+        return self._rows[:n]
+
+    def _raw_to_device(self, src: QuantizedExperts, expert: int, row: torch.Tensor) -> None:
+        """Queues the copy of one expert's block bytes into `row` (device) on the current stream."""
+        at = 0
+        for p in PROJECTIONS:
+            part = src.raw[p][expert]
+            if self._direct:
+                cudart.copy_to_device(row.data_ptr() + at, part.data_ptr(), part.numel(), self.stream.cuda_stream)
+            else:
+                row[at:at + part.numel()].copy_(part, non_blocking=True)
+            at += part.numel()
 
     def _raw_batch(self, projection: str, n: int) -> torch.Tensor:
         buf = self._raw_batches.get(projection)
@@ -200,15 +237,18 @@ class ExpertCopier:
     def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
         self._start_timing()
         src = self.host[layer]
-        if self.quantized:
+        if self.fused:  # stream order keeps the next copy into this row behind this dequantization
+            row = self._raw_rows(1)[0]
+            self._raw_to_device(src, expert, row)
+            fused.dequantize_into(row, src.type_names["gate_proj"], _stacks(dest), slot)
+        elif self.quantized:
             for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
                 raw = self.raw[p]
                 raw.copy_(src.raw[p][expert], non_blocking=True)  # only the block-format bytes cross the link
                 d.copy_(src.dequantized(expert, p, self.dtype, raw))
         elif self._direct:
             stream = self.stream.cuda_stream
-            for d, s in zip((dest.gate_proj, dest.up_proj, dest.down_proj),
-                            (src.gate_proj, src.up_proj, src.down_proj), strict=True):
+            for d, s in zip(_stacks(dest), _stacks(src), strict=True):
                 n = d.stride(0) * d.element_size()  # one expert's projection: contiguous, same size on both sides
                 cudart.copy_to_device(d.data_ptr() + slot * n, s.data_ptr() + expert * n, n, stream)
         else:

@@ -66,3 +66,22 @@ def test_gathered_decode_dequantizes_a_step_of_q8_0_experts_together(slots, tmp_
     c = lm.experts.counters
     staged = 0 if slots else c.prefetch_used  # with no cache, a used prefetch is a miss that needs no copy
     assert c.bytes_copied // spec.bytes_per_expert("Q8_0") == c.misses + c.prefetched - staged
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("miss_path", ["copy", "auto"])
+def test_on_cuda_q8_0_experts_cross_in_blocks_and_dequantize_in_one_launch(miss_path, tmp_path):
+    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
+    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    resident = load_model(gguf, device="cuda", dtype=torch.float32, progress=False)
+    expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
+    spec = resident.moe_spec
+    lm = load_model(gguf, device="cuda", dtype=torch.float32, progress=False,
+                    expert_cache=3 * spec.bytes_per_expert(torch.float32))
+    lm.experts.miss_path = miss_path
+    copier = lm.experts.copier
+    assert copier.fused and copier._direct  # pinned block bytes through the runtime, Triton dequantizes
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert lm.experts.counters.bytes_copied > 0
+    torch.testing.assert_close(lm.prefill_logits(prompt_ids()), resident.prefill_logits(prompt_ids()),
+                               atol=1e-4, rtol=0)
