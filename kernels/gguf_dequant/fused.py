@@ -31,7 +31,7 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["fixed_row"])  # a slot number: one compiled kernel for all of them
     def _q8_0_rows(raw_ptr, raw_stride, out0_ptr, out1_ptr, out2_ptr, out_stride, rows_ptr, fixed_row, n_blocks,
                    USE_ROWS: tl.constexpr, TO_BF16: tl.constexpr, BLOCKS: tl.constexpr):
         """Program (chunk, m, i): blocks [chunk*BLOCKS, +BLOCKS) of matrix m of raw row i → row rows[i] of out m."""
