@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | graphs-test | q8-tests | kernel-ab | kernel-variants | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-16k | p1 | hf
+#   PART: machine | tests | graphs-test | q8-tests | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
@@ -19,17 +19,6 @@ for part in "$@"; do
     q8-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k "cuda or compiled" \
              "$OLDPWD/tests/kernels/test_gguf_dequant_fused.py" "$OLDPWD/tests/engine/offload/test_quantized_experts.py" \
              2>&1 | grep -vE "^\s*$" | tail -45) ;;
-    kernel-ab) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds 9 --out "$OUT/kernel-variants.md" \
-             | grep -v "^round") ;;
-    kernel-variants) (cd /tmp && export FREETOKEN_CPU_THREADS=15
-             for pf in 0 512 1024 2048; do echo "-- prefetch $pf"
-               FREETOKEN_CPU_PREFETCH=$pf python3 -m freetoken.kernels.cpu_experts.bench --batches 1 2 4 8 | tail -8; done
-             echo "-- Q8_0 bf16 dot"; FREETOKEN_CPU_Q8_DOT=bf16 python3 -m freetoken.kernels.cpu_experts.bench \
-               --formats Q8_0 --batches 1 2 4 | tail -3
-             echo "-- AMX off"; FREETOKEN_CPU_AMX=0 python3 -m freetoken.kernels.cpu_experts.bench --batches 4 8 | tail -4
-             echo "-- 16 threads"; FREETOKEN_CPU_THREADS=16 python3 -m freetoken.kernels.cpu_experts.bench --batches 1 8 | tail -4
-             echo "-- compute ceiling (64 MiB pool, mostly cache)"
-             python3 -m freetoken.kernels.cpu_experts.bench --batches 1 4 8 --pool-mib 64 | tail -6) ;;
     d1-main) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
     p1-main) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0 \

@@ -59,15 +59,6 @@ typedef uint64_t vu64 __attribute__((vector_size(64)));
    sleeping worker costs tens of microseconds to wake. Short enough not to starve other work on the cores. */
 #define SPIN_NS 200000L
 
-/* Tuning, set once before any job (ft_set_tuning): bytes ahead of the current weight read to software-prefetch
-   in each row stream (0: the hardware prefetchers alone), and whether Q8_0 rows of a bf16 model are widened to
-   bf16 for vdpbf16ps (1) or to fp32 for FMAs (0). */
-static int prefetch_bytes = 0, q8_bf16_dot = 0;
-
-INLINE void prefetch_ahead(const void *p) {
-    if (prefetch_bytes) __builtin_prefetch((const char *)p + prefetch_bytes, 0, 0);
-}
-
 INLINE vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 
 INLINE vf load_bf16(const uint16_t *p) {  /* bf16 is the top half of an f32 */
@@ -147,7 +138,7 @@ INLINE float hsum(vf v) {
    chains even at batch 1 and share each activation load. k is the row length in weights. */
 INLINE void rows_dots(int type, const void *const *rows, int nr, const float *const *xs, int k, int nt,
                       float *out) {
-    vf acc[2][TILE], acc_hi[2][TILE];  /* Q8_0: the block's two halves accumulate apart (independent FMAs) */
+    vf acc[2][TILE], acc_hi[2][TILE];  /* Q8_0: a block's two halves accumulate apart (independent FMAs) */
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++) acc[r][t] = acc_hi[r][t] = (vf){0};
     int kv = 0;
@@ -157,7 +148,6 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
             for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
             for (int r = 0; r < nr; r++) {
                 const uint8_t *blk = (const uint8_t *)rows[r] + b;
-                prefetch_ahead(blk);
                 vf d = (vf){0} + f16_scalar(blk);
                 vf w0 = load_q8((const int8_t *)blk + 2) * d, w1 = load_q8((const int8_t *)blk + 2 + LANES) * d;
                 for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t], acc_hi[r][t] += w1 * x1[t];
@@ -170,9 +160,8 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
             vf x[TILE];
             for (int t = 0; t < nt; t++) x[t] = load_f32(xs[t] + kv);
             for (int r = 0; r < nr; r++) {
-                const uint8_t *at = (const uint8_t *)rows[r] + (size_t)kv * (type == FT_BF16 ? 2 : 4);
-                prefetch_ahead(at);
-                vf w = type == FT_BF16 ? load_bf16((const uint16_t *)at) : load_f32((const float *)at);
+                vf w = type == FT_BF16 ? load_bf16((const uint16_t *)rows[r] + kv)
+                                       : load_f32((const float *)rows[r] + kv);
                 for (int t = 0; t < nt; t++) acc[r][t] += w * x[t];
             }
         }
@@ -214,31 +203,18 @@ static void rows_dots_n(int type, const void *const *rows, int nr, const float *
 }
 
 #if defined(__AVX512BF16__)
-/* One Q8_0 block as 32 bf16 weights bf16(d * q): the fp32 product rounded to nearest even, as the GPU path's
-   dequantization to a bf16 slot rounds it, so the dot products below see the GPU's weights. */
-INLINE __m512bh q8_block_bf16(const uint8_t *blk) {
-    __m512 d = _mm512_set1_ps(f16_scalar(blk));
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d), _mm512_mul_ps(lo, d));
-}
-
-/* bf16 (or Q8_0, widened to bf16 in registers) weights times bf16 activations with vdpbf16ps: 32 products per
-   instruction, exact in fp32. Used when the model runs in bf16, where the activations are bf16 values anyway;
-   a Q8_0 row's conversion is shared by the nt tokens. */
-INLINE void rows_dots_bf16(int type, const void *const *rows, int nr, const uint16_t *const *xs, int k, int nt,
-                           float *out) {
+/* bf16 weights times bf16 activations with vdpbf16ps: 32 products per instruction, exact in fp32, no widening.
+   Used when the model runs in bf16, where the activations are bf16 values anyway. */
+INLINE void rows_dots_bf16(const void *const *rows, int nr, const uint16_t *const *xs, int k, int nt, float *out) {
     __m512 acc[2][TILE];
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++) acc[r][t] = _mm512_setzero_ps();
     int kv = 0;
-    for (size_t b = 0; kv + 32 <= k; kv += 32, b += Q8_BYTES) {
+    for (; kv + 32 <= k; kv += 32) {
         __m512bh x[TILE];
         for (int t = 0; t < nt; t++) x[t] = (__m512bh)_mm512_loadu_si512(xs[t] + kv);
         for (int r = 0; r < nr; r++) {
-            const uint8_t *at = (const uint8_t *)rows[r] + (type == FT_Q8_0 ? b : (size_t)kv * 2);
-            prefetch_ahead(at);
-            __m512bh w = type == FT_Q8_0 ? q8_block_bf16(at) : (__m512bh)_mm512_loadu_si512(at);
+            __m512bh w = (__m512bh)_mm512_loadu_si512((const uint16_t *)rows[r] + kv);
             for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w, x[t]);
         }
     }
@@ -250,24 +226,18 @@ INLINE void rows_dots_bf16(int type, const void *const *rows, int nr, const uint
         }
 }
 
-/* nr rows (1 or 2, one format) against n tokens, in tiles of TILE tokens; later tiles find the rows in L1. */
-static void rows_dots_bf16_n(int type, const void *const *rows, int nr, const uint16_t *const *xs, int k, int n,
-                             float *out) {
+static void rows_dots_bf16_n(const void *const *rows, int nr, const uint16_t *const *xs, int k, int n, float *out) {
     for (int t0 = 0; t0 < n; t0 += TILE) {
         int nt = n - t0 < TILE ? n - t0 : TILE;
         float tile[2 * TILE];
-#define CASES(NR)                                                                    \
-    switch (nt) {                                                                   \
-        case 1: rows_dots_bf16(type, rows, NR, xs + t0, k, 1, tile); break;         \
-        case 2: rows_dots_bf16(type, rows, NR, xs + t0, k, 2, tile); break;         \
-        case 3: rows_dots_bf16(type, rows, NR, xs + t0, k, 3, tile); break;         \
-        default: rows_dots_bf16(type, rows, NR, xs + t0, k, 4, tile); break;        \
+#define CASES(NR)                                                               \
+    switch (nt) {                                                              \
+        case 1: rows_dots_bf16(rows, NR, xs + t0, k, 1, tile); break;          \
+        case 2: rows_dots_bf16(rows, NR, xs + t0, k, 2, tile); break;          \
+        case 3: rows_dots_bf16(rows, NR, xs + t0, k, 3, tile); break;          \
+        default: rows_dots_bf16(rows, NR, xs + t0, k, 4, tile); break;         \
     }
-#define FORMATS(NR)                        \
-    if (type == FT_Q8_0) { CASES(NR) }     \
-    else { CASES(NR) }
-        if (nr == 2) { FORMATS(2) } else { FORMATS(1) }
-#undef FORMATS
+        if (nr == 2) { CASES(2) } else { CASES(1) }
 #undef CASES
         for (int r = 0; r < nr; r++)
             for (int t = 0; t < nt; t++) out[r * n + t0 + t] = tile[r * TILE + t];
@@ -276,9 +246,8 @@ static void rows_dots_bf16_n(int type, const void *const *rows, int nr, const ui
 #define HAVE_BF16_DOT 1
 #else
 #define HAVE_BF16_DOT 0
-static void rows_dots_bf16_n(int type, const void *const *rows, int nr, const uint16_t *const *xs, int k, int n,
-                             float *out) {
-    (void)type, (void)rows, (void)nr, (void)xs, (void)k, (void)n, (void)out;  /* never called: xb is NULL */
+static void rows_dots_bf16_n(const void *const *rows, int nr, const uint16_t *const *xs, int k, int n, float *out) {
+    (void)rows, (void)nr, (void)xs, (void)k, (void)n, (void)out;  /* never called: xb is NULL without it */
 }
 #endif
 
@@ -412,12 +381,9 @@ static void phase_gate_up(void *ctx, int task) {
         }
         for (int r = r0; r < r1; r++) {
             const void *rows[2] = {gate + r * gb, up + r * ub};
-            if (j->xb && j->gate_type == j->up_type) {  /* the gate and up rows share activation loads */
-                rows_dots_bf16_n(j->gate_type, rows, 2, xbs, j->hidden, nt, gu);
-            } else if (j->xb) {
-                rows_dots_bf16_n(j->gate_type, rows, 1, xbs, j->hidden, nt, gu);
-                rows_dots_bf16_n(j->up_type, rows + 1, 1, xbs, j->hidden, nt, gu + nt);
-            } else if (j->gate_type == j->up_type) {
+            if (j->xb) {
+                rows_dots_bf16_n(rows, 2, xbs, j->hidden, nt, gu);
+            } else if (j->gate_type == j->up_type) {  /* the gate and up rows of one unit share activation loads */
                 rows_dots_n(j->gate_type, rows, 2, xs, j->hidden, nt, gu);
             } else {
                 rows_dots_n(j->gate_type, rows, 1, xs, j->hidden, nt, gu);
@@ -463,7 +429,7 @@ static void phase_down(void *ctx, int task) {
                 const void *rows[2] = {down + h * db, down + (h + 1) * db};
                 int nr = h + 1 < h1 ? 2 : 1;
                 if (j->actb)
-                    rows_dots_bf16_n(j->down_type, rows, nr, abs_, j->inter, nt, d);
+                    rows_dots_bf16_n(rows, nr, abs_, j->inter, nt, d);
                 else
                     rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
                 for (int r = 0; r < nr; r++)
@@ -705,11 +671,9 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     current.job = (moe_job){gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
                             experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden,
                             inter, bf16_rounding, NULL, NULL};
-    /* the bf16 dot path: bf16 or Q8_0 weights (Q8_0 dequantized to bf16 as on the GPU), bf16 rounding on (so act
-       is bf16-exact), and the caller's bf16 x */
-    int q8 = gate_type == FT_Q8_0 || up_type == FT_Q8_0 || down_type == FT_Q8_0;
-    if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type != FT_F32 && up_type != FT_F32 &&
-        down_type != FT_F32 && (q8_bf16_dot || !q8)) {
+    /* the bf16 dot path: bf16 weights, bf16 rounding on (so act is bf16-exact), and the caller's bf16 x */
+    if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type == FT_BF16 && up_type == FT_BF16 &&
+        down_type == FT_BF16) {
         current.job.xb = xb;
         current.job.actb = actb;
     }
@@ -746,12 +710,6 @@ void ft_set_amx(int min_tokens, int disabled) {
 #else
     (void)min_tokens, (void)disabled;
 #endif
-}
-
-/* Streaming tuning (see prefetch_bytes): for measuring the kernel's variants on a given machine. */
-void ft_set_tuning(int prefetch, int q8_dot) {
-    prefetch_bytes = prefetch > 0 ? prefetch : 0;
-    q8_bf16_dot = q8_dot;
 }
 
 /* Whether AMX tiles are compiled in and the OS lets this process use them. */

@@ -60,9 +60,6 @@ class CpuExpertKernel:
         self.amx = bool(lib.ft_has_amx())  # AMX tiles for bf16 experts at 2-16 tokens per expert
         if os.environ.get("FREETOKEN_CPU_AMX") == "0":
             lib.ft_set_amx(2, 1)
-        # measuring knobs (kernels/cpu_experts/README.md): software prefetch distance, Q8_0 dot-product path
-        lib.ft_set_tuning(int(os.environ.get("FREETOKEN_CPU_PREFETCH", "0")),
-                          int(os.environ.get("FREETOKEN_CPU_Q8_DOT", "fp32") == "bf16"))
         self._call_lock = threading.Lock()
 
     @classmethod
@@ -120,8 +117,8 @@ class CpuExpertKernel:
 
     def wants_bf16_activations(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
                                round_to: torch.dtype) -> bool:
-        """Whether a bf16 model's call also takes x in bf16: for the bf16 dot path and the AMX path (bf16 or Q8_0
-        weights; Q8_0 blocks are widened to bf16 in registers or tiles, as the GPU path dequantizes them)."""
+        """Whether a bf16 model's call also takes x in bf16: for the bf16 dot path (bf16 weights) and the AMX
+        path (bf16 or Q8_0 weights)."""
         return self.bf16_dot and round_to == torch.bfloat16 and all(m.format != "F32" for m in (gate, up, down))
 
     def launch(self, x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,

@@ -413,6 +413,9 @@ class OffloadedExpertExecutor:
                 if admitted is None:
                     break  # every slot holds this step's experts
                 slot = admitted[0]
+                if slot in slots:  # it evicted a prediction admitted just now: the cache holds no more of them
+                    experts[slots.index(slot)] = e
+                    break
             elif len(self._staged_ahead) < room:
                 ring = copier.reserve_staging(set(self._staged_ahead.values()))
                 self._staged_ahead[(layer, e)] = ring

@@ -119,7 +119,10 @@ class ExpertCopier:
 
     def to_slots(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """Copies several experts into dest[slots]. Quantized ones are dequantized together, one kernel sequence
-        per projection for all of them instead of one per expert (the launches were the cost, not the bytes)."""
+        per projection for all of them instead of one per expert (the launches were the cost, not the bytes).
+        The slots must differ: a batch writes them in no particular order."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"one slot twice in a batch of copies: {slots}")
         if not self.quantized:
             with self._on_copy_stream():
                 for e, slot in zip(experts, slots, strict=True):

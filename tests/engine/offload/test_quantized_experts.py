@@ -68,6 +68,27 @@ def test_gathered_decode_dequantizes_a_step_of_q8_0_experts_together(slots, tmp_
     assert c.bytes_copied // spec.bytes_per_expert("Q8_0") == c.misses + c.prefetched - staged
 
 
+def test_a_prefetch_into_a_small_cache_never_copies_two_experts_into_one_slot(tmp_path):
+    """Admitting the next layer's predictions can evict one admitted a moment before (a cache of a few slots):
+    that slot must then hold the later one only. A batch of quantized copies writes its slots in no particular
+    order, so the same slot twice in one batch used to leave the wrong expert there (seen on CUDA)."""
+    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
+    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    resident = load_model(gguf, progress=False)
+    expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
+    lm = load_model(gguf, progress=False, expert_cache=3 * resident.moe_spec.bytes_per_expert(torch.float32))
+    ex = lm.experts
+    ex.miss_path, ex.gather_small_batches, ex.prefetch = "copy", True, True  # prefetch is off on CPU by default
+    batches = []
+    to_slots = ex.copier.to_slots
+    ex.copier.to_slots = lambda layer, experts, dest, slots: batches.append(slots) or to_slots(layer, experts, dest,
+                                                                                               slots)
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert ex.counters.prefetched > 0 and all(len(set(b)) == len(b) for b in batches)
+    with pytest.raises(ValueError, match="one slot twice"):
+        ex.copier.to_slots(0, [0, 1], ex.slots, [0, 0])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("miss_path", ["copy", "auto"])
 def test_on_cuda_q8_0_experts_cross_in_blocks_and_dequantize_in_one_launch(miss_path, tmp_path):
