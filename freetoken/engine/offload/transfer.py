@@ -135,7 +135,8 @@ class ExpertCopier:
         with self._on_copy_stream():
             self._start_timing()
             src, n = self.host[layer], len(experts)
-            index = torch.tensor(slots, device=self.device)
+            # from pinned memory: a pageable copy would hold the host until the copy stream had drained
+            index = torch.tensor(slots, pin_memory=self.stream is not None).to(self.device, non_blocking=True)
             if self.fused:
                 rows = self._raw_rows(n)
                 for i, e in enumerate(experts):
