@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | graphs-test | q8-tests | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-16k | p1 | hf
+#   PART: machine | tests | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
@@ -34,6 +34,10 @@ for part in "$@"; do
              --pinned; grep -i huge /proc/meminfo; cat /sys/kernel/mm/transparent_hugepage/enabled) ;;
     diag) ft bench decode --shape qwen3-30b-a3b --layers 12 --context 256 --tokens 16 --budgets 0 \
             --strategies copy,cpu,auto,auto-noprefetch --probe-mib 512 --commit "$commit" ;;
+    profile-q8) for s in auto copy; do
+               (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 12 --strategy $s \
+                  --expert-format Q8_0 --out "$OUT" | grep -v "expert cache")
+             done ;;
     profile) for s in auto; do
                (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 12 --strategy $s --out "$OUT")
              done ;;

@@ -27,6 +27,7 @@ from freetoken.engine.loader import attach_experts, build_executor
 from freetoken.engine.offload import cpu_experts
 from freetoken.engine.offload import executor as executor_module
 from freetoken.engine.offload.planner import MissPlanner
+from freetoken.kernels.gguf_dequant import fused
 from freetoken.units import parse_bytes
 
 PHASES = {  # (object, attribute) wrapped with a profiler range of the same name
@@ -81,11 +82,13 @@ def main() -> None:
     p.add_argument("--strategy", default="auto", choices=["auto", "auto-noprefetch", "copy", "cpu"])
     p.add_argument("--tokens", type=int, default=6)
     p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"])
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
-    ceilings = measure_ceilings(device, "dense", dtype, 512)
-    lm = build_synthetic("qwen3-30b-a3b", device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=0)
+    ceilings = measure_ceilings(device, a.expert_format, dtype, 512)
+    lm = build_synthetic("qwen3-30b-a3b", device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=0,
+                         expert_format=a.expert_format)
     miss_path = a.strategy.removesuffix("-noprefetch")
     executor = build_executor(lm.experts.host, lm.moe_spec, dtype, device, parse_bytes(a.budget), "freq", miss_path)
     executor.prefetch = a.strategy == "auto"
@@ -95,6 +98,7 @@ def main() -> None:
     for label, (owner, name) in PHASES.items():
         _mark(owner, name, f"ft.{label}")
     _mark(executor.copier, "to_slots", "ft.copies")
+    _mark(fused, "dequantize_into", "ft.dequant_launch")
     _mark(type(executor.cpu), "start_pairs", "ft.cpu_start")
     started = cpu_experts._Started.__init__
 
