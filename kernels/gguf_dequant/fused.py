@@ -11,6 +11,8 @@ Shapes: N matrices in the batch, M matrices per expert (gate, up, down), B bytes
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
@@ -79,11 +81,11 @@ def dequantize_into(raw: torch.Tensor, type_name: str, outs: list[torch.Tensor] 
     n, m = raw2.shape[0], len(outs)
     if not 1 <= m <= 3 or raw2.dtype != torch.uint8 or raw2.stride(1) != 1:
         raise ValueError("raw must be [N, M * B] uint8 with contiguous rows, and 1 to 3 outputs")
-    per_row = outs[0][0].numel()
+    per_row = math.prod(outs[0].shape[1:])  # shape arithmetic: this runs per decode step, indexing costs µs
     n_blocks = per_row // _Q8_0_VALUES
     if raw2.shape[1] != m * n_blocks * _Q8_0_BYTES or per_row % _Q8_0_VALUES:
         raise ValueError(f"raw rows of {raw2.shape[1]} bytes do not hold {m} Q8_0 matrices of {per_row} values")
-    if any(o.dtype != outs[0].dtype or not o.is_contiguous() or o[0].numel() != per_row for o in outs):
+    if any(o.dtype != outs[0].dtype or not o.is_contiguous() or math.prod(o.shape[1:]) != per_row for o in outs):
         raise ValueError("outputs must be contiguous, of one dtype and one row size")
     use_rows = isinstance(rows, torch.Tensor)
     if not use_rows and n != 1:

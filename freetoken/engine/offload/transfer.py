@@ -28,6 +28,8 @@ from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.kernels.gguf_dequant import fused
 from freetoken.kernels.gguf_dequant.reference import dequantize
 
+_INDEX_RING = 8  # pinned rows of slot numbers in flight (fused path)
+
 
 def _stacks(experts: LayerExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return experts.gate_proj, experts.up_proj, experts.down_proj
@@ -59,10 +61,24 @@ class ExpertCopier:
                                                         (le.gate_proj, le.up_proj, le.down_proj))]
         self._direct = self.stream is not None and cudart.available() and all(
             t.is_contiguous() and t.is_pinned() and (self.quantized or t.dtype == dtype) for t in sources)
-        # Q8_0 experts: bytes of a whole expert land in one row of a device buffer, one launch dequantizes them
-        self.fused = self.quantized and self.stream is not None and fused.available(device) and all(
+        # Q8_0 experts in pinned memory: an expert's block bytes land in one row of a device buffer through the
+        # runtime, and one launch dequantizes a batch of rows into their slots
+        self.fused = self.quantized and self._direct and fused.available(device) and all(
             set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
             for le in host.values())
+        if self.fused:
+            self._fused_type = first.type_names["gate_proj"]
+            # per layer: (address of expert 0, bytes per expert) of each projection: no tensor indexing per copy
+            self._block_sources = {layer: [(le.raw[p].data_ptr(), le.raw[p].shape[1]) for p in PROJECTIONS]
+                                   for layer, le in host.items()}
+            # a batch's slot numbers cross from a ring of pinned rows: the host fills a row only once the copy
+            # that read it last time has run (its event)
+            most = first.num_experts
+            self._index_host = torch.empty((_INDEX_RING, most), dtype=torch.int64, pin_memory=True)
+            self._index_rows = self._index_host.numpy()
+            self._index_read: list[torch.cuda.Event | None] = [None] * _INDEX_RING
+            self._index_next = 0
+            self._index_device = torch.empty(most, dtype=torch.int64, device=device)  # read in stream order
         self._released: list[torch.cuda.Event | None] = [None] * staging_slots
         self._next_staging = 0
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
@@ -128,6 +144,10 @@ class ExpertCopier:
                 for e, slot in zip(experts, slots, strict=True):
                     self._copy(layer, e, dest, slot)
             return
+        if self.fused:
+            with self._on_copy_stream():
+                self._fused_copies(layer, experts, dest, slots)
+            return
         if len(experts) < 2:
             for e, slot in zip(experts, slots, strict=True):
                 self.to_slot(layer, e, dest, slot)
@@ -137,13 +157,6 @@ class ExpertCopier:
             src, n = self.host[layer], len(experts)
             # from pinned memory: a pageable copy would hold the host until the copy stream had drained
             index = torch.tensor(slots, pin_memory=self.stream is not None).to(self.device, non_blocking=True)
-            if self.fused:
-                rows = self._raw_rows(n)
-                for i, e in enumerate(experts):
-                    self._raw_to_device(src, e, rows[i])
-                fused.dequantize_into(rows, src.type_names["gate_proj"], _stacks(dest), index)
-                self._finish_timing(n)
-                return
             for p in PROJECTIONS:
                 raw = self._raw_batch(p, n)
                 for i, e in enumerate(experts):
@@ -160,16 +173,34 @@ class ExpertCopier:
                                      device=self.device)
         return self._rows[:n]
 
-    def _raw_to_device(self, src: QuantizedExperts, expert: int, row: torch.Tensor) -> None:
-        """Queues the copy of one expert's block bytes into `row` (device) on the current stream."""
-        at = 0
-        for p in PROJECTIONS:
-            part = src.raw[p][expert]
-            if self._direct:
-                cudart.copy_to_device(row.data_ptr() + at, part.data_ptr(), part.numel(), self.stream.cuda_stream)
-            else:
-                row[at:at + part.numel()].copy_(part, non_blocking=True)
-            at += part.numel()
+    def _fused_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
+        """On the copy stream: the experts' block bytes into rows of the device buffer (three runtime calls
+        each), then one launch dequantizes every row into its slot. Stream order keeps the next batch's copies
+        into these rows behind this launch."""
+        self._start_timing()
+        n, stream = len(experts), self.stream.cuda_stream
+        rows = self._raw_rows(n)
+        at, sources = rows.data_ptr(), self._block_sources[layer]
+        for e in experts:
+            for address, nbytes in sources:
+                cudart.copy_to_device(at, address + e * nbytes, nbytes, stream)
+                at += nbytes
+        fused.dequantize_into(rows, self._fused_type, _stacks(dest), slots[0] if n == 1 else self._slot_index(slots))
+        self._finish_timing(n)
+
+    def _slot_index(self, slots: list[int]) -> torch.Tensor:
+        """The slot numbers as a device tensor, queued on the copy stream without holding the host."""
+        k = self._index_next
+        self._index_next = (k + 1) % _INDEX_RING
+        if self._index_read[k] is not None:
+            self._index_read[k].synchronize()  # queued _INDEX_RING batches ago: long done in practice
+        n = len(slots)
+        self._index_rows[k, :n] = slots
+        row_bytes = self._index_rows.shape[1] * 8
+        cudart.copy_to_device(self._index_device.data_ptr(), self._index_host.data_ptr() + k * row_bytes, n * 8,
+                              self.stream.cuda_stream)
+        self._index_read[k] = self.stream.record_event()
+        return self._index_device[:n]
 
     def _raw_batch(self, projection: str, n: int) -> torch.Tensor:
         buf = self._raw_batches.get(projection)
@@ -239,13 +270,12 @@ class ExpertCopier:
             batch.seconds = time.perf_counter() - batch.start
 
     def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
+        if self.fused:
+            self._fused_copies(layer, [expert], dest, [slot])
+            return
         self._start_timing()
         src = self.host[layer]
-        if self.fused:  # stream order keeps the next copy into this row behind this dequantization
-            row = self._raw_rows(1)[0]
-            self._raw_to_device(src, expert, row)
-            fused.dequantize_into(row, src.type_names["gate_proj"], _stacks(dest), slot)
-        elif self.quantized:
+        if self.quantized:
             for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
                 raw = self.raw[p]
                 raw.copy_(src.raw[p][expert], non_blocking=True)  # only the block-format bytes cross the link
