@@ -229,6 +229,7 @@ class OffloadedExpertExecutor:
         to_copy, to_cpu = self._plan(misses, lambda e: len(pairs_of[e]), self._copy_backlog())
         copier = self.copier
         if to_copy:
+            t_issue = time.perf_counter()
             copier.begin()
             busy = set(staged)
             for e in to_copy:  # at most N*K ≤ staging_slots experts, so the staging ring never wraps here
@@ -241,6 +242,7 @@ class OffloadedExpertExecutor:
                     slot_of[e] = admitted[0]
             copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
             copier.end()
+            self.planner.observe_issue(len(to_copy), time.perf_counter() - t_issue)
             self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         on_cpu = None
         if to_cpu:  # after the copies, which take the host ~3 µs each to queue; starting the CPU takes longer

@@ -2,7 +2,9 @@
 
 Both paths read host DRAM and run at the same time, so a step's miss time is the slower of the two. Each path's
 time is modelled as `seconds = fixed + bytes / bandwidth`, fitted online (exponentially forgetting least
-squares) from the timings the executor observes, seeded from the calibration profile. The planner picks the
+squares) from the timings the executor observes, seeded from the calibration profile. One host thread issues
+the copies before it starts the CPU share, so each copy also delays the CPU path by its issue time (a few µs
+for a dense expert, more where a copy needs a kernel launch), measured online too. The planner picks the
 split that minimises the predicted step time, so with honest estimates it is never slower than either pure
 strategy; a path that goes unused is re-probed now and then (one miss) so a wrong seed cannot lock it out.
 No torch here: the executor measures, this module only decides.
@@ -61,11 +63,15 @@ class Split:
 class MissPlanner:
     PROBE_EVERY = 256  # layer-steps a path may go unused before one miss is sent down it to re-measure it
 
+    ISSUE_DECAY = 0.9  # forgetting of the per-copy issue time's running mean
+
     def __init__(self, copy_gb_s: float, cpu_gb_s: float, copy_fixed_s: float = 20e-6, cpu_fixed_s: float = 100e-6,
-                 learn: bool = True):
-        """`learn=False` keeps the given costs (a fixed split, for reproducible runs) and never probes."""
+                 learn: bool = True, issue_s: float = 0.0):
+        """`learn=False` keeps the given costs (a fixed split, for reproducible runs) and never probes.
+        `issue_s`: host seconds to queue one copy, until measured."""
         self.copy = LinearCost(copy_fixed_s, 1e-9 / copy_gb_s)
         self.cpu = LinearCost(cpu_fixed_s, 1e-9 / cpu_gb_s)
+        self.issue_s = issue_s
         self.learn = learn
         self._idle = {"copy": 0, "cpu": 0}
         self.steps = 0
@@ -87,8 +93,9 @@ class MissPlanner:
         for on_cpu in range(n - min(min_copy, n) + 1):
             if on_cpu:  # the CPU takes the next-cheapest miss; its cost grows lightly with tokens beyond the first
                 cpu_bytes += expert_bytes * (1 + 0.1 * (tokens[n - on_cpu][0] - 1))
-            copy_t = copy_busy_s + self.copy.predict(expert_bytes * (n - on_cpu)) if on_cpu < n else 0.0
-            t = max(copy_t, self.cpu.predict(cpu_bytes))
+            issue = self.issue_s * (n - on_cpu)  # the host queues the copies first, then starts the CPU
+            copy_t = copy_busy_s + max(issue, self.copy.predict(expert_bytes * (n - on_cpu))) if on_cpu < n else 0.0
+            t = max(copy_t, issue + self.cpu.predict(cpu_bytes) if on_cpu else 0.0)
             if t < best_t - 1e-12:
                 best_cpu, best_t = on_cpu, t
         best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe and self.learn else best_cpu
@@ -108,6 +115,12 @@ class MissPlanner:
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if self.learn:
             self.copy.observe(nbytes, seconds)
+
+    def observe_issue(self, copies: int, seconds: float) -> None:
+        """The host took `seconds` to queue `copies` copies."""
+        if self.learn and copies:
+            d = self.ISSUE_DECAY
+            self.issue_s = d * self.issue_s + (1 - d) * seconds / copies
 
     def observe_cpu(self, nbytes: int, seconds: float) -> None:
         if self.learn:

@@ -67,18 +67,7 @@ class ExpertCopier:
             set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
             for le in host.values())
         if self.fused:
-            self._fused_type = first.type_names["gate_proj"]
-            # per layer: (address of expert 0, bytes per expert) of each projection: no tensor indexing per copy
-            self._block_sources = {layer: [(le.raw[p].data_ptr(), le.raw[p].shape[1]) for p in PROJECTIONS]
-                                   for layer, le in host.items()}
-            # a batch's slot numbers cross from a ring of pinned rows: the host fills a row only once the copy
-            # that read it last time has run (its event)
-            most = first.num_experts
-            self._index_host = torch.empty((_INDEX_RING, most), dtype=torch.int64, pin_memory=True)
-            self._index_rows = self._index_host.numpy()
-            self._index_read: list[torch.cuda.Event | None] = [None] * _INDEX_RING
-            self._index_next = 0
-            self._index_device = torch.empty(most, dtype=torch.int64, device=device)  # read in stream order
+            self._prepare_fused()
         self._released: list[torch.cuda.Event | None] = [None] * staging_slots
         self._next_staging = 0
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
@@ -172,6 +161,21 @@ class ExpertCopier:
             self._rows = torch.empty((max(n, self.staging_slots), self.expert_bytes), dtype=torch.uint8,
                                      device=self.device)
         return self._rows[:n]
+
+    def _prepare_fused(self) -> None:
+        first = next(iter(self.host.values()))
+        self._fused_type = first.type_names["gate_proj"]
+        # per layer: (address of expert 0, bytes per expert) of each projection: no tensor indexing per copy
+        self._block_sources = {layer: [(le.raw[p].data_ptr(), le.raw[p].shape[1]) for p in PROJECTIONS]
+                               for layer, le in self.host.items()}
+        # a batch's slot numbers cross from a ring of pinned rows: the host fills a row only once the copy that
+        # read it last time has run (its event)
+        most = first.num_experts
+        self._index_host = torch.empty((_INDEX_RING, most), dtype=torch.int64, pin_memory=True)
+        self._index_rows = self._index_host.numpy()
+        self._index_read: list[torch.cuda.Event | None] = [None] * _INDEX_RING
+        self._index_next = 0
+        self._index_device = torch.empty(most, dtype=torch.int64, device=self.device)  # read in stream order
 
     def _fused_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """On the copy stream: the experts' block bytes into rows of the device buffer (three runtime calls

@@ -80,3 +80,25 @@ def test_an_unused_path_is_probed():
     planner = MissPlanner(copy_gb_s=1000, cpu_gb_s=0.001)
     cpu_counts = [len(planner.split([1, 2, 3], EXPERT).cpu) for _ in range(2 * MissPlanner.PROBE_EVERY + 2)]
     assert sum(cpu_counts) == 2 and max(cpu_counts) == 1
+
+
+def test_the_time_to_queue_copies_delays_the_cpu_and_is_learned():
+    """One host thread queues the copies, then starts the CPU: where a copy takes long to queue (a kernel launch
+    per copy, a slow host) the CPU share starts that much later. The issue time is measured, so a planner
+    seeded with none learns it and predicts the step from it."""
+    free = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0, learn=False)
+    assert len(free.split(list(range(8)), EXPERT).cpu) == 4
+    planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0)
+    slow_issue = free.copy.predict(EXPERT) / 2  # queueing a copy takes half the time the link takes to move it
+    for _ in range(60):
+        planner.observe_issue(4, 4 * slow_issue)
+    assert planner.issue_s == pytest.approx(slow_issue, rel=0.01)
+    split = planner.split(list(range(8)), EXPERT)
+    # in units of one expert's link time u: k on the CPU start after (8 - k) * u/2 of queueing, so the step
+    # takes max((8 - k) u, (8 - k) u/2 + k u): 5.5 u at k = 3 (4 u at k = 4 with free queueing, 8 u for k = 8)
+    assert len(split.cpu) == 3
+    unit = planner.cpu.predict(EXPERT)
+    assert split.predicted_seconds == pytest.approx(5 * planner.issue_s + 3 * unit)
+    assert split.predicted_seconds == pytest.approx(5.5 * unit, rel=0.01)
+    planner.observe_issue(0, 1.0)  # nothing queued: nothing learned
+    assert planner.issue_s == pytest.approx(slow_issue, rel=0.01)
