@@ -18,6 +18,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("freetoken.engine.commands", "complete one prompt and print the completion"),
     "chat": ("freetoken.engine.commands", "interactive chat with streaming output"),
     "info": ("freetoken.engine.commands", "describe a model: architecture, parameters, experts"),
+    "serve": ("freetoken.server.cli", "serve the OpenAI and Anthropic APIs on 127.0.0.1:1919"),
+    "ask": ("freetoken.server.cli", "ask a running server one question"),
     "calibrate": ("freetoken.engine.offload.calibrate", "measure PCIe, DRAM and expert throughput; store a profile"),
     "bench": ("freetoken.bench.cli", "benchmarks on synthetic real-shape models (ft bench decode)"),
 }

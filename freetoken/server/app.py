@@ -1,0 +1,101 @@
+"""The HTTP app: `create_app(engine, settings)` mounts the OpenAI and Anthropic routes, health and stats, the API
+key check, and the error handlers that answer every failure in the caller's protocol (Anthropic's shape under
+/v1/messages, OpenAI's elsewhere), so bad input never becomes a 500 and never takes the server down.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from freetoken.errors import FreeTokenError
+from freetoken.server import anthropic_api, openai_api
+from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
+from freetoken.server.errors import APIError, context_exceeded_anthropic, context_exceeded_openai
+
+log = logging.getLogger(__name__)
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers, `ft ask` waiting)
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 1919
+    api_key: str | None = None
+    model_aliases: frozenset[str] = field(default_factory=frozenset)  # other names requests may use
+
+
+def create_app(engine: ServingEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    app = FastAPI(title="freetoken", version="0.1", docs_url=None, redoc_url=None)
+    model_ids = {engine.model_id, *settings.model_aliases}
+    app.include_router(openai_api.router(engine, model_ids))
+    app.include_router(anthropic_api.router(engine, model_ids))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": engine.model_id}
+
+    @app.get("/v1/stats")
+    async def stats() -> dict:
+        return engine.stats()
+
+    @app.middleware("http")
+    async def api_key(request: Request, call_next):
+        if settings.api_key and request.url.path not in OPEN_PATHS and not _authorized(request, settings.api_key):
+            return _error(request, APIError(401, "invalid or missing API key: send it as `Authorization: Bearer "
+                                                 "KEY` or `x-api-key: KEY`"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return _error(request, e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return _error(request, APIError(e.status_code, message))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return _error(request, APIError(400, f"invalid request: {e.errors()[0]['msg']}"))
+
+    @app.exception_handler(ContextLengthExceeded)
+    async def too_long(request: Request, e: ContextLengthExceeded):
+        exceeded = context_exceeded_anthropic if _anthropic(request) else context_exceeded_openai
+        return _error(request, exceeded(e.prompt_tokens, e.limit))
+
+    @app.exception_handler(Saturated)
+    async def saturated(request: Request, e: Saturated):
+        return _error(request, APIError(503, str(e)))
+
+    @app.exception_handler(FreeTokenError)
+    async def engine_error(request: Request, e: FreeTokenError):
+        return _error(request, APIError(400, str(e)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        return _error(request, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    return app
+
+
+def _anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
+def _error(request: Request, e: APIError) -> JSONResponse:
+    body = e.anthropic_body() if _anthropic(request) else e.openai_body()
+    return JSONResponse(body, status_code=e.status)
+
+
+def _authorized(request: Request, key: str) -> bool:
+    given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+    return hmac.compare_digest(given.strip().encode(), key.encode())

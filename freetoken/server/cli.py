@@ -1,0 +1,144 @@
+"""`ft serve`: load a model and serve the OpenAI and Anthropic APIs; `ft ask`: one question to a running server.
+
+    ft serve [--model M] [--host H] [--port P] [--expert-cache SIZE] [--kv-cache SIZE] [--api-key K]
+    ft ask [--url URL] [--wait S] PROMPT
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from freetoken.errors import FreeTokenError
+from freetoken.units import parse_bytes
+
+log = logging.getLogger("freetoken.server")
+
+
+def serve(argv: list[str]) -> int:
+    from freetoken.engine.commands import _load, _model_args
+
+    p = argparse.ArgumentParser(prog="ft serve", description="Serve a model over the OpenAI and Anthropic APIs.")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=1919, help="port (default 1919)")
+    p.add_argument("--kv-cache", default=None, metavar="SIZE",
+                   help="KV cache budget (e.g. 2GiB); the context one request may hold follows from it")
+    p.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"),
+                   help="require this key (Authorization: Bearer or x-api-key); needed to bind beyond loopback "
+                        "(default: $FREETOKEN_API_KEY)")
+    p.add_argument("--served-name", action="append", default=[], metavar="NAME",
+                   help="another model name requests may use (repeatable)")
+    a = p.parse_args(argv)
+    if not _loopback(a.host) and not a.api_key:
+        raise FreeTokenError(f"binding {a.host} exposes the server beyond this machine; give --api-key KEY "
+                             "(or bind 127.0.0.1)")
+    import uvicorn
+
+    from freetoken.server.app import ServerSettings, create_app
+    from freetoken.server.engine import ServingEngine
+
+    lm = _load(a)
+    max_seq = None
+    if a.kv_cache:
+        from freetoken.engine.offload.budget import kv_bytes_per_token
+
+        max_seq = parse_bytes(a.kv_cache) // kv_bytes_per_token(lm.args, lm.dtype)
+        if max_seq < 16:
+            raise FreeTokenError(f"--kv-cache {a.kv_cache} holds only {max_seq} tokens of this model; give more")
+    engine = ServingEngine(lm, _model_id(a.model), max_seq_len=max_seq)
+    settings = ServerSettings(a.host, a.port, a.api_key, frozenset(a.served_name))
+    app = create_app(engine, settings)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", timeout_keep_alive=75)
+    server = uvicorn.Server(config)
+    _announce_when_ready(server, engine, a.host, a.port)
+    try:
+        server.run()
+    finally:
+        engine.close()
+    return 0
+
+
+def _announce_when_ready(server, engine, host: str, port: int) -> None:
+    """Logs the address once uvicorn is listening: the line scripts and `ft ask` wait for."""
+    startup = server.startup
+
+    async def started(*args, **kwargs):
+        await startup(*args, **kwargs)
+        if server.started:
+            log.info("serving %s on http://%s:%d (context %d tokens per request)", engine.model_id, host, port,
+                     engine.context_length)
+
+    server.startup = started
+
+
+def ask(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ft ask", description="Ask a running `ft serve` one question; prints the "
+                                "answer. Waits for the server to come up (it may still be loading its model).")
+    p.add_argument("prompt")
+    p.add_argument("--url", default="http://127.0.0.1:1919", help="the server (default http://127.0.0.1:1919)")
+    p.add_argument("--wait", type=float, default=600, help="seconds to wait for the server (default 600)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"))
+    a = p.parse_args(argv)
+    url = a.url.rstrip("/")
+    model = _wait_healthy(url, a.wait)
+    body = {"model": model, "messages": [{"role": "user", "content": a.prompt}], "max_tokens": a.max_tokens,
+            "temperature": 0}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {a.api_key}"} if a.api_key else {})}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            reply = json.load(r)
+    except urllib.error.HTTPError as e:
+        raise FreeTokenError(f"the server answered {e.code}: {e.read().decode(errors='replace')}") from None
+    print(reply["choices"][0]["message"]["content"])
+    return 0
+
+
+def _wait_healthy(url: str, seconds: float) -> str:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                return json.load(r)["model"]
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, KeyError):
+            if time.monotonic() > deadline:
+                raise FreeTokenError(f"no server answered at {url} within {seconds:.0f}s; start one with "
+                                     "`ft serve`") from None
+            time.sleep(0.5)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _model_id(model: str | None) -> str:
+    """The name clients use: the default model's, a repo id as given, or a local path's file/directory name."""
+    if model is None:
+        from freetoken.engine.sources import DEFAULT_MODEL_FILE
+
+        return DEFAULT_MODEL_FILE.removesuffix(".gguf")
+    path = Path(model)
+    return path.name.removesuffix(".gguf") if path.exists() else model
+
+
+def main(verb: str, argv: list[str]) -> int:
+    return {"serve": serve, "ask": ask}[verb](argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

@@ -1,0 +1,228 @@
+"""OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions` (streamed or not, tools, reasoning).
+
+Requests are converted to the chat template's message format (content parts joined, tool-call arguments parsed
+into objects, `developer` as `system`), generated through the serving engine, and the output is split into
+content, `reasoning_content` and `tool_calls` by `OutputParser`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from freetoken.errors import ChatTemplateError
+from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
+from freetoken.server.errors import APIError, context_exceeded_openai, stream_error
+from freetoken.server.output import OutputParser, Part
+from freetoken.server.requests import check_tool_schemas, paced, read_body, sampling_params, sse
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+
+def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v1/models")
+    async def models() -> dict:
+        created = int(time.time())
+        entry = {"id": engine.model_id, "object": "model", "type": "model", "created": created,
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)), "owned_by": "freetoken",
+                 "display_name": engine.model_id, "context_length": engine.context_length}
+        return {"object": "list", "data": [entry], "has_more": False, "first_id": engine.model_id,
+                "last_id": engine.model_id}
+
+    @r.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await read_body(request, ChatRequest)
+        if req.model not in model_ids:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{engine.model_id}`",
+                           param="model", code="model_not_found")
+        if req.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        tools = _tools(req)
+        messages = [_message(m, i) for i, m in enumerate(req.messages)]
+        thinking = None if req.reasoning_effort is None else req.reasoning_effort not in ("none", "minimal")
+        try:
+            prompt_text, prompt_ids = engine.chat_prompt(messages, tools, enable_thinking=thinking)
+            engine.check_fits(prompt_ids)
+        except ChatTemplateError as e:
+            raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
+        except ContextLengthExceeded as e:
+            raise context_exceeded_openai(e.prompt_tokens, e.limit) from None
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        params = sampling_params(max_tokens=req.max_completion_tokens or req.max_tokens,
+                                 prompt_tokens=len(prompt_ids), context=engine.context_length,
+                                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                                 seed=req.seed, stop=stop)
+        parser = OutputParser(in_reasoning=prompt_text.rstrip().endswith("<think>"), tools=bool(tools))
+        ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        try:
+            engine.check_admission()
+        except Saturated as e:
+            raise APIError(429, str(e)) from None
+        events = engine.stream(prompt_ids, params)
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(engine, ident, events, parser, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await _complete(engine, ident, events, parser))
+
+    return r
+
+
+async def _complete(engine: ServingEngine, ident: str, events: AsyncIterator, parser: OutputParser) -> dict:
+    parts: list[Part] = []
+    last = None
+    async for ev in events:
+        parts += parser.push(ev.text)
+        last = ev
+    parts += parser.finish()
+    text = "".join(p.text for p in parts if p.kind == "text")
+    reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
+    calls = [p.call for p in parts if p.kind == "tool_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
+    return {"id": ident, "object": "chat.completion", "created": int(time.time()), "model": engine.model_id,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": "tool_calls" if calls else last.finish_reason}],
+            "usage": _usage(last)}
+
+
+async def _stream(engine: ServingEngine, ident: str, events: AsyncIterator, parser: OutputParser,
+                  include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(delta: dict | None, finish: str | None = None, usage: dict | None = None) -> str:
+        body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": engine.model_id,
+                "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": finish}]}
+        if usage is not None:
+            body["usage"] = usage
+        return sse(body)
+
+    yield chunk({"role": "assistant", "content": ""})
+    calls, last = 0, None
+    try:
+        async for ev in paced(events):
+            if ev is None:
+                yield ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies and timeouts see traffic
+                continue
+            last = ev
+            for p in parser.push(ev.text) + (parser.finish() if ev.finish_reason else []):
+                if p.kind == "text":
+                    yield chunk({"content": p.text})
+                elif p.kind == "reasoning":
+                    yield chunk({"reasoning_content": p.text})
+                else:
+                    call = {"name": p.call.name, "arguments": p.call.arguments_json}
+                    yield chunk({"tool_calls": [{"index": calls, "id": _call_id(), "type": "function",
+                                                 "function": call}]})
+                    calls += 1
+    except Exception as e:  # the status line is long sent: the error goes in the stream, in the API's shape
+        yield sse(stream_error(e).openai_body())
+        return
+    yield chunk({}, "tool_calls" if calls else last.finish_reason)
+    if include_usage:
+        yield chunk(None, usage=_usage(last))
+    yield sse("[DONE]")
+
+
+def _usage(ev) -> dict:
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tools(req: ChatRequest) -> list[dict] | None:
+    if not req.tools or req.tool_choice == "none":
+        return None
+    for i, tool in enumerate(req.tools):
+        if tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+            raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param=f"tools.{i}")
+    check_tool_schemas(req.tools, lambda t: t["function"].get("name"), lambda t: t["function"].get("parameters"))
+    return req.tools
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def _message(m: dict[str, Any], i: int) -> dict[str, Any]:
+    """One OpenAI message in the shape chat templates expect."""
+    role = _ROLES.get(m.get("role"))
+    if role is None:
+        raise APIError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.get('role')!r}",
+                       param=f"messages.{i}.role")
+    out: dict[str, Any] = {"role": role, "content": _text(m.get("content"), i)}
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = [_tool_call(c, i) for c in m["tool_calls"]]
+    if role == "tool":
+        out["tool_call_id"] = m.get("tool_call_id")
+        if m.get("name"):
+            out["name"] = m["name"]
+    return out
+
+
+def _text(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("text", "input_text", "output_text"):
+                texts.append(str(part.get("text", "")))
+            elif kind in ("image_url", "input_image", "input_audio", "file"):
+                raise APIError(400, f"messages[{i}]: {kind} content is not supported by this model (text only)",
+                               param=f"messages.{i}.content")
+            else:
+                raise APIError(400, f"messages[{i}]: unknown content part {kind!r}", param=f"messages.{i}.content")
+        return "".join(texts)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of content parts",
+                   param=f"messages.{i}.content")
+
+
+def _tool_call(call: Any, i: int) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, f"messages[{i}].tool_calls: each needs function.name", param=f"messages.{i}.tool_calls")
+    args = fn.get("arguments") or "{}"
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise APIError(400, f"messages[{i}].tool_calls: arguments of {fn['name']} are not valid JSON",
+                           param=f"messages.{i}.tool_calls") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}

@@ -1,0 +1,137 @@
+"""Generated text → answer text, reasoning and tool calls, incrementally, as the tokens stream in.
+
+Models mark reasoning with `<think>…</think>` and tool calls with `<tool_call>…</tool_call>` (Hermes / Qwen: a
+JSON object `{"name", "arguments"}`; Qwen3-Coder: `<function=NAME><parameter=P>value</parameter></function>`).
+`OutputParser.push` takes each text delta and returns the parts it completes; a tag cut across two deltas is held
+back until it can be told apart from text. A tool call is returned whole once its closing tag arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass(slots=True)
+class Part:
+    kind: str  # "text", "reasoning" or "tool_call"
+    text: str = ""
+    call: ToolCall | None = None
+
+
+class OutputParser:
+    def __init__(self, *, in_reasoning: bool = False, tools: bool = True):
+        """`in_reasoning`: the prompt already opened a reasoning block (templates that end with `<think>`)."""
+        self.state = "reasoning" if in_reasoning else "text"
+        self.tools = tools
+        self.buffer = ""
+        self._after_reasoning = False
+
+    def push(self, text: str) -> list[Part]:
+        self.buffer += text
+        parts: list[Part] = []
+        while True:
+            if self.state == "tool":
+                end = self.buffer.find(TOOL_CLOSE)
+                if end < 0:
+                    return parts
+                parts.append(self._tool_part(self.buffer[:end]))
+                self.buffer, self.state = self.buffer[end + len(TOOL_CLOSE):], "text"
+                continue
+            if self._after_reasoning:  # the newlines between a reasoning block and the answer belong to neither
+                self.buffer = self.buffer.lstrip("\n")
+                self._after_reasoning = not self.buffer
+            tags = [THINK_CLOSE] if self.state == "reasoning" else [THINK_OPEN] + ([TOOL_OPEN] if self.tools else [])
+            found = [(self.buffer.find(t), t) for t in tags if self.buffer.find(t) >= 0]
+            if not found:
+                keep = _partial_tag(self.buffer, tags)
+                emit, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                _append(parts, self.state, emit)
+                return parts
+            at, tag = min(found)
+            _append(parts, self.state, self.buffer[:at])
+            self.buffer = self.buffer[at + len(tag):]
+            self.state = {THINK_OPEN: "reasoning", THINK_CLOSE: "text", TOOL_OPEN: "tool"}[tag]
+            self._after_reasoning = tag == THINK_CLOSE
+
+    def finish(self) -> list[Part]:
+        """The rest at the end of generation: an unclosed tool call is parsed if it is complete JSON."""
+        rest, self.buffer = self.buffer, ""
+        if self._after_reasoning:
+            rest = rest.lstrip("\n")
+        if self.state == "tool":
+            call = parse_tool_call(rest)
+            return [Part("tool_call", call=call)] if call else _append([], "text", TOOL_OPEN + rest)
+        return _append([], self.state, rest)
+
+    def _tool_part(self, body: str) -> Part:
+        call = parse_tool_call(body)
+        return Part("tool_call", call=call) if call else Part("text", TOOL_OPEN + body + TOOL_CLOSE)
+
+
+def parse_tool_call(body: str) -> ToolCall | None:
+    """One tool call's body (between the tags) in any supported format, or None if it is not one."""
+    body = body.strip()
+    if body.startswith("<function="):
+        return _parse_xml_call(body)
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _parse_xml_call(body: str) -> ToolCall | None:
+    m = _XML_FUNCTION.search(body)
+    if not m:
+        return None
+    args = {}
+    for name, value in _XML_PARAMETER.findall(m.group(2)):
+        try:
+            args[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            args[name.strip()] = value
+    return ToolCall(m.group(1).strip(), args)
+
+
+def _partial_tag(text: str, tags: list[str]) -> int:
+    """Length of the longest suffix of `text` that could be the start of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
+
+def _append(parts: list[Part], state: str, text: str) -> list[Part]:
+    if text:
+        parts.append(Part("reasoning" if state == "reasoning" else "text", text))
+    return parts

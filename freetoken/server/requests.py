@@ -1,0 +1,101 @@
+"""What every protocol's handler shares: reading the JSON body, turning its sampling fields into `SamplingParams`,
+checking tool schemas, and pacing a stream of generation events with keep-alives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from freetoken.engine.generator import GenerationEvent
+from freetoken.engine.sampling import SamplingParams
+from freetoken.server.errors import APIError
+
+Model = TypeVar("Model", bound=BaseModel)
+DEFAULT_MAX_TOKENS = 4096  # when the request names none: a reply, not the rest of the context
+KEEPALIVE_S = 10.0  # seconds without an event before the stream sends a keep-alive (long prefills)
+
+
+async def read_body(request: Request, model: type[Model]) -> Model:
+    """The request's JSON validated against `model`; a 400 naming the first problem otherwise."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") \
+            from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise APIError(400, f"{where}: {err['msg']}", param=where) from None
+
+
+def sampling_params(*, max_tokens: int | None, prompt_tokens: int, context: int, temperature: float | None,
+                    top_p: float | None, top_k: int | None, min_p: float | None, seed: int | None,
+                    stop: list[str], default_temperature: float = 1.0) -> SamplingParams:
+    """A reply may use what the prompt leaves of the context; a larger `max_tokens` is cut to that."""
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    room = context - prompt_tokens
+    wanted = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    try:
+        return SamplingParams(max_tokens=max(1, min(wanted, room)),
+                              temperature=default_temperature if temperature is None else temperature,
+                              top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, min_p=min_p or 0.0,
+                              seed=seed, stop=tuple(stop))
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def check_tool_schemas(tools: list[dict], name_of: Callable[[dict], Any], schema_of: Callable[[dict], Any],
+                       param: str = "tools") -> None:
+    for i, tool in enumerate(tools):
+        name = name_of(tool)
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"{param}[{i}] has no name", param=f"{param}.{i}")
+        schema = schema_of(tool)
+        if schema is not None and (not isinstance(schema, dict) or schema.get("type", "object") != "object"):
+            raise APIError(400, f"{param}[{i}] ({name}): the parameters schema must be a JSON Schema object "
+                                "(type: object)", param=f"{param}.{i}")
+
+
+async def paced(events: AsyncIterator[GenerationEvent], keepalive_s: float = KEEPALIVE_S
+                ) -> AsyncIterator[GenerationEvent | None]:
+    """The events, with None whenever `keepalive_s` passes without one (the caller sends a keep-alive). The
+    pending read is never cancelled: cancelling it would cancel the generation."""
+    pending = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+            if not done:
+                yield None
+                continue
+            try:
+                ev = pending.result()
+            except StopAsyncIteration:
+                return
+            yield ev
+            pending = asyncio.ensure_future(anext(events))
+    finally:  # the client left (or the stream ended): a pending read is cancelled, which cancels the generation
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await pending
+        await events.aclose()
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return (f"event: {event}\n" if event else "") + f"data: {body}\n\n"

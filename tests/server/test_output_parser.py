@@ -1,0 +1,65 @@
+"""Generated text split into answer, reasoning and tool calls, whatever the deltas' boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken.server.output import OutputParser, parse_tool_call
+
+HERMES = ('Let me look.<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'
+          '<tool_call>\n{"name": "ls", "arguments": "{}"}\n</tool_call>')
+QWEN3_CODER = ("<tool_call>\n<function=edit>\n<parameter=path>\nsrc/x.py\n</parameter>\n<parameter=count>\n3\n"
+               "</parameter>\n</function>\n</tool_call>")
+
+
+def _run(text: str, sizes: list[int], **kw) -> list[tuple]:
+    """Feeds `text` in deltas of the given sizes (cycled); returns merged (kind, text or call) parts."""
+    parser, parts, at, i = OutputParser(**kw), [], 0, 0
+    while at < len(text):
+        n = sizes[i % len(sizes)]
+        parts += parser.push(text[at:at + n])
+        at, i = at + n, i + 1
+    parts += parser.finish()
+    merged: list[tuple] = []
+    for p in parts:
+        if p.kind == "tool_call":
+            merged.append(("tool_call", p.call.name, p.call.arguments))
+        elif merged and merged[-1][0] == p.kind:
+            merged[-1] = (p.kind, merged[-1][1] + p.text)
+        else:
+            merged.append((p.kind, p.text))
+    return merged
+
+
+@pytest.mark.parametrize("sizes", [[1], [2], [3, 7], [5, 1, 11], [1000]])
+def test_tool_calls_and_reasoning_survive_any_delta_boundaries(sizes):
+    text = "<think>\nplan: read it</think>\n\n" + HERMES + " done"
+    assert _run(text, sizes) == [
+        ("reasoning", "\nplan: read it"), ("text", "Let me look."),
+        ("tool_call", "read_file", {"path": "a.py"}), ("tool_call", "ls", {}), ("text", " done")]
+
+
+@pytest.mark.parametrize("sizes", [[1], [4], [1000]])
+def test_qwen3_coder_xml_calls(sizes):
+    assert _run(QWEN3_CODER, sizes) == [("tool_call", "edit", {"path": "src/x.py", "count": 3})]
+
+
+def test_a_prompt_that_opened_reasoning_starts_in_it():
+    assert _run("thinking...</think>answer", [3], in_reasoning=True) == [("reasoning", "thinking..."),
+                                                                          ("text", "answer")]
+
+
+def test_without_tools_the_tags_are_text_and_broken_calls_stay_visible():
+    assert _run(HERMES, [4], tools=False) == [("text", HERMES)]
+    broken = "<tool_call>{not json}</tool_call>"
+    assert _run(broken, [2]) == [("text", broken)]
+    assert _run("<tool_call>{\"name\": \"f\", \"arguments\": {}}", [3]) == [("tool_call", "f", {})]  # unclosed
+    assert _run("<tool_call>{\"na", [3]) == [("text", "<tool_call>{\"na")]
+    assert _run("a <b> c </thi", [2]) == [("text", "a <b> c </thi")]  # held-back tag prefixes come out
+
+
+def test_parse_tool_call_rejects_what_is_not_a_call():
+    assert parse_tool_call('{"arguments": {}}') is None
+    assert parse_tool_call('{"name": "f", "arguments": [1]}') is None
+    assert parse_tool_call("<function=f>") is None
+    assert parse_tool_call('{"name": "f", "parameters": {"a": 1}}').arguments == {"a": 1}

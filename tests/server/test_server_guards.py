@@ -1,0 +1,74 @@
+"""The server's guards, on a tiny random MoE model with offloaded experts: the API key, a full queue, binding
+beyond loopback, and the stats a dashboard reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.cli import main as ft_main
+from freetoken.engine.loader import load_model
+from support.checkpoints import PARITY_CASES, write_hf_checkpoint
+from support.servers import start_server
+
+try:
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+MESSAGE = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_moe")
+    write_hf_checkpoint(path=path, **PARITY_CASES["qwen3_moe"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_moe):
+    probe = load_model(tiny_moe, progress=False)
+    budget = 3 * probe.moe_spec.bytes_per_expert(torch.float32)  # far below the pool: misses every step
+    running = start_server(load_model(tiny_moe, progress=False, expert_cache=budget), "tiny", api_key="s3cret")
+    yield running
+    running.stop()
+
+
+def test_the_api_key_is_required_except_for_health(keyed_server):
+    url = keyed_server.url
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{url}/v1/messages", json=MESSAGE, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    r = httpx.post(f"{url}/v1/messages", json=MESSAGE, headers={"x-api-key": "s3cret"})
+    assert r.status_code == 200 and r.json()["content"][0]["type"] == "text"
+
+
+def test_stats_show_the_offloaded_experts_at_work(keyed_server):
+    stats = httpx.get(f"{keyed_server.url}/v1/stats", headers={"x-api-key": "s3cret"}).json()
+    experts = stats["engine"]["experts"]
+    assert experts["mode"] == "offloaded" and experts["slots"] == 3 and experts["misses"] > 0
+
+
+def test_a_full_queue_answers_429_in_each_protocol(tiny_moe):
+    running = start_server(load_model(tiny_moe, progress=False), "tiny", max_queue=0)
+    try:
+        r = httpx.post(f"{running.url}/v1/chat/completions", json=CHAT)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        r = httpx.post(f"{running.url}/v1/messages", json=MESSAGE)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert running.engine.counters.rejected == 2
+    finally:
+        running.stop()
+
+
+def test_binding_beyond_loopback_needs_a_key(capsys, monkeypatch):
+    monkeypatch.delenv("FREETOKEN_API_KEY", raising=False)
+    assert ft_main(["serve", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key" in err and len(err.strip().splitlines()) == 1

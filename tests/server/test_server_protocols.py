@@ -1,0 +1,205 @@
+"""`ft serve`'s app on a real uvicorn, driven by the official `openai` and `anthropic` SDKs with the embedded
+SmolLM2 model: answers, streaming, usage, count_tokens, errors in each protocol's shape, cancellation, concurrency.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import anthropic
+import openai
+import pytest
+
+try:  # the HTTP client the SDKs themselves use
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def oai(smollm2_server):
+    return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ant(smollm2_server):
+    return anthropic.Anthropic(base_url=smollm2_server.url, api_key="unused", max_retries=0)
+
+
+def test_openai_chat_answers_the_question(oai, smollm2_server):
+    reply = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                        temperature=0, max_tokens=32)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and reply.model == "smollm2"
+    assert reply.usage.prompt_tokens > 5 and 0 < reply.usage.completion_tokens <= 32
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    models = oai.models.list().data
+    assert [m.id for m in models] == ["smollm2"]
+    assert models[0].model_extra["context_length"] == smollm2_server.engine.context_length
+
+
+def test_openai_stream_has_the_same_text_usage_and_done(oai):
+    args = dict(model="alias", messages=[{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
+                temperature=0, max_tokens=24)
+    whole = oai.chat.completions.create(**args).choices[0].message.content
+    chunks = list(oai.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_anthropic_messages_answer_and_stream(ant):
+    msg = ant.messages.create(model="smollm2", max_tokens=32, extra_body={"temperature": 0},
+                              messages=[{"role": "user", "content": QUESTION}])
+    assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason == "end_turn"
+    assert "Paris" in msg.content[0].text and msg.usage.input_tokens > 5 and msg.usage.output_tokens > 0
+    with ant.messages.stream(model="smollm2", max_tokens=32, extra_body={"temperature": 0},
+                             system="You answer questions.",
+                             messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert {"content_block_start", "content_block_delta", "content_block_stop", "message_delta"} <= set(kinds)
+    assert "Paris" in final.content[0].text and final.stop_reason == "end_turn"
+
+
+def test_anthropic_count_tokens_matches_the_prompt_the_reply_reports(ant):
+    messages = [{"role": "user", "content": QUESTION}]
+    counted = ant.messages.count_tokens(model="smollm2", messages=messages).input_tokens
+    used = ant.messages.create(model="smollm2", max_tokens=1, messages=messages).usage.input_tokens
+    assert counted == used > 5
+    system = "The quick brown fox jumps over the lazy dog. " * 20  # ~200 tokens, against the template's default
+    longer = ant.messages.count_tokens(model="smollm2", system=system, messages=messages).input_tokens
+    assert longer > counted + 100
+
+
+def test_a_history_with_tool_calls_and_results_renders_in_both_protocols(oai, ant):
+    """Earlier tool turns (OpenAI tool_calls/tool messages, Anthropic tool_use/tool_result blocks) go through the
+    chat template; the reply is ordinary text."""
+    reply = oai.chat.completions.create(model="smollm2", temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}])
+    assert reply.choices[0].message.content
+    msg = ant.messages.create(model="smollm2", max_tokens=8, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny, 21 C"}]}])
+    assert msg.content[0].type == "text"
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"\xff\xfe{}", 400, "not valid UTF-8"),
+    (b"[1, 2]", 400, "must be a JSON object"),
+    (json.dumps({"model": "smollm2"}).encode(), 400, "messages"),
+    (json.dumps({"model": "smollm2", "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": "smollm2", "messages": "hi"}).encode(), 400, "messages"),
+    (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "gpt-9"),
+    (json.dumps({"model": "smollm2", "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "role"),
+    (json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}).encode(),
+     400, "max_tokens"),
+    (json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(),
+     400, "temperature"),
+    (json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}).encode(),
+     400, "JSON Schema object"),
+    (json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}).encode(), 400, "not supported"),
+])
+def test_openai_bad_requests_get_openai_errors(smollm2_server, body, status, fragment):
+    r = httpx.post(f"{smollm2_server.url}/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["type"] and "param" in err and "code" in err
+
+
+@pytest.mark.parametrize("payload, status, fragment", [
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ({"model": "smollm2", "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ({"model": "claude-9", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}, 404, "claude-9"),
+    ({"model": "smollm2", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400,
+     "not supported"),
+    ({"model": "smollm2", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"name": "f", "input_schema": {"type": "string"}}]}, 400, "JSON Schema object"),
+    ({"model": "smollm2", "max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, 400, "role"),
+])
+def test_anthropic_bad_requests_get_anthropic_errors(smollm2_server, payload, status, fragment):
+    r = httpx.post(f"{smollm2_server.url}/v1/messages", json=payload)
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and fragment in body["error"]["message"] and body["error"]["type"]
+
+
+def test_a_prompt_past_the_context_gets_the_wording_agents_match(oai, ant, smollm2_server):
+    huge = "word " * (smollm2_server.engine.context_length + 10)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": huge}], max_tokens=5)
+    assert "maximum context length" in str(e.value) and e.value.code == "context_length_exceeded"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ant.messages.create(model="smollm2", max_tokens=5, messages=[{"role": "user", "content": huge}])
+    assert "prompt is too long" in str(e.value)
+    # an absurd max_tokens is cut to what the context leaves, not refused
+    ok = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                     max_tokens=10**9, temperature=0, stop=["."])
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unknown_routes_are_404_in_the_protocol_shape(smollm2_server):
+    r = httpx.get(f"{smollm2_server.url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(f"{smollm2_server.url}/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error"
+
+
+def test_concurrent_streams_all_complete_and_free_their_kv(oai, smollm2_server):
+    engine = smollm2_server.engine
+
+    def one(i: int) -> str:
+        stream = oai.chat.completions.create(model="smollm2", temperature=0, max_tokens=12, stream=True,
+                                             messages=[{"role": "user", "content": f"Count to {i + 3}."}])
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    expected = [one(i) for i in range(4)]  # one at a time
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, [i % 4 for i in range(16)]))
+    assert results == [expected[i % 4] for i in range(16)]
+    kv = engine.stats()["engine"]["kv"]
+    assert kv["pages_free"] == kv["pages_total"]  # every sequence's pages are back
+    assert engine.stats()["queued"] == 0 and engine.stats()["running"] == 0
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled(smollm2_server):
+    engine = smollm2_server.engine
+    before = engine.counters.cancelled
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n > 6:
+                break  # leave after a few chunks
+    deadline = time.monotonic() + 30
+    while engine.counters.cancelled == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.counters.cancelled == before + 1
+    while engine.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kv = engine.stats()["engine"]["kv"]
+    assert kv["pages_free"] == kv["pages_total"]
+    assert httpx.get(f"{smollm2_server.url}/health").json()["status"] == "ok"
+
+
+def test_stats_report_requests_and_the_engine(smollm2_server):
+    stats = httpx.get(f"{smollm2_server.url}/v1/stats").json()
+    assert stats["model"] == "smollm2" and stats["requests"]["completed"] > 0
+    assert stats["engine"]["experts"]["mode"] == "none" and stats["engine"]["kv"]["page_size"] > 0

@@ -1,0 +1,44 @@
+"""A real server for tests: uvicorn on an ephemeral loopback port, in a thread of the test process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: object
+    server: object
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.close()
+
+
+def start_server(lm, model_id: str, **settings) -> RunningServer:
+    import uvicorn
+
+    from freetoken.server.app import ServerSettings, create_app
+    from freetoken.server.engine import ServingEngine
+
+    engine = ServingEngine(lm, model_id, max_queue=settings.pop("max_queue", 64),
+                           max_seq_len=settings.pop("max_seq_len", None))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = create_app(engine, ServerSettings(port=port, **settings))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    return RunningServer(f"http://127.0.0.1:{port}", engine, server, thread)
