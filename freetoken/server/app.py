@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from freetoken.errors import FreeTokenError
-from freetoken.server import anthropic_api, openai_api
+from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_anthropic, context_exceeded_openai
+from freetoken.server.requests import MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers, `ft ask` waiting)
@@ -37,6 +38,7 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
     model_ids = {engine.model_id, *settings.model_aliases}
     app.include_router(openai_api.router(engine, model_ids))
     app.include_router(anthropic_api.router(engine, model_ids))
+    app.include_router(responses_api.router(engine, model_ids))
 
     @app.get("/health")
     async def health() -> dict:
@@ -45,6 +47,18 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
     @app.get("/v1/stats")
     async def stats() -> dict:
         return engine.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus_text(engine.stats()), media_type="text/plain; version=0.0.4")
+
+    @app.middleware("http")
+    async def body_limit(request: Request, call_next):
+        size = request.headers.get("content-length", "0")
+        if size.isdigit() and int(size) > MAX_BODY_BYTES:
+            return _error(request, APIError(413, f"the request body has {int(size)} bytes; this server takes at "
+                                                 f"most {MAX_BODY_BYTES}"))
+        return await call_next(request)
 
     @app.middleware("http")
     async def api_key(request: Request, call_next):
@@ -99,3 +113,22 @@ def _error(request: Request, e: APIError) -> JSONResponse:
 def _authorized(request: Request, key: str) -> bool:
     given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
     return hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def prometheus_text(stats: dict, prefix: str = "freetoken") -> str:
+    """Every number in the stats JSON as a Prometheus sample named by its path (`freetoken_requests_completed`);
+    the labels say which model."""
+    lines = []
+
+    def walk(value, name: str) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(inner, f"{name}_{key}")
+        elif isinstance(value, bool):
+            lines.append(f"{name} {int(value)}")
+        elif isinstance(value, int | float):
+            lines.append(f"{name} {value}")
+
+    walk({k: v for k, v in stats.items() if k != "model"}, prefix)
+    model = str(stats.get("model", "")).replace('"', "'")
+    return "".join(f'{n}{{model="{model}"}} {v}\n' for n, v in (line.rsplit(" ", 1) for line in lines))

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +25,7 @@ log = logging.getLogger("freetoken.server")
 
 
 def serve(argv: list[str]) -> int:
-    from freetoken.engine.commands import _load, _model_args
+    from freetoken.engine.commands import _model_args
 
     p = argparse.ArgumentParser(prog="ft serve", description="Serve a model over the OpenAI and Anthropic APIs.")
     _model_args(p)
@@ -43,41 +44,61 @@ def serve(argv: list[str]) -> int:
                              "(or bind 127.0.0.1)")
     import uvicorn
 
-    from freetoken.server.app import ServerSettings, create_app
-    from freetoken.server.engine import ServingEngine
+    from freetoken.server.loading import LoadingApp
 
-    lm = _load(a)
-    max_seq = None
-    if a.kv_cache:
-        from freetoken.engine.offload.budget import kv_bytes_per_token
-
-        max_seq = parse_bytes(a.kv_cache) // kv_bytes_per_token(lm.args, lm.dtype)
-        if max_seq < 16:
-            raise FreeTokenError(f"--kv-cache {a.kv_cache} holds only {max_seq} tokens of this model; give more")
-    engine = ServingEngine(lm, _model_id(a.model), max_seq_len=max_seq)
-    settings = ServerSettings(a.host, a.port, a.api_key, frozenset(a.served_name))
-    app = create_app(engine, settings)
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", timeout_keep_alive=75)
-    server = uvicorn.Server(config)
-    _announce_when_ready(server, engine, a.host, a.port)
+    model_id = _model_id(a.model)
+    loading = LoadingApp(model_id)
+    server = uvicorn.Server(uvicorn.Config(loading, host=a.host, port=a.port, log_level="warning", lifespan="off",
+                                           timeout_keep_alive=75))
+    state: dict = {}
+    threading.Thread(target=_load_then_serve, args=(a, model_id, loading, server, state), daemon=True).start()
     try:
         server.run()
+    except SystemExit:  # uvicorn exits when it cannot bind; say so in one line below
+        pass
+    except KeyboardInterrupt:  # uvicorn shut down cleanly on Ctrl-C, then re-raised it
+        pass
     finally:
-        engine.close()
+        if "engine" in state:
+            state["engine"].close()
+    if "error" in state:
+        raise FreeTokenError(state["error"])
+    if not server.started:
+        raise FreeTokenError(f"could not listen on {a.host}:{a.port} (in use by another server?); pick another "
+                             "--port")
     return 0
 
 
-def _announce_when_ready(server, engine, host: str, port: int) -> None:
-    """Logs the address once uvicorn is listening: the line scripts and `ft ask` wait for."""
-    startup = server.startup
+def _load_then_serve(a: argparse.Namespace, model_id: str, loading, server, state: dict) -> None:
+    """Loads the model while uvicorn already answers (/health: loading), then hands requests to the real app and
+    logs the address: the line scripts wait for. A failed load stops the server with its message."""
+    from freetoken.engine.commands import _load
+    from freetoken.server.app import ServerSettings, create_app
+    from freetoken.server.engine import ServingEngine
 
-    async def started(*args, **kwargs):
-        await startup(*args, **kwargs)
-        if server.started:
-            log.info("serving %s on http://%s:%d (context %d tokens per request)", engine.model_id, host, port,
-                     engine.context_length)
+    try:
+        lm = _load(a)
+        max_seq = None
+        if a.kv_cache:
+            from freetoken.engine.offload.budget import kv_bytes_per_token
 
-    server.startup = started
+            max_seq = parse_bytes(a.kv_cache) // kv_bytes_per_token(lm.args, lm.dtype)
+            if max_seq < 16:
+                raise FreeTokenError(f"--kv-cache {a.kv_cache} holds only {max_seq} tokens of this model; give more")
+        engine = state["engine"] = ServingEngine(lm, model_id, max_seq_len=max_seq)
+        loading.ready(create_app(engine, ServerSettings(a.host, a.port, a.api_key, frozenset(a.served_name))))
+    except Exception as e:  # noqa: BLE001 - every failure ends the server with one line
+        message = str(e) if isinstance(e, FreeTokenError) else f"{type(e).__name__}: {e}"
+        if not isinstance(e, FreeTokenError):
+            log.exception("loading the model failed")
+        loading.failed(message)
+        state["error"] = message
+        server.should_exit = True
+        return
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    log.info("serving %s on http://%s:%d (context %d tokens per request)", model_id, a.host, a.port,
+             engine.context_length)
 
 
 def ask(argv: list[str]) -> int:

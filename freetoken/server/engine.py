@@ -42,7 +42,7 @@ class Saturated(FreeTokenError):
 
 @dataclass(slots=True)
 class Counters:
-    requests: int = 0
+    received: int = 0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -112,7 +112,7 @@ class ServingEngine:
         self.check_fits(prompt_ids)
         self.check_admission()
         job = _Job(prompt_ids, params, asyncio.get_running_loop())
-        self.counters.requests += 1
+        self.counters.received += 1
         self._jobs.put(job)
         try:
             while True:
@@ -124,14 +124,6 @@ class ServingEngine:
                     return
         finally:
             job.cancelled.set()  # a no-op once finished; otherwise the worker stops at its next token
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, GenerationEvent]:
-        """The whole completion's text and its last event."""
-        parts, last = [], None
-        async for ev in self.stream(prompt_ids, params):
-            parts.append(ev.text)
-            last = ev
-        return "".join(parts), last
 
     def stats(self) -> dict[str, Any]:
         """JSON for /v1/stats: the engine snapshot (experts, KV pages) plus the request counters."""

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions` (streamed or not, tools, reasoning).
+"""OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions` (streamed or not, tools, reasoning)
+and the legacy `POST /v1/completions` (a raw prompt, no chat template).
 
 Requests are converted to the chat template's message format (content parts joined, tool-call arguments parsed
 into objects, `developer` as `system`), generated through the serving engine, and the output is split into
@@ -43,6 +44,23 @@ class ChatRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning_effort: str | None = None
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    prompt: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = 16  # the API's own default
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
 
 
 def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
@@ -93,7 +111,67 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return JSONResponse(await _complete(engine, ident, events, parser))
 
+    @r.post("/v1/completions")
+    async def completions(request: Request):
+        req = await read_body(request, CompletionRequest)
+        if req.model not in model_ids:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{engine.model_id}`",
+                           param="model", code="model_not_found")
+        if req.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        ids = engine.tokenizer.encode(req.prompt, add_special_tokens=True)
+        try:
+            engine.check_fits(ids)
+            engine.check_admission()
+        except ContextLengthExceeded as e:
+            raise context_exceeded_openai(e.prompt_tokens, e.limit) from None
+        except Saturated as e:
+            raise APIError(429, str(e)) from None
+        params = sampling_params(max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
+                                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                                 seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []))
+        ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        events = engine.stream(ids, params)
+
+        def body(text: str, finish: str | None, usage: dict | None = None) -> dict:
+            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+            out = {"id": ident, "object": "text_completion", "created": created, "model": engine.model_id,
+                   "choices": [choice] if usage is None or text or finish else []}
+            return {**out, "usage": usage} if usage is not None else out
+
+        if not req.stream:
+            text, last = await _text_of(events)
+            return JSONResponse(body(text, last.finish_reason, _usage(last)))
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+        async def chunks() -> AsyncIterator[str]:
+            last = None
+            try:
+                async for ev in paced(events):
+                    if ev is None:
+                        yield ": keep-alive\n\n"
+                        continue
+                    last = ev
+                    if ev.text or ev.finish_reason:
+                        yield sse(body(ev.text, ev.finish_reason))
+            except Exception as e:
+                yield sse(stream_error(e).openai_body())
+                return
+            if include_usage:
+                yield sse(body("", None, _usage(last)))
+            yield sse("[DONE]")
+
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
     return r
+
+
+async def _text_of(events: AsyncIterator) -> tuple[str, Any]:
+    parts, last = [], None
+    async for ev in events:
+        parts.append(ev.text)
+        last = ev
+    return "".join(parts), last
 
 
 async def _complete(engine: ServingEngine, ident: str, events: AsyncIterator, parser: OutputParser) -> dict:

@@ -19,12 +19,15 @@ from freetoken.server.errors import APIError
 
 Model = TypeVar("Model", bound=BaseModel)
 DEFAULT_MAX_TOKENS = 4096  # when the request names none: a reply, not the rest of the context
+MAX_BODY_BYTES = 64 * 2**20  # far past any context this engine holds
 KEEPALIVE_S = 10.0  # seconds without an event before the stream sends a keep-alive (long prefills)
 
 
 async def read_body(request: Request, model: type[Model]) -> Model:
     """The request's JSON validated against `model`; a 400 naming the first problem otherwise."""
     raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:  # a chunked body carries no length header for the middleware to check
+        raise APIError(413, f"the request body has {len(raw)} bytes; this server takes at most {MAX_BODY_BYTES}")
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:

@@ -9,7 +9,7 @@ import torch
 from freetoken.cli import main as ft_main
 from freetoken.engine.loader import load_model
 from support.checkpoints import PARITY_CASES, write_hf_checkpoint
-from support.servers import start_server
+from support.servers import start_server, start_uvicorn
 
 try:
     import httpx2 as httpx
@@ -72,3 +72,46 @@ def test_binding_beyond_loopback_needs_a_key(capsys, monkeypatch):
     assert ft_main(["serve", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
     assert "--api-key" in err and len(err.strip().splitlines()) == 1
+
+
+def test_while_the_model_loads_health_says_so_and_routes_answer_503(tiny_moe):
+    from freetoken.server.app import create_app
+    from freetoken.server.engine import ServingEngine
+    from freetoken.server.loading import LoadingApp
+
+    loading = LoadingApp("tiny")
+    url, server, thread = start_uvicorn(loading)
+    try:
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        r = httpx.post(f"{url}/v1/messages", json=MESSAGE)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+        engine = ServingEngine(load_model(tiny_moe, progress=False), "tiny")
+        loading.ready(create_app(engine))
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        assert httpx.post(f"{url}/v1/chat/completions", json=CHAT).status_code == 200
+        engine.close()
+        failed = LoadingApp("other")
+        failed.failed("no such file or directory: x.gguf")
+        server.should_exit = True
+        thread.join(timeout=30)
+        url, server, thread = start_uvicorn(failed)
+        body = httpx.get(f"{url}/health").json()
+        assert body["status"] == "error" and "x.gguf" in body["message"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_metrics_and_an_oversized_body(keyed_server):
+    headers = {"x-api-key": "s3cret"}
+    assert httpx.post(f"{keyed_server.url}/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
+    text = httpx.get(f"{keyed_server.url}/metrics", headers=headers).text
+    samples = dict(line.rsplit(" ", 1) for line in text.strip().splitlines())
+    assert float(samples['freetoken_requests_completed{model="tiny"}']) >= 1
+    assert float(samples['freetoken_engine_experts_misses{model="tiny"}']) > 0
+    big = b"x" * (64 * 2**20 + 1)
+    r = httpx.post(f"{keyed_server.url}/v1/messages", content=big, headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"

@@ -203,3 +203,41 @@ def test_stats_report_requests_and_the_engine(smollm2_server):
     stats = httpx.get(f"{smollm2_server.url}/v1/stats").json()
     assert stats["model"] == "smollm2" and stats["requests"]["completed"] > 0
     assert stats["engine"]["experts"]["mode"] == "none" and stats["engine"]["kv"]["page_size"] > 0
+
+
+def test_responses_continue_from_a_previous_response(oai):
+    first = oai.responses.create(model="smollm2", input=QUESTION, temperature=0, max_output_tokens=32)
+    assert first.status == "completed" and "Paris" in first.output_text
+    assert first.output[0].type == "message" and first.usage.output_tokens > 0
+    follow = oai.responses.create(model="smollm2", input="Say it again.", previous_response_id=first.id,
+                                  temperature=0, max_output_tokens=16)
+    # the history (question and answer) is part of the second prompt
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert follow.previous_response_id == first.id
+    with pytest.raises(openai.NotFoundError, match="resp_nothing"):
+        oai.responses.create(model="smollm2", input="hi", previous_response_id="resp_nothing")
+    unstored = oai.responses.create(model="smollm2", input="hi", max_output_tokens=2, store=False)
+    assert unstored.status == "incomplete" and unstored.incomplete_details.reason == "max_output_tokens"
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="smollm2", input="hi", previous_response_id=unstored.id)
+
+
+def test_responses_stream_typed_events(oai):
+    args = dict(model="smollm2", input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+                instructions="Answer briefly.", temperature=0, max_output_tokens=24)
+    whole = oai.responses.create(**args).output_text
+    events = list(oai.responses.create(**args, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed",
+                                                                                      "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == whole
+
+
+def test_legacy_completions(oai):
+    done = oai.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert done.choices[0].text and done.usage.completion_tokens <= 6
+    streamed = list(oai.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6,
+                                           temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text

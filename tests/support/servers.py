@@ -21,19 +21,14 @@ class RunningServer:
         self.engine.close()
 
 
-def start_server(lm, model_id: str, **settings) -> RunningServer:
+def start_uvicorn(app) -> tuple[str, object, threading.Thread]:
+    """Serves the ASGI `app` on an ephemeral loopback port from a thread; returns (url, server, thread)."""
     import uvicorn
 
-    from freetoken.server.app import ServerSettings, create_app
-    from freetoken.server.engine import ServingEngine
-
-    engine = ServingEngine(lm, model_id, max_queue=settings.pop("max_queue", 64),
-                           max_seq_len=settings.pop("max_seq_len", None))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = create_app(engine, ServerSettings(port=port, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -41,4 +36,16 @@ def start_server(lm, model_id: str, **settings) -> RunningServer:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    return RunningServer(f"http://127.0.0.1:{port}", engine, server, thread)
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+def start_server(lm, model_id: str, **settings) -> RunningServer:
+    """`create_app` over a serving engine for `lm`; `settings` are ServerSettings fields plus max_queue and
+    max_seq_len for the engine."""
+    from freetoken.server.app import ServerSettings, create_app
+    from freetoken.server.engine import ServingEngine
+
+    engine = ServingEngine(lm, model_id, max_queue=settings.pop("max_queue", 64),
+                           max_seq_len=settings.pop("max_seq_len", None))
+    url, server, thread = start_uvicorn(create_app(engine, ServerSettings(**settings)))
+    return RunningServer(url, engine, server, thread)
