@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.errors import ChatTemplateError
-from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
+from freetoken.server.engine import ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_anthropic, stream_error
-from freetoken.server.output import OutputParser, Part
-from freetoken.server.requests import check_tool_schemas, paced, read_body, sampling_params, sse
+from freetoken.server.output import OutputParser
+from freetoken.server.requests import admit, check_tool_schemas, collect, paced, read_body, sampling_params, sse
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
@@ -79,13 +79,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
     async def messages(request: Request):
         req = await read_body(request, MessagesRequest)
         text, ids, tools = prompt(req)
-        try:
-            engine.check_fits(ids)
-            engine.check_admission()
-        except ContextLengthExceeded as e:
-            raise context_exceeded_anthropic(e.prompt_tokens, e.limit) from None
-        except Saturated as e:
-            raise APIError(429, str(e)) from None
+        admit(engine, ids, context_exceeded_anthropic)
         params = sampling_params(max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,
                                  seed=None, stop=list(req.stop_sequences or []))
@@ -109,12 +103,7 @@ def _message(engine: ServingEngine, ident: str, content: list, stop_reason: str 
 
 
 async def _complete(engine: ServingEngine, ident: str, events: AsyncIterator, parser: OutputParser) -> dict:
-    parts: list[Part] = []
-    last = None
-    async for ev in events:
-        parts += parser.push(ev.text)
-        last = ev
-    parts += parser.finish()
+    parts, last = await collect(events, parser)
     blocks: list[dict] = []
     for p in parts:  # consecutive parts of one kind merge into one block
         kind = {"text": "text", "reasoning": "thinking", "tool_call": "tool_use"}[p.kind]

@@ -19,21 +19,29 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.errors import ChatTemplateError
-from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
+from freetoken.server.engine import ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_openai, stream_error
-from freetoken.server.output import OutputParser, Part
-from freetoken.server.requests import check_tool_schemas, paced, read_body, sampling_params, sse
+from freetoken.server.output import OutputParser
+from freetoken.server.requests import (
+    admit,
+    check_model,
+    check_tool_schemas,
+    collect,
+    paced,
+    read_body,
+    sampling_params,
+    sse,
+)
 
 
-class ChatRequest(BaseModel):
+class _SamplingRequest(BaseModel):
+    """The fields chat and legacy completions share."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -41,26 +49,23 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning_effort: str | None = None
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
+class CompletionRequest(_SamplingRequest):
     prompt: str = Field(min_length=1)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
     max_tokens: int | None = 16  # the API's own default
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
 
 
 def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
@@ -78,9 +83,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await read_body(request, ChatRequest)
-        if req.model not in model_ids:
-            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{engine.model_id}`",
-                           param="model", code="model_not_found")
+        check_model(req.model, model_ids, engine)
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
         tools = _tools(req)
@@ -88,22 +91,15 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         thinking = None if req.reasoning_effort is None else req.reasoning_effort not in ("none", "minimal")
         try:
             prompt_text, prompt_ids = engine.chat_prompt(messages, tools, enable_thinking=thinking)
-            engine.check_fits(prompt_ids)
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
-        except ContextLengthExceeded as e:
-            raise context_exceeded_openai(e.prompt_tokens, e.limit) from None
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        admit(engine, prompt_ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_completion_tokens or req.max_tokens,
                                  prompt_tokens=len(prompt_ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                 seed=req.seed, stop=stop)
+                                 seed=req.seed, stop=req.stops())
         parser = OutputParser(in_reasoning=prompt_text.rstrip().endswith("<think>"), tools=bool(tools))
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        try:
-            engine.check_admission()
-        except Saturated as e:
-            raise APIError(429, str(e)) from None
         events = engine.stream(prompt_ids, params)
         if req.stream:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
@@ -114,22 +110,14 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
     @r.post("/v1/completions")
     async def completions(request: Request):
         req = await read_body(request, CompletionRequest)
-        if req.model not in model_ids:
-            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{engine.model_id}`",
-                           param="model", code="model_not_found")
+        check_model(req.model, model_ids, engine)
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
         ids = engine.tokenizer.encode(req.prompt, add_special_tokens=True)
-        try:
-            engine.check_fits(ids)
-            engine.check_admission()
-        except ContextLengthExceeded as e:
-            raise context_exceeded_openai(e.prompt_tokens, e.limit) from None
-        except Saturated as e:
-            raise APIError(429, str(e)) from None
+        admit(engine, ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                 seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []))
+                                 seed=req.seed, stop=req.stops())
         ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         events = engine.stream(ids, params)
 
@@ -175,12 +163,7 @@ async def _text_of(events: AsyncIterator) -> tuple[str, Any]:
 
 
 async def _complete(engine: ServingEngine, ident: str, events: AsyncIterator, parser: OutputParser) -> dict:
-    parts: list[Part] = []
-    last = None
-    async for ev in events:
-        parts += parser.push(ev.text)
-        last = ev
-    parts += parser.finish()
+    parts, last = await collect(events, parser)
     text = "".join(p.text for p in parts if p.kind == "text")
     reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
     calls = [p.call for p in parts if p.kind == "tool_call"]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from freetoken.engine.generator import GenerationEvent
 from freetoken.engine.sampling import SamplingParams
+from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
 from freetoken.server.errors import APIError
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -43,6 +44,24 @@ async def read_body(request: Request, model: type[Model]) -> Model:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"
         raise APIError(400, f"{where}: {err['msg']}", param=where) from None
+
+
+def admit(engine: ServingEngine, prompt_ids: list[int], exceeded: Callable[[int, int], APIError]) -> None:
+    """Checks the prompt fits the context and the queue has room; `exceeded` words the context error."""
+    try:
+        engine.check_fits(prompt_ids)
+        engine.check_admission()
+    except ContextLengthExceeded as e:
+        raise exceeded(e.prompt_tokens, e.limit) from None
+    except Saturated as e:
+        raise APIError(429, str(e)) from None
+
+
+def check_model(model: str, served: set[str], engine: ServingEngine) -> None:
+    """OpenAI's 404 for a model this server does not serve."""
+    if model not in served:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{engine.model_id}`",
+                       param="model", code="model_not_found")
 
 
 def sampling_params(*, max_tokens: int | None, prompt_tokens: int, context: int, temperature: float | None,
@@ -97,6 +116,15 @@ async def paced(events: AsyncIterator[GenerationEvent], keepalive_s: float = KEE
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await pending
         await events.aclose()
+
+
+async def collect(events: AsyncIterator[GenerationEvent], parser) -> tuple[list, GenerationEvent]:
+    """A whole reply: every part the parser makes of it, and its last event (finish reason, token counts)."""
+    parts, last = [], None
+    async for ev in events:
+        parts += parser.push(ev.text)
+        last = ev
+    return parts + parser.finish(), last
 
 
 def sse(data: Any, event: str | None = None) -> str:

@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.errors import ChatTemplateError
-from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
+from freetoken.server.engine import ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_openai, stream_error
 from freetoken.server.output import OutputParser, Part
-from freetoken.server.requests import check_tool_schemas, paced, read_body, sampling_params, sse
+from freetoken.server.requests import admit, check_model, check_tool_schemas, paced, read_body, sampling_params, sse
 
 STORE_SIZE = 1024  # responses kept for previous_response_id
 
@@ -71,9 +71,7 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
     @r.post("/v1/responses")
     async def responses(request: Request):
         req = await read_body(request, ResponsesRequest)
-        if req.model not in model_ids:
-            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{engine.model_id}`",
-                           param="model", code="model_not_found")
+        check_model(req.model, model_ids, engine)
         history = list(store.get(req.previous_response_id)) if req.previous_response_id else []
         new = _input_messages(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -83,14 +81,9 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         thinking = None if effort is None else effort not in ("none", "minimal")
         try:
             text, ids = engine.chat_prompt(system + conversation, tools, enable_thinking=thinking)
-            engine.check_fits(ids)
-            engine.check_admission()
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render this input: {e}", param="input") from None
-        except ContextLengthExceeded as e:
-            raise context_exceeded_openai(e.prompt_tokens, e.limit) from None
-        except Saturated as e:
-            raise APIError(429, str(e)) from None
+        admit(engine, ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_output_tokens, prompt_tokens=len(ids),
                                  context=engine.context_length, temperature=req.temperature, top_p=req.top_p,
                                  top_k=None, min_p=None, seed=None, stop=[])
