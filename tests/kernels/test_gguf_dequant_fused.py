@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -58,8 +59,9 @@ CHECK = textwrap.dedent("""
 
 def _run_check(device: str, interpret: bool) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    # cwd elsewhere: from the repository root, `python -c` would import the source tree, not the installed package
     done = subprocess.run([sys.executable, "-c", CHECK, device], env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, cwd=tempfile.gettempdir())
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 

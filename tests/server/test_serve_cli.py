@@ -1,4 +1,5 @@
-"""`ft serve` and `ft ask` as processes, the way the README's main job runs them."""
+"""`ft serve` and `ft ask` as processes, the way the README's main job runs them (from a directory other than the
+repository root, where `-m freetoken.cli` would import the source tree instead of the installed package)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_then_ask_answers_and_stops_cleanly(smollm2_gguf):
+def test_serve_then_ask_answers_and_stops_cleanly(smollm2_gguf, tmp_path):
     port = _free_port()
     ft = [sys.executable, "-m", "freetoken.cli"]
     server = subprocess.Popen([*ft, "serve", "--port", str(port), "--model", str(smollm2_gguf)],
-                              stderr=subprocess.PIPE, text=True, env=os.environ)
+                              stderr=subprocess.PIPE, text=True, env=os.environ, cwd=tmp_path)
     try:
         ask = subprocess.run([*ft, "ask", "--url", f"http://127.0.0.1:{port}", "--wait", "120",
-                              "What is the capital of France?"], capture_output=True, text=True, timeout=300)
+                              "What is the capital of France?"], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path)
         assert ask.returncode == 0, ask.stderr
         assert "Paris" in ask.stdout
     finally:
@@ -32,8 +34,8 @@ def test_serve_then_ask_answers_and_stops_cleanly(smollm2_gguf):
     assert f"on http://127.0.0.1:{port}" in err  # the ready line
 
 
-def test_ask_without_a_server_says_how_to_start_one():
+def test_ask_without_a_server_says_how_to_start_one(tmp_path):
     port = _free_port()
     ask = subprocess.run([sys.executable, "-m", "freetoken.cli", "ask", "--url", f"http://127.0.0.1:{port}",
-                          "--wait", "1", "hi"], capture_output=True, text=True, timeout=60)
+                          "--wait", "1", "hi"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert ask.returncode == 2 and "ft serve" in ask.stderr and len(ask.stderr.strip().splitlines()) == 1
