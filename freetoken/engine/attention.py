@@ -1,8 +1,10 @@
 """Where attention reads and writes its keys and values: the contexts a model forward runs in.
 
 A model's attention layer hands q, k, v to the context and gets the attention output back; the context owns
-the KV cache traffic and the causal mask. Two contexts:
+the KV cache traffic and the causal mask. Three contexts:
 - `SequenceAttention`: T new tokens of one sequence appended to the paged cache (prefill, eager decode).
+- `BatchAttention`: new tokens of several sequences in one forward (continuous batching): every other layer runs
+  over all their rows at once, attention per sequence over its own keys.
 - `StaticDecodeAttention`: one token whose position and slots live in device buffers with fixed shapes, so the
   whole decode step can be captured once in a CUDA graph and replayed (see cuda_graphs.py).
 
@@ -30,6 +32,38 @@ class SequenceAttention:
 
     def commit(self) -> None:
         self.cache.commit(self.seq, self.n_new)
+
+
+class BatchAttention:
+    """Rows [bounds[i], bounds[i + 1]) of the forward are new tokens of seqs[i] (a decode token or a prefill chunk).
+    The projections, MLPs and experts see all rows together, so weights are read once per step for the whole
+    batch; attention runs per sequence, each over its own cached keys."""
+
+    def __init__(self, cache: PagedKVCache, seqs: list[SequenceKV], counts: list[int], device: torch.device):
+        self.cache, self.seqs, self.counts = cache, seqs, counts
+        for seq, n in zip(seqs, counts, strict=True):
+            cache.reserve(seq, n)
+        self.bounds = [0]
+        for n in counts:
+            self.bounds.append(self.bounds[-1] + n)
+        self.positions = torch.cat([torch.arange(s.length, s.length + n) for s, n in zip(seqs, counts, strict=True)]
+                                   ).to(device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i, seq in enumerate(self.seqs):
+            a, b = self.bounds[i], self.bounds[i + 1]
+            keys, values = self.cache.update(layer, seq, k[a:b], v[a:b])
+            outs.append(causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length))
+        return torch.cat(outs)
+
+    def last_rows(self) -> list[int]:
+        """The row of each sequence's last new token (the one whose logits pick its next token)."""
+        return [b - 1 for b in self.bounds[1:]]
+
+    def commit(self) -> None:
+        for seq, n in zip(self.seqs, self.counts, strict=True):
+            self.cache.commit(seq, n)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:

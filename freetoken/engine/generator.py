@@ -23,7 +23,7 @@ from freetoken.errors import FreeTokenError
 if TYPE_CHECKING:
     from freetoken.engine.cuda_graphs import GraphedDecoder
 
-__all__ = ["GenerationEvent", "Generator", "SamplingParams"]
+__all__ = ["GenerationEvent", "Generator", "Reply", "SamplingParams"]
 
 
 @dataclass(slots=True)
@@ -97,39 +97,18 @@ class Generator:
             raise FreeTokenError(f"the prompt has {len(prompt_ids)} tokens; this generator holds at most "
                                  f"{self.capacity} (the model's context is {self.lm.context_length})")
         budget = min(params.max_tokens, self.capacity - len(prompt_ids))
-        lm, t0 = self.lm, time.perf_counter()
         cache = self._cache_for(len(prompt_ids) + budget)
         seq = cache.new_sequence()
-        sampler = Sampler(params, lm.device)
-        eos = frozenset() if params.ignore_eos else frozenset(lm.tokenizer.eos_token_ids if lm.tokenizer else ())
-        detok = _text_pipeline(lm, params) if decode_text else None
-        timings = Timings()
+        reply = Reply(self.lm, len(prompt_ids), params, budget, decode_text)
         try:
             logits = self._prefill(prompt_ids, cache, seq)
-            timings.prefill_s = time.perf_counter() - t0
-            produced = 0
+            reply.prefilled()
             while True:
-                token = sampler(logits)
-                produced += 1
-                if produced == 1:
-                    timings.first_token_s = time.perf_counter() - t0
-                text, finish = "", None
-                if token in eos:
-                    finish = "stop"
-                    text = detok.flush() if detok is not None else ""
-                elif detok is not None:
-                    text, stopped = detok.push(token)
-                    finish = "stop" if stopped else None
-                if finish is None and produced >= budget:
-                    finish = "length"
-                    text += detok.flush() if detok is not None else ""
-                ids = [] if token in eos else [token]
-                if finish is not None:
-                    timings.decode_s = time.perf_counter() - t0 - timings.prefill_s
-                    yield GenerationEvent(ids, text, finish, len(prompt_ids), produced, timings)
+                ev = reply.accept(logits)
+                yield ev
+                if ev.finish_reason is not None:
                     return
-                yield GenerationEvent(ids, text, None, len(prompt_ids), produced)
-                logits = self._decode(token, cache, seq)
+                logits = self._decode(ev.token_ids[0], cache, seq)
         finally:
             cache.release(seq)
 
@@ -145,6 +124,47 @@ class Generator:
             return self._graphs.step(seq, token)
         step = torch.tensor([token], dtype=torch.long, device=self.lm.device)
         return self.lm.forward(step, cache, seq, logits_for="last")[0]
+
+
+class Reply:
+    """One sequence's reply as it is generated: samples each next token from its logits and turns it into a
+    `GenerationEvent`, honouring EOS, stop strings and the token budget. The single-sequence generator and the
+    continuous-batching scheduler both drive it, so a reply ends the same way whichever runs it."""
+
+    def __init__(self, lm: LoadedModel, prompt_tokens: int, params: SamplingParams, budget: int,
+                 decode_text: bool = True):
+        self.prompt_tokens, self.budget = prompt_tokens, budget
+        self.sampler = Sampler(params, lm.device)
+        self.eos = frozenset() if params.ignore_eos else frozenset(lm.tokenizer.eos_token_ids if lm.tokenizer else ())
+        self.detok = _text_pipeline(lm, params) if decode_text else None
+        self.timings = Timings()
+        self.produced = 0
+        self.started = time.perf_counter()
+
+    def prefilled(self) -> None:
+        self.timings.prefill_s = time.perf_counter() - self.started
+
+    def accept(self, logits: torch.Tensor) -> GenerationEvent:
+        """Samples the next token from `logits` [V]; the event's `token_ids` holds it unless it was EOS."""
+        token = self.sampler(logits)
+        self.produced += 1
+        if self.produced == 1:
+            self.timings.first_token_s = time.perf_counter() - self.started
+        detok, text, finish = self.detok, "", None
+        if token in self.eos:
+            finish = "stop"
+            text = detok.flush() if detok is not None else ""
+        elif detok is not None:
+            text, stopped = detok.push(token)
+            finish = "stop" if stopped else None
+        if finish is None and self.produced >= self.budget:
+            finish = "length"
+            text += detok.flush() if detok is not None else ""
+        ids = [] if token in self.eos else [token]
+        if finish is None:
+            return GenerationEvent(ids, text, None, self.prompt_tokens, self.produced)
+        self.timings.decode_s = time.perf_counter() - self.started - self.timings.prefill_s
+        return GenerationEvent(ids, text, finish, self.prompt_tokens, self.produced, self.timings)
 
 
 class _TextPipeline:

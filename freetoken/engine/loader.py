@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from freetoken.engine.attention import SequenceAttention
+from freetoken.engine.attention import BatchAttention, SequenceAttention
 from freetoken.engine.checkpoints import open_checkpoint
 from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import ExpertExecutor, ResidentExpertExecutor
@@ -66,6 +66,16 @@ class LoadedModel:
         """Appends `tokens` [T] to `seq` in `cache` and returns their logits ([T, V], or [1, V] for "last")."""
         ctx = SequenceAttention(cache, seq, tokens.shape[0], self.device)
         logits = self.model(tokens, ctx, logits_for)
+        ctx.commit()
+        return logits
+
+    def forward_batch(self, tokens: torch.Tensor, cache: PagedKVCache, seqs: list[SequenceKV],
+                      counts: list[int]) -> torch.Tensor:
+        """One forward over new tokens of several sequences: `tokens` [sum(counts)] holds counts[i] tokens of
+        seqs[i] in order. Returns the logits of each sequence's last new token, [len(seqs), V]."""
+        ctx = BatchAttention(cache, seqs, counts, self.device)
+        rows = torch.tensor(ctx.last_rows(), device=self.device)
+        logits = self.model(tokens, ctx, rows)
         ctx.commit()
         return logits
 

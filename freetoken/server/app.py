@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
+from freetoken.engine.batching import KVCacheFull
 from freetoken.errors import FreeTokenError
 from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
@@ -86,7 +87,8 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
         return _error(request, exceeded(e.prompt_tokens, e.limit))
 
     @app.exception_handler(Saturated)
-    async def saturated(request: Request, e: Saturated):
+    @app.exception_handler(KVCacheFull)
+    async def saturated(request: Request, e: Saturated | KVCacheFull):
         return _error(request, APIError(503, str(e)))
 
     @app.exception_handler(FreeTokenError)

@@ -1,6 +1,6 @@
 """`ft serve`: load a model and serve the OpenAI and Anthropic APIs; `ft ask`: one question to a running server.
 
-    ft serve [--model M] [--host H] [--port P] [--expert-cache SIZE] [--kv-cache SIZE] [--api-key K]
+    ft serve [--model M] [--host H] [--port P] [--expert-cache SIZE] [--kv-cache SIZE] [--max-batch N] [--api-key K]
     ft ask [--url URL] [--wait S] PROMPT
 """
 
@@ -32,7 +32,9 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=1919, help="port (default 1919)")
     p.add_argument("--kv-cache", default=None, metavar="SIZE",
-                   help="KV cache budget (e.g. 2GiB); the context one request may hold follows from it")
+                   help="KV cache budget shared by all requests (e.g. 2GiB); one request may hold at most that")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="requests generated together in each forward (continuous batching; default 16)")
     p.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"),
                    help="require this key (Authorization: Bearer or x-api-key); needed to bind beyond loopback "
                         "(default: $FREETOKEN_API_KEY)")
@@ -78,14 +80,16 @@ def _load_then_serve(a: argparse.Namespace, model_id: str, loading, server, stat
 
     try:
         lm = _load(a)
-        max_seq = None
+        kv_tokens = None
         if a.kv_cache:
             from freetoken.engine.offload.budget import kv_bytes_per_token
 
-            max_seq = parse_bytes(a.kv_cache) // kv_bytes_per_token(lm.args, lm.dtype)
-            if max_seq < 16:
-                raise FreeTokenError(f"--kv-cache {a.kv_cache} holds only {max_seq} tokens of this model; give more")
-        engine = state["engine"] = ServingEngine(lm, model_id, max_seq_len=max_seq)
+            kv_tokens = parse_bytes(a.kv_cache) // kv_bytes_per_token(lm.args, lm.dtype)
+            if kv_tokens < 16:
+                raise FreeTokenError(f"--kv-cache {a.kv_cache} holds only {kv_tokens} tokens of this model; "
+                                     "give more")
+        engine = state["engine"] = ServingEngine(lm, model_id, max_seq_len=kv_tokens, kv_tokens=kv_tokens,
+                                                 max_batch=a.max_batch)
         loading.ready(create_app(engine, ServerSettings(a.host, a.port, a.api_key, frozenset(a.served_name))))
     except Exception as e:  # noqa: BLE001 - every failure ends the server with one line
         message = str(e) if isinstance(e, FreeTokenError) else f"{type(e).__name__}: {e}"

@@ -1,10 +1,10 @@
 """The server's side of the engine: one loaded model, one worker thread that runs generations, and asyncio streams
 of `GenerationEvent`s for the request handlers.
 
-Requests wait in a bounded FIFO and run one at a time on the worker (the model's forward is not re-entrant;
-batching several sequences into one forward is the scheduler's next step). The worker hands events to the
+Requests wait in a bounded FIFO; the worker admits them into a continuous batch (`BatchScheduler`: every step is
+one forward over all decoding requests plus one prefill chunk) as slots free up. The worker hands events to the
 handler's event loop with `call_soon_threadsafe`, so the loop never blocks on the model. A request whose client
-went away is cancelled: the worker stops at its next token and the sequence's KV pages are freed at once.
+went away is cancelled: it leaves the batch at the next step and its KV pages are freed at once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from freetoken.engine.generator import GenerationEvent, Generator
+from freetoken.engine.batching import BatchRequest, BatchScheduler
+from freetoken.engine.generator import GenerationEvent
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
@@ -49,9 +50,8 @@ class Counters:
     rejected: int = 0  # queue full
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    busy_seconds: float = 0.0  # worker time spent generating
     last_ttft_s: float = 0.0  # of the last request: from being queued to its first token
-    last_decode_tok_s: float = 0.0
+    last_decode_tok_s: float = 0.0  # of the last request to finish
 
 
 class _Job:
@@ -71,12 +71,12 @@ class _Job:
 
 
 class ServingEngine:
-    def __init__(self, lm: LoadedModel, model_id: str, *, max_queue: int = 64, max_seq_len: int | None = None):
+    def __init__(self, lm: LoadedModel, model_id: str, *, max_queue: int = 64, max_seq_len: int | None = None,
+                 kv_tokens: int | None = None, max_batch: int = 16):
         self.lm, self.model_id, self.max_queue = lm, model_id, max_queue
-        self.generator = Generator(lm, max_seq_len=max_seq_len)
+        self.scheduler = BatchScheduler(lm, max_batch=max_batch, max_seq_len=max_seq_len, kv_tokens=kv_tokens)
         self.counters = Counters()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._running: _Job | None = None
         self._worker = threading.Thread(target=self._work, name="ft-engine", daemon=True)
         self._worker.start()
 
@@ -85,7 +85,7 @@ class ServingEngine:
     @property
     def context_length(self) -> int:
         """Tokens one request may hold, prompt and reply together: the model's context or the KV limit."""
-        return self.generator.capacity
+        return self.scheduler.capacity
 
     @property
     def tokenizer(self):
@@ -127,54 +127,60 @@ class ServingEngine:
 
     def stats(self) -> dict[str, Any]:
         """JSON for /v1/stats: the engine snapshot (experts, KV pages) plus the request counters."""
-        snap = snapshot(self.lm, self.generator._cache)
-        return {"model": self.model_id, "context_length": self.context_length,
-                "queued": self._jobs.qsize(), "running": int(self._running is not None),
-                "requests": asdict(self.counters), "engine": asdict(snap)}
+        snap = snapshot(self.lm, self.scheduler.cache)
+        return {"model": self.model_id, "context_length": self.context_length, "queued": self._jobs.qsize(),
+                "running": len(self.scheduler.active), "max_batch": self.scheduler.max_batch,
+                "forwards": self.scheduler.forwards, "requests": asdict(self.counters), "engine": asdict(snap)}
 
     def close(self) -> None:
-        if self._running is not None:
-            self._running.cancelled.set()
         self._jobs.put(None)
         self._worker.join(timeout=30)
 
     # -- the worker thread --
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if job.cancelled.is_set():  # the client left while queued
-                self.counters.cancelled += 1
-                continue
-            self._running = job
-            try:
-                self._run(job)
-            except Exception as e:  # reported to the handler; the worker lives on
-                self.counters.failed += 1
-                if not isinstance(e, FreeTokenError):
-                    log.exception("generation failed")
-                job.emit(e)
-            finally:
-                self._running = None
-
-    def _run(self, job: _Job) -> None:
-        started = time.perf_counter()
-        events = self.generator.stream(job.prompt_ids, job.params)
-        try:
-            for ev in events:
-                if ev.completion_tokens == 1:
-                    self.counters.last_ttft_s = time.perf_counter() - job.queued_at
-                job.emit(ev)
-                if ev.finish_reason is not None:
-                    c = self.counters
-                    c.completed += 1
-                    c.prompt_tokens += ev.prompt_tokens
-                    c.completion_tokens += ev.completion_tokens
-                    t = ev.timings
-                    if t is not None and t.decode_s > 0:
-                        c.last_decode_tok_s = max(ev.completion_tokens - 1, 0) / t.decode_s
-                if ev.finish_reason is None and job.cancelled.is_set():
-                    self.counters.cancelled += 1
+        scheduler = self.scheduler
+        while True:
+            while scheduler.has_room():  # admit what waits; sleep on the queue only when nothing runs
+                try:
+                    job = self._jobs.get(block=not scheduler.active)
+                except queue.Empty:
                     break
-        finally:
-            events.close()  # frees the sequence's KV pages now, not at garbage collection
-            self.counters.busy_seconds += time.perf_counter() - started
+                if job is None:
+                    scheduler.abort_all(Saturated("the server is shutting down"))
+                    return
+                self._admit(job)
+            try:
+                dropped = scheduler.step()
+            except Exception as e:  # every request in the batch hears of it; the worker lives on
+                log.exception("a batch step failed")
+                scheduler.abort_all(e)
+                continue
+            self.counters.cancelled += len(dropped)
+
+    def _admit(self, job: _Job) -> None:
+        if job.cancelled.is_set():  # the client left while queued
+            self.counters.cancelled += 1
+            return
+        try:
+            self.scheduler.add(BatchRequest(job.prompt_ids, job.params, emit=lambda ev: self._emit(job, ev),
+                                            cancelled=job.cancelled.is_set))
+        except FreeTokenError as e:
+            self.counters.failed += 1
+            job.emit(e)
+
+    def _emit(self, job: _Job, ev: GenerationEvent | BaseException) -> None:
+        c = self.counters
+        if isinstance(ev, BaseException):
+            c.failed += 1
+        else:
+            if ev.completion_tokens == 1:
+                c.last_ttft_s = time.perf_counter() - job.queued_at
+            if ev.finish_reason is not None:
+                c.completed += 1
+                c.prompt_tokens += ev.prompt_tokens
+                c.completion_tokens += ev.completion_tokens
+                t = ev.timings
+                if t is not None and t.decode_s > 0:
+                    c.last_decode_tok_s = max(ev.completion_tokens - 1, 0) / t.decode_s
+        job.emit(ev)

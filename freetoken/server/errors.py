@@ -53,8 +53,9 @@ def stream_error(e: Exception) -> APIError:
     """An error met after a stream began, as the APIError its protocol's error event carries."""
     if isinstance(e, APIError):
         return e
+    from freetoken.engine.batching import KVCacheFull
     from freetoken.server.engine import Saturated
 
-    if isinstance(e, Saturated):
+    if isinstance(e, Saturated | KVCacheFull):
         return APIError(503, str(e))
     return APIError(500, f"generation failed: {e}")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.attention import SequenceAttention, StaticDecodeAttention
+from freetoken.engine.attention import BatchAttention, SequenceAttention, StaticDecodeAttention
 from freetoken.engine.rope import RopeConfig, RotaryEmbedding, apply_rope
 
 
@@ -81,7 +81,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, a.n_heads * a.head_dim))
 
 
-AttentionContext = SequenceAttention | StaticDecodeAttention
+AttentionContext = SequenceAttention | StaticDecodeAttention | BatchAttention
 
 
 class DenseMLP(nn.Module):
@@ -133,12 +133,16 @@ class DecoderModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, tokens: torch.Tensor, ctx: AttentionContext, logits_for: str = "all") -> torch.Tensor:
-        """tokens [T] at `ctx.positions` → logits [T, V] ("all") or [1, V] ("last")."""
+    def forward(self, tokens: torch.Tensor, ctx: AttentionContext,
+                logits_for: str | torch.Tensor = "all") -> torch.Tensor:
+        """tokens [T] at `ctx.positions` → logits [T, V] ("all"), [1, V] ("last") or [R, V] for the R row indices
+        given as a tensor (a batch's last row of each sequence)."""
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(ctx.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
-        if logits_for == "last":
+        if isinstance(logits_for, torch.Tensor):
+            x = x[logits_for]
+        elif logits_for == "last":
             x = x[-1:]
         return F.linear(self.model.norm(x), self.output_weight())

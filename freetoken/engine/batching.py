@@ -1,0 +1,165 @@
+"""Continuous batching: the requests in flight share every forward.
+
+Each step runs one forward over the next token of every sequence that is decoding plus, interleaved, one chunk
+of at most `prefill_chunk` tokens of a prompt still being prefilled, so a long prompt never stalls the streams
+already talking. Requests join and leave between steps. All sequences live in one paged KV cache; a finished or
+cancelled sequence returns its pages at once. On CUDA a step with a single decoding sequence replays the CUDA
+graph of the single-sequence path (the KV pool is then allocated at full size up front, as the graphs need);
+every other step runs eagerly through `LoadedModel.forward_batch`.
+
+Shapes: B sequences in a step, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from freetoken.engine.generator import GenerationEvent, Generator, Reply
+from freetoken.engine.kv_cache import SequenceKV
+from freetoken.engine.loader import LoadedModel
+from freetoken.engine.sampling import SamplingParams
+from freetoken.errors import FreeTokenError
+
+
+class KVCacheFull(FreeTokenError):
+    """The shared KV cache cannot hold one more token for this request."""
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One generation in the batch. `emit` receives its events (or the exception that ended it); `cancelled`
+    is polled between steps."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[GenerationEvent | BaseException], None]
+    cancelled: Callable[[], bool] = lambda: False
+    seq: SequenceKV | None = None
+    reply: Reply | None = None
+    prefilled: int = 0  # prompt tokens in the cache
+    next_token: int | None = None  # sampled, not yet in the cache
+    steps: list[int] = field(default_factory=list)  # batch sizes of the forwards this request took part in
+
+    @property
+    def decoding(self) -> bool:
+        return self.next_token is not None
+
+
+class BatchScheduler:
+    def __init__(self, lm: LoadedModel, *, max_batch: int = 16, prefill_chunk: int | None = None,
+                 max_seq_len: int | None = None, kv_tokens: int | None = None, page_size: int = 16,
+                 cuda_graphs: bool | None = None):
+        """`max_seq_len`: tokens one request may hold (default: the model's context); `kv_tokens`: tokens all
+        requests hold together (default: unbounded on the CPU, where the pool grows; on CUDA the pool is
+        allocated up front, `max_seq_len` tokens by default)."""
+        offloaded = not getattr(lm.experts, "capturable", True)
+        self.lm, self.max_batch = lm, max_batch
+        self.prefill_chunk = prefill_chunk or (8192 if offloaded else 2048)
+        self.use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        default = min(lm.context_length, Generator.DEFAULT_GRAPH_CAPACITY) if self.use_graphs else lm.context_length
+        self.capacity = min(max_seq_len or default, lm.context_length)
+        if self.use_graphs:
+            pool = kv_tokens or self.capacity
+            self.cache = lm.new_cache(page_size, initial_tokens=pool, max_tokens=pool)
+            self.capacity = min(self.capacity, pool)
+        else:
+            self.cache = lm.new_cache(page_size, initial_tokens=min(self.capacity, 1024), max_tokens=kv_tokens)
+        self._graphs = None
+        self.active: list[BatchRequest] = []
+        self.forwards = 0
+
+    def has_room(self) -> bool:
+        return len(self.active) < self.max_batch
+
+    def add(self, req: BatchRequest) -> None:
+        """Starts a request (it is prefilled over the next steps). Its prompt must fit `capacity`."""
+        if not req.prompt_ids:
+            raise FreeTokenError("the prompt is empty; give at least one token")
+        if len(req.prompt_ids) >= self.capacity:
+            raise FreeTokenError(f"the prompt has {len(req.prompt_ids)} tokens; at most {self.capacity - 1} fit")
+        budget = min(req.params.max_tokens, self.capacity - len(req.prompt_ids))
+        req.seq = self.cache.new_sequence()
+        req.reply = Reply(self.lm, len(req.prompt_ids), req.params, budget)
+        self.active.append(req)
+
+    @torch.inference_mode()
+    def step(self) -> list[BatchRequest]:
+        """One forward for the batch: every decoding request's next token plus one prefill chunk. Returns the
+        requests dropped because they were cancelled (their pages are free again)."""
+        dropped = [r for r in self.active if r.cancelled()]
+        for req in dropped:
+            self._finish(req)
+        decoding = [r for r in self.active if r.decoding]
+        prefilling = next((r for r in self.active if not r.decoding), None)
+        if not decoding and prefilling is None:
+            return dropped
+        batch, tokens, counts = [], [], []
+        for r in decoding:
+            batch.append(r)
+            tokens.append(r.next_token)
+            counts.append(1)
+        if prefilling is not None:
+            chunk = prefilling.prompt_ids[prefilling.prefilled:prefilling.prefilled + self.prefill_chunk]
+            batch.append(prefilling)
+            tokens += chunk
+            counts.append(len(chunk))
+        try:
+            self._make_room(batch, counts)
+        except KVCacheFull:
+            return dropped  # _make_room ended the newest request; the others go on next step
+        logits = self._forward(batch, tokens, counts)
+        self.forwards += 1
+        for i, (req, n) in enumerate(zip(batch, counts, strict=True)):
+            req.steps.append(len(batch))
+            if not req.decoding:
+                req.prefilled += n
+                if req.prefilled < len(req.prompt_ids):
+                    continue  # more prompt to go: these logits pick nothing
+                req.reply.prefilled()
+            ev = req.reply.accept(logits[i])
+            req.emit(ev)
+            if ev.finish_reason is not None:
+                self._finish(req)
+            else:
+                req.next_token = ev.token_ids[0]
+        return dropped
+
+    def _forward(self, batch: list[BatchRequest], tokens: list[int], counts: list[int]) -> torch.Tensor:
+        if self.use_graphs and len(batch) == 1 and counts == [1]:
+            if self._graphs is None:
+                from freetoken.engine.cuda_graphs import GraphedDecoder
+
+                self._graphs = GraphedDecoder(self.lm, self.cache)
+            return self._graphs.step(batch[0].seq, tokens[0])[None]
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
+        return self.lm.forward_batch(ids, self.cache, [r.seq for r in batch], counts)
+
+    def _make_room(self, batch: list[BatchRequest], counts: list[int]) -> None:
+        """Ends the newest request with KVCacheFull if the step's tokens do not fit the pool."""
+        cache = self.cache
+        if cache.max_pages is None:  # the pool grows as needed
+            return
+        need = sum(max(0, -(-(r.seq.length + n) // cache.page_size) - len(r.seq.pages))
+                   for r, n in zip(batch, counts, strict=True))
+        free = cache.allocator.num_free
+        if cache.max_pages is not None:
+            free += cache.max_pages - cache.allocator.num_pages
+        if need <= free:
+            return
+        victim = self.active[-1]
+        victim.emit(KVCacheFull(f"the KV cache is full ({len(self.active)} requests hold it); retry later or "
+                                "serve with a larger --kv-cache"))
+        self._finish(victim)
+        raise KVCacheFull("step skipped")
+
+    def _finish(self, req: BatchRequest) -> None:
+        self.active.remove(req)
+        self.cache.release(req.seq)
+
+    def abort_all(self, error: BaseException) -> None:
+        for req in list(self.active):
+            req.emit(error)
+            self._finish(req)

@@ -1,0 +1,108 @@
+"""Continuous batching: sequences sharing forwards get what each would get alone, join and leave between steps,
+free their KV pages when done or cancelled, and a full KV pool ends the newest request, not the server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.batching import BatchRequest, BatchScheduler, KVCacheFull
+from freetoken.engine.generator import Generator
+from freetoken.engine.loader import load_model
+from freetoken.engine.sampling import SamplingParams
+from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+TEXTS = ["The quick brown fox", "A longer prompt that takes several prefill chunks to get through", "Hi"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    write_hf_checkpoint(path=path, **PARITY_CASES[request.param])
+    return path
+
+
+def _run(scheduler: BatchScheduler, prompts: list[list[int]], params=GREEDY, join_late: bool = False):
+    """Runs the prompts through the scheduler (the last one joining after two steps if `join_late`); returns
+    each request's tokens and the requests."""
+    out = [[] for _ in prompts]
+    reqs = [BatchRequest(p, params, emit=lambda ev, i=i: out[i].extend(ev.token_ids)) for i, p in enumerate(prompts)]
+    for r in reqs[:-1] if join_late else reqs:
+        scheduler.add(r)
+    steps = 0
+    while scheduler.active or (join_late and steps <= 2):
+        scheduler.step()
+        steps += 1
+        if join_late and steps == 2:
+            scheduler.add(reqs[-1])
+    return out, reqs
+
+
+def test_batched_logits_equal_one_sequence_at_a_time(model):
+    lm = load_model(model, progress=False)
+    prompts = [prompt_ids(t) for t in TEXTS]
+    alone = [lm.prefill_logits(p)[-1] for p in prompts]
+    cache = lm.new_cache(page_size=4)
+    seqs = [cache.new_sequence() for _ in prompts]
+    with torch.inference_mode():
+        logits = lm.forward_batch(torch.tensor([t for p in prompts for t in p]), cache, seqs,
+                                  [len(p) for p in prompts])
+    for got, want in zip(logits, alone, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_interleaved_prefill_and_decode_give_each_request_its_own_tokens(model, offload):
+    lm = load_model(model, progress=False)
+    prompts = [prompt_ids(t) for t in TEXTS]
+    expected = [Generator(lm).generate_ids(p, GREEDY) for p in prompts]
+    if offload:
+        if lm.moe_spec is None:
+            pytest.skip("a dense model has no experts to offload")
+        lm = load_model(model, progress=False, expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
+    scheduler = BatchScheduler(lm, prefill_chunk=4)  # the long prompt takes several chunks between decodes
+    got, reqs = _run(scheduler, prompts, join_late=True)
+    assert got == expected
+    assert max(max(r.steps) for r in reqs) >= 2  # decodes shared forwards with prefill chunks
+    assert scheduler.forwards < sum(len(r.steps) for r in reqs)  # fewer forwards than requests' steps
+    short = [prompt_ids(t) for t in ("Hi", "Oh", "Yes")]
+    got, reqs = _run(scheduler, short)
+    assert got == [Generator(lm).generate_ids(p, GREEDY) for p in short]
+    assert max(max(r.steps) for r in reqs) == 3  # all three decode in one forward
+    assert scheduler.cache.allocator.num_free == scheduler.cache.allocator.num_pages  # all pages back
+    if offload:
+        assert lm.experts.counters.misses > 0
+
+
+def test_a_cancelled_request_leaves_and_frees_its_pages(model):
+    lm = load_model(model, progress=False)
+    scheduler = BatchScheduler(lm)
+    stop = {"now": False}
+    events = []
+    long_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    scheduler.add(BatchRequest(prompt_ids(), long_params, emit=events.append, cancelled=lambda: stop["now"]))
+    other = []
+    scheduler.add(BatchRequest(prompt_ids("Hi"), GREEDY, emit=other.append))
+    for _ in range(3):
+        scheduler.step()
+    stop["now"] = True
+    dropped = scheduler.step()
+    assert len(dropped) == 1 and len(events) < 50 and len(scheduler.active) == 1
+    while scheduler.active:
+        scheduler.step()
+    assert other[-1].finish_reason == "length" and other[-1].completion_tokens == 10
+    assert scheduler.cache.allocator.num_free == scheduler.cache.allocator.num_pages
+
+
+def test_a_full_kv_pool_ends_the_newest_request_only(model):
+    lm = load_model(model, progress=False)
+    scheduler = BatchScheduler(lm, kv_tokens=64, max_seq_len=64, page_size=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first, second = [], []
+    scheduler.add(BatchRequest(prompt_ids(), params, emit=first.append))
+    scheduler.add(BatchRequest(prompt_ids(), params, emit=second.append))
+    while scheduler.active:
+        scheduler.step()
+    assert isinstance(second[-1], KVCacheFull) and "--kv-cache" in str(second[-1])
+    assert first[-1].finish_reason == "length"  # the older request ran to its end
