@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from freetoken.engine.generator import GenerationEvent, Generator, Reply
+from freetoken.engine.generator import GenerationEvent, Reply, run_settings
 from freetoken.engine.kv_cache import SequenceKV
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.sampling import SamplingParams
@@ -55,12 +55,8 @@ class BatchScheduler:
         """`max_seq_len`: tokens one request may hold (default: the model's context); `kv_tokens`: tokens all
         requests hold together (default: unbounded on the CPU, where the pool grows; on CUDA the pool is
         allocated up front, `max_seq_len` tokens by default)."""
-        offloaded = not getattr(lm.experts, "capturable", True)
         self.lm, self.max_batch = lm, max_batch
-        self.prefill_chunk = prefill_chunk or (8192 if offloaded else 2048)
-        self.use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        default = min(lm.context_length, Generator.DEFAULT_GRAPH_CAPACITY) if self.use_graphs else lm.context_length
-        self.capacity = min(max_seq_len or default, lm.context_length)
+        self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
         if self.use_graphs:
             pool = kv_tokens or self.capacity
             self.cache = lm.new_cache(page_size, initial_tokens=pool, max_tokens=pool)

@@ -57,14 +57,9 @@ class Generator:
 
     def __init__(self, lm: LoadedModel, *, prefill_chunk: int | None = None, page_size: int = 16,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None):
-        """`prefill_chunk` defaults to 2048 tokens, 8192 with offloaded experts: a chunk streams every expert the
-        cache lacks once, so longer chunks amortise the PCIe traffic."""
-        offloaded = not getattr(lm.experts, "capturable", True)
+        """Defaults as `run_settings` gives them."""
         self.lm, self.page_size = lm, page_size
-        self.prefill_chunk = prefill_chunk or (8192 if offloaded else 2048)
-        self.use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        default = min(lm.context_length, self.DEFAULT_GRAPH_CAPACITY) if self.use_graphs else lm.context_length
-        self.capacity = min(max_seq_len or default, lm.context_length)
+        self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
         self._cache: PagedKVCache | None = None
         self._graphs: GraphedDecoder | None = None
 
@@ -124,6 +119,18 @@ class Generator:
             return self._graphs.step(seq, token)
         step = torch.tensor([token], dtype=torch.long, device=self.lm.device)
         return self.lm.forward(step, cache, seq, logits_for="last")[0]
+
+
+def run_settings(lm: LoadedModel, prefill_chunk: int | None, max_seq_len: int | None,
+                 cuda_graphs: bool | None) -> tuple[int, bool, int]:
+    """(prefill chunk, CUDA graphs on, tokens per sequence), defaults filled in: chunks of 2048 tokens, 8192 with
+    offloaded experts (a chunk streams every expert the cache lacks once, so longer chunks amortise the PCIe
+    traffic); graphs on CUDA; the model's context, at most DEFAULT_GRAPH_CAPACITY with graphs (their KV pool is
+    allocated at full size up front)."""
+    offloaded = not getattr(lm.experts, "capturable", True)
+    use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+    default = min(lm.context_length, Generator.DEFAULT_GRAPH_CAPACITY) if use_graphs else lm.context_length
+    return prefill_chunk or (8192 if offloaded else 2048), use_graphs, min(max_seq_len or default, lm.context_length)
 
 
 class Reply:
