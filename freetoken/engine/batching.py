@@ -115,7 +115,12 @@ class BatchScheduler:
                 if req.prefilled < len(req.prompt_ids):
                     continue  # more prompt to go: these logits pick nothing
                 req.reply.prefilled()
-            ev = req.reply.accept(logits[i])
+            try:
+                ev = req.reply.accept(logits[i])
+            except Exception as e:  # noqa: BLE001 - one request's sampling failure ends that request only
+                req.emit(e)
+                self._finish(req)
+                continue
             req.emit(ev)
             if ev.finish_reason is not None:
                 self._finish(req)

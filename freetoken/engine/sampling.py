@@ -12,6 +12,8 @@ import torch
 
 from freetoken.errors import FreeTokenError
 
+GREEDY_BELOW = 1e-4  # a temperature this low scales a one-logit lead to e^10000: the top token, always
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -39,7 +41,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperatures below GREEDY_BELOW sample the top token anyway (and dividing by them overflows)."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 class Sampler:
@@ -70,6 +73,7 @@ def filtered_probs(scores: torch.Tensor, top_k: int, top_p: float, min_p: float)
         cumulative = torch.softmax(sorted_scores, -1).cumsum(-1)
         # Drop a token once the mass *before* it already reaches top_p; the top token always survives.
         drop_sorted = (cumulative - torch.softmax(sorted_scores, -1)) >= top_p
+        drop_sorted[0] = False  # also when top_p rounds to 0 in the scores' dtype
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scores, -1)

@@ -23,16 +23,29 @@ from freetoken.errors import ChatTemplateError
 from freetoken.server.engine import ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_anthropic, stream_error
 from freetoken.server.output import OutputParser
-from freetoken.server.requests import admit, check_tool_schemas, collect, paced, read_body, sampling_params, sse
+from freetoken.server.requests import (
+    admit,
+    body_doc,
+    check_tool_schemas,
+    collect,
+    message_schema,
+    paced,
+    read_body,
+    sampling_params,
+    sse,
+)
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+_MESSAGE = message_schema(["user", "assistant"], ["text"])
 
 
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": _MESSAGE})
     max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
@@ -49,7 +62,7 @@ class CountRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": _MESSAGE})
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     thinking: dict[str, Any] | None = None
@@ -70,12 +83,12 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
             raise APIError(400, f"the chat template could not render these messages: {e}") from None
         return text, ids, tools
 
-    @r.post("/v1/messages/count_tokens")
+    @r.post("/v1/messages/count_tokens", openapi_extra=body_doc(CountRequest, model_ids))
     async def count_tokens(request: Request) -> dict:
         _, ids, _ = prompt(await read_body(request, CountRequest))
         return {"input_tokens": len(ids)}
 
-    @r.post("/v1/messages")
+    @r.post("/v1/messages", openapi_extra=body_doc(MessagesRequest, model_ids))
     async def messages(request: Request):
         req = await read_body(request, MessagesRequest)
         text, ids, tools = prompt(req)

@@ -24,9 +24,11 @@ from freetoken.server.errors import APIError, context_exceeded_openai, stream_er
 from freetoken.server.output import OutputParser
 from freetoken.server.requests import (
     admit,
+    body_doc,
     check_model,
     check_tool_schemas,
     collect,
+    message_schema,
     paced,
     read_body,
     sampling_params,
@@ -55,7 +57,8 @@ class _SamplingRequest(BaseModel):
 
 
 class ChatRequest(_SamplingRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={
+        "items": message_schema(["system", "developer", "user", "assistant"], ["text"])})
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -80,7 +83,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         return {"object": "list", "data": [entry], "has_more": False, "first_id": engine.model_id,
                 "last_id": engine.model_id}
 
-    @r.post("/v1/chat/completions")
+    @r.post("/v1/chat/completions", openapi_extra=body_doc(ChatRequest, model_ids))
     async def chat_completions(request: Request):
         req = await read_body(request, ChatRequest)
         check_model(req.model, model_ids, engine)
@@ -107,7 +110,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return JSONResponse(await _complete(engine, ident, events, parser))
 
-    @r.post("/v1/completions")
+    @r.post("/v1/completions", openapi_extra=body_doc(CompletionRequest, model_ids))
     async def completions(request: Request):
         req = await read_body(request, CompletionRequest)
         check_model(req.model, model_ids, engine)

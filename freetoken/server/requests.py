@@ -46,6 +46,23 @@ async def read_body(request: Request, model: type[Model]) -> Model:
         raise APIError(400, f"{where}: {err['msg']}", param=where) from None
 
 
+def body_doc(model: type[BaseModel], served: set[str]) -> dict:
+    """OpenAPI for a route that reads its JSON body itself (to answer bad bodies in its protocol's shape): the
+    schema clients, docs and the fuzz tests see, with the model names this server answers to."""
+    schema = model.model_json_schema()
+    schema["properties"]["model"]["enum"] = sorted(served)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def message_schema(roles: list[str], part_types: list[str]) -> dict:
+    """JSON Schema of one chat message: a role and text content (a string or a list of parts)."""
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": part_types}, "text": {"type": "string"}}}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    return {"type": "object", "required": ["role", "content"],
+            "properties": {"role": {"enum": roles}, "content": content}}
+
+
 def admit(engine: ServingEngine, prompt_ids: list[int], exceeded: Callable[[int, int], APIError]) -> None:
     """Checks the prompt fits the context and the queue has room; `exceeded` words the context error."""
     try:

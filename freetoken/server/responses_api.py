@@ -23,7 +23,16 @@ from freetoken.errors import ChatTemplateError
 from freetoken.server.engine import ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_openai, stream_error
 from freetoken.server.output import OutputParser, Part
-from freetoken.server.requests import admit, check_model, check_tool_schemas, paced, read_body, sampling_params, sse
+from freetoken.server.requests import (
+    admit,
+    body_doc,
+    check_model,
+    check_tool_schemas,
+    paced,
+    read_body,
+    sampling_params,
+    sse,
+)
 
 STORE_SIZE = 1024  # responses kept for previous_response_id
 
@@ -68,7 +77,7 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
     r = APIRouter()
     store = store or ResponseStore()
 
-    @r.post("/v1/responses")
+    @r.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest, model_ids))
     async def responses(request: Request):
         req = await read_body(request, ResponsesRequest)
         check_model(req.model, model_ids, engine)

@@ -106,3 +106,20 @@ def test_a_full_kv_pool_ends_the_newest_request_only(model):
         scheduler.step()
     assert isinstance(second[-1], KVCacheFull) and "--kv-cache" in str(second[-1])
     assert first[-1].finish_reason == "length"  # the older request ran to its end
+
+
+def test_a_request_whose_sampling_fails_ends_alone(model):
+    lm = load_model(model, progress=False)
+    scheduler = BatchScheduler(lm)
+    bad, good = [], []
+    scheduler.add(BatchRequest(prompt_ids(), GREEDY, emit=bad.append))
+    scheduler.add(BatchRequest(prompt_ids("Hi"), GREEDY, emit=good.append))
+
+    def broken(logits):
+        raise RuntimeError("sampling failed")
+
+    scheduler.active[0].reply.accept = broken
+    while scheduler.active:
+        scheduler.step()
+    assert isinstance(bad[-1], RuntimeError) and len(bad) == 1
+    assert good[-1].finish_reason == "length" and good[-1].completion_tokens == 10

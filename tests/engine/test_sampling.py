@@ -62,3 +62,16 @@ def test_text_without_stop_passes_through_after_flush():
     m = StopMatcher(("STOP",))
     text = "".join(m.feed(d)[0] for d in ["ab", "S", "T"]) + m.flush()
     assert text == "abST"
+
+
+def test_a_vanishing_temperature_samples_greedily_instead_of_overflowing():
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    for t in (1e-300, 5e-324, 1e-5):
+        params = SamplingParams(temperature=t)
+        assert params.greedy and Sampler(params, torch.device("cpu"))(logits) == 1
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
+def test_a_vanishing_top_p_keeps_the_top_token():
+    probs = filtered_probs(torch.tensor([0.0, 3.0, 1.0]), top_k=0, top_p=5e-324, min_p=0.0)  # 0 in fp32
+    assert probs.tolist() == [0.0, 1.0, 0.0]
