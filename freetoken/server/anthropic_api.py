@@ -33,6 +33,7 @@ from freetoken.server.requests import (
     read_body,
     sampling_params,
     sse,
+    while_connected,
 )
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -102,7 +103,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         if req.stream:
             return StreamingResponse(_stream(engine, ident, len(ids), events, parser),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await _complete(engine, ident, events, parser))
+        return JSONResponse(await _complete(engine, ident, while_connected(request, events), parser))
 
     return r
 

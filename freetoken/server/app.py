@@ -19,7 +19,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_anthropic, context_exceeded_openai
-from freetoken.server.requests import MAX_BODY_BYTES
+from freetoken.server.requests import MAX_BODY_BYTES, ClientDisconnected
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers, `ft ask` waiting)
@@ -53,20 +53,7 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(prometheus_text(engine.stats()), media_type="text/plain; version=0.0.4")
 
-    @app.middleware("http")
-    async def body_limit(request: Request, call_next):
-        size = request.headers.get("content-length", "0")
-        if size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return _error(request, APIError(413, f"the request body has {int(size)} bytes; this server takes at "
-                                                 f"most {MAX_BODY_BYTES}"))
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def api_key(request: Request, call_next):
-        if settings.api_key and request.url.path not in OPEN_PATHS and not _authorized(request, settings.api_key):
-            return _error(request, APIError(401, "invalid or missing API key: send it as `Authorization: Bearer "
-                                                 "KEY` or `x-api-key: KEY`"))
-        return await call_next(request)
+    app.add_middleware(_Gate, api_key=settings.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -91,6 +78,10 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
     async def saturated(request: Request, e: Saturated | KVCacheFull):
         return _error(request, APIError(503, str(e)))
 
+    @app.exception_handler(ClientDisconnected)
+    async def gone(request: Request, e: ClientDisconnected):  # nobody reads this; no traceback in the log
+        return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled"}}, status_code=499)
+
     @app.exception_handler(FreeTokenError)
     async def engine_error(request: Request, e: FreeTokenError):
         return _error(request, APIError(400, str(e)))
@@ -101,6 +92,30 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
         return _error(request, APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
     return app
+
+
+class _Gate:
+    """Checks the API key and the declared body size before a request reaches a route. Plain ASGI, not
+    `BaseHTTPMiddleware`: that wrapper hides a client's disconnect from the routes, which poll for it."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            error = None
+            size = request.headers.get("content-length", "0")
+            if self.api_key and request.url.path not in OPEN_PATHS and not _authorized(request, self.api_key):
+                error = APIError(401, "invalid or missing API key: send it as `Authorization: Bearer KEY` or "
+                                      "`x-api-key: KEY`")
+            elif size.isdigit() and int(size) > MAX_BODY_BYTES:
+                error = APIError(413, f"the request body has {int(size)} bytes; this server takes at most "
+                                      f"{MAX_BODY_BYTES}")
+            if error is not None:
+                await _error(request, error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _anthropic(request: Request) -> bool:

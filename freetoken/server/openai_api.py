@@ -33,6 +33,7 @@ from freetoken.server.requests import (
     read_body,
     sampling_params,
     sse,
+    while_connected,
 )
 
 
@@ -108,7 +109,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream(engine, ident, events, parser, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await _complete(engine, ident, events, parser))
+        return JSONResponse(await _complete(engine, ident, while_connected(request, events), parser))
 
     @r.post("/v1/completions", openapi_extra=body_doc(CompletionRequest, model_ids))
     async def completions(request: Request):
@@ -131,7 +132,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
             return {**out, "usage": usage} if usage is not None else out
 
         if not req.stream:
-            text, last = await _text_of(events)
+            text, last = await _text_of(while_connected(request, events))
             return JSONResponse(body(text, last.finish_reason, _usage(last)))
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -133,6 +134,24 @@ async def paced(events: AsyncIterator[GenerationEvent], keepalive_s: float = KEE
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await pending
         await events.aclose()
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streamed reply went away; its generation was cancelled."""
+
+
+async def while_connected(request: Request, events: AsyncIterator[GenerationEvent],
+                          poll_s: float = 0.5) -> AsyncIterator[GenerationEvent]:
+    """The events of a reply sent whole at the end, checking every `poll_s` of silence whether the client is
+    still there; if not, the generation is cancelled (its KV freed) and ClientDisconnected raised."""
+    checked = time.monotonic()
+    async for ev in paced(events, keepalive_s=poll_s):
+        if ev is not None:
+            yield ev
+        if time.monotonic() - checked >= poll_s:  # tokens may keep coming: check on a clock, not on silence
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
 
 
 async def collect(events: AsyncIterator[GenerationEvent], parser) -> tuple[list, GenerationEvent]:

@@ -32,6 +32,7 @@ from freetoken.server.requests import (
     read_body,
     sampling_params,
     sse,
+    while_connected,
 )
 
 STORE_SIZE = 1024  # responses kept for previous_response_id
@@ -102,7 +103,7 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         if req.stream:
             return StreamingResponse(reply.stream(events, parser), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        async for ev in events:
+        async for ev in while_connected(request, events):
             reply.add(parser.push(ev.text), ev)
         reply.add(parser.finish(), None)
         return JSONResponse(reply.finish())

@@ -202,6 +202,24 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled(smollm2_server):
     assert httpx.get(f"{smollm2_server.url}/health").json()["status"] == "ok"
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000}),
+])
+def test_a_client_that_gives_up_on_a_whole_reply_is_cancelled_too(smollm2_server, route, body):
+    engine = smollm2_server.engine
+    before = engine.counters.cancelled
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{smollm2_server.url}{route}", json={"model": "smollm2", "temperature": 0, **body},
+                   timeout=httpx.Timeout(1.5))
+    deadline = time.monotonic() + 30
+    while (engine.counters.cancelled == before or engine.stats()["running"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.counters.cancelled == before + 1
+    kv = engine.stats()["engine"]["kv"]
+    assert kv["pages_free"] == kv["pages_total"]
+
+
 def test_stats_report_requests_and_the_engine(smollm2_server):
     stats = httpx.get(f"{smollm2_server.url}/v1/stats").json()
     assert stats["model"] == "smollm2" and stats["requests"]["completed"] > 0
