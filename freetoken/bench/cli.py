@@ -5,7 +5,8 @@ from __future__ import annotations
 from freetoken.errors import FreeTokenError
 
 BENCHMARKS = {"decode": "freetoken.bench.decode", "prefill": "freetoken.bench.prefill",
-              "cache": "freetoken.bench.cache_sim", "export": "freetoken.bench.export"}
+              "cache": "freetoken.bench.cache_sim", "export": "freetoken.bench.export",
+              "serve": "freetoken.bench.serve"}
 
 
 def main(verb: str, argv: list[str]) -> int:

@@ -52,6 +52,7 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
+    ignore_eos: bool = False  # an extension (as vLLM's): generate max_tokens whatever the model says; benchmarks
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -101,7 +102,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         params = sampling_params(max_tokens=req.max_completion_tokens or req.max_tokens,
                                  prompt_tokens=len(prompt_ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                 seed=req.seed, stop=req.stops())
+                                 seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
         parser = OutputParser(in_reasoning=prompt_text.rstrip().endswith("<think>"), tools=bool(tools))
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         events = engine.stream(prompt_ids, params)
@@ -121,7 +122,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         admit(engine, ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                 seed=req.seed, stop=req.stops())
+                                 seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
         ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         events = engine.stream(ids, params)
 

@@ -84,7 +84,7 @@ def check_model(model: str, served: set[str], engine: ServingEngine) -> None:
 
 def sampling_params(*, max_tokens: int | None, prompt_tokens: int, context: int, temperature: float | None,
                     top_p: float | None, top_k: int | None, min_p: float | None, seed: int | None,
-                    stop: list[str], default_temperature: float = 1.0) -> SamplingParams:
+                    stop: list[str], default_temperature: float = 1.0, ignore_eos: bool = False) -> SamplingParams:
     """A reply may use what the prompt leaves of the context; a larger `max_tokens` is cut to that."""
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -94,7 +94,7 @@ def sampling_params(*, max_tokens: int | None, prompt_tokens: int, context: int,
         return SamplingParams(max_tokens=max(1, min(wanted, room)),
                               temperature=default_temperature if temperature is None else temperature,
                               top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, min_p=min_p or 0.0,
-                              seed=seed, stop=tuple(stop))
+                              seed=seed, stop=tuple(stop), ignore_eos=ignore_eos)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from dataclasses import dataclass
 
 
@@ -22,21 +20,9 @@ class RunningServer:
 
 
 def start_uvicorn(app) -> tuple[str, object, threading.Thread]:
-    """Serves the ASGI `app` on an ephemeral loopback port from a thread; returns (url, server, thread)."""
-    import uvicorn
+    from freetoken.server.local import serve_in_thread
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
+    return serve_in_thread(app)
 
 
 def start_server(lm, model_id: str, **settings) -> RunningServer:
