@@ -2,8 +2,11 @@
 
 Models mark reasoning with `<think>…</think>` and tool calls with `<tool_call>…</tool_call>` (Hermes / Qwen: a
 JSON object `{"name", "arguments"}`; Qwen3-Coder: `<function=NAME><parameter=P>value</parameter></function>`).
-`OutputParser.push` takes each text delta and returns the parts it completes; a tag cut across two deltas is held
-back until it can be told apart from text. A tool call is returned whole once its closing tag arrives.
+Llama 3 and Mistral answer a tool call with bare JSON instead (`{"name", "parameters"}`, or a list of calls after
+Mistral's `[TOOL_CALLS]` token, which decoding drops): with tools offered, an answer that opens with `{` or `[` is
+held and judged whole at the end. `OutputParser.push` takes each text delta and returns the parts it completes; a
+tag cut across two deltas is held back until it can be told apart from text. A tool call is returned whole once
+its closing tag arrives.
 """
 
 from __future__ import annotations
@@ -40,11 +43,21 @@ class OutputParser:
         self.tools = tools
         self.buffer = ""
         self._after_reasoning = False
+        self._answered = False  # answer text has been emitted (so it is not a bare JSON tool call)
 
     def push(self, text: str) -> list[Part]:
         self.buffer += text
         parts: list[Part] = []
         while True:
+            if self.state == "json":
+                return parts  # a bare JSON answer: judged whole in finish()
+            if self.state == "text" and self.tools and not self._answered:
+                head = self.buffer.lstrip()
+                if not head:
+                    return parts  # only whitespace so far: wait to see how the answer opens
+                if head[0] in "{[":
+                    self.state = "json"
+                    return parts
             if self.state == "tool":
                 end = self.buffer.find(TOOL_CLOSE)
                 if end < 0:
@@ -60,19 +73,27 @@ class OutputParser:
             if not found:
                 keep = _partial_tag(self.buffer, tags)
                 emit, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
-                _append(parts, self.state, emit)
+                self._emit_text(parts, emit)
                 return parts
             at, tag = min(found)
-            _append(parts, self.state, self.buffer[:at])
+            self._emit_text(parts, self.buffer[:at])
             self.buffer = self.buffer[at + len(tag):]
             self.state = {THINK_OPEN: "reasoning", THINK_CLOSE: "text", TOOL_OPEN: "tool"}[tag]
             self._after_reasoning = tag == THINK_CLOSE
+
+    def _emit_text(self, parts: list[Part], text: str) -> None:
+        if self.state == "text" and text.strip():
+            self._answered = True
+        _append(parts, self.state, text)
 
     def finish(self) -> list[Part]:
         """The rest at the end of generation: an unclosed tool call is parsed if it is complete JSON."""
         rest, self.buffer = self.buffer, ""
         if self._after_reasoning:
             rest = rest.lstrip("\n")
+        if self.state == "json":
+            calls = parse_bare_calls(rest)
+            return [Part("tool_call", call=c) for c in calls] if calls else _append([], "text", rest)
         if self.state == "tool":
             call = parse_tool_call(rest)
             return [Part("tool_call", call=call)] if call else _append([], "text", TOOL_OPEN + rest)
@@ -92,6 +113,20 @@ def parse_tool_call(body: str) -> ToolCall | None:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
+    return _call_of(obj)
+
+
+def parse_bare_calls(text: str) -> list[ToolCall]:
+    """A whole answer that is one call object or a list of them (Llama 3, Mistral); [] if it is anything else."""
+    try:
+        obj = json.loads(text.strip())
+    except json.JSONDecodeError:
+        return []
+    calls = [_call_of(o) for o in (obj if isinstance(obj, list) else [obj])]
+    return calls if calls and all(calls) else []
+
+
+def _call_of(obj) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))

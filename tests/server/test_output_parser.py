@@ -63,3 +63,23 @@ def test_parse_tool_call_rejects_what_is_not_a_call():
     assert parse_tool_call('{"name": "f", "arguments": [1]}') is None
     assert parse_tool_call("<function=f>") is None
     assert parse_tool_call('{"name": "f", "parameters": {"a": 1}}').arguments == {"a": 1}
+
+
+LLAMA3 = ' {"name": "get_weather", "parameters": {"city": "Paris"}}'
+MISTRAL = '[{"name": "ls", "arguments": {}}, {"name": "cat", "arguments": {"path": "a"}}]'
+
+
+@pytest.mark.parametrize("sizes", [[1], [3], [1000]])
+def test_bare_json_calls_of_llama3_and_mistral(sizes):
+    assert _run(LLAMA3, sizes) == [("tool_call", "get_weather", {"city": "Paris"})]
+    assert _run(MISTRAL, sizes) == [("tool_call", "ls", {}), ("tool_call", "cat", {"path": "a"})]
+    assert _run("<think>hm</think>" + LLAMA3, sizes)[-1] == ("tool_call", "get_weather", {"city": "Paris"})
+
+
+def test_json_that_is_not_a_call_is_text_and_text_first_is_never_held():
+    assert _run('{"answer": 42}', [2]) == [("text", '{"answer": 42}')]
+    assert _run('[1, 2]', [2]) == [("text", "[1, 2]")]
+    assert _run(LLAMA3, [3], tools=False) == [("text", LLAMA3)]
+    parser = OutputParser()
+    first = parser.push("Sure: ")  # answer text came first: later JSON is text, streamed as it comes
+    assert [p.text for p in first] == ["Sure: "] and [p.text for p in parser.push('{"name": "x"}')] == ['{"name": "x"}']
