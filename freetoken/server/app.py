@@ -5,13 +5,16 @@ key check, and the error handlers that answer every failure in the caller's prot
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
 import logging
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from freetoken.engine.batching import KVCacheFull
@@ -19,7 +22,8 @@ from freetoken.errors import FreeTokenError
 from freetoken.server import anthropic_api, openai_api, responses_api
 from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_anthropic, context_exceeded_openai
-from freetoken.server.requests import MAX_BODY_BYTES, ClientDisconnected
+from freetoken.server.requests import MAX_BODY_BYTES, ClientDisconnected, body_doc, read_body
+from freetoken.units import parse_bytes
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers, `ft ask` waiting)
@@ -48,6 +52,12 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
     @app.get("/v1/stats")
     async def stats() -> dict:
         return engine.stats()
+
+    @app.post("/admin/expert-cache", openapi_extra=body_doc(ResizeRequest))
+    async def expert_cache(request: Request) -> dict:
+        """Resizes the device expert cache while serving (between two batch steps; no weights reloaded)."""
+        nbytes = parse_bytes((await read_body(request, ResizeRequest)).size)  # a bad size: FreeTokenError → 400
+        return await asyncio.wrap_future(engine.control(lambda: engine.resize_expert_cache(nbytes)))
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -94,6 +104,10 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
     return app
 
 
+class ResizeRequest(BaseModel):
+    size: str  # bytes with a unit, as --expert-cache takes them: "8GiB", "512MiB", "0"
+
+
 class _Gate:
     """Checks the API key and the declared body size before a request reaches a route. Plain ASGI, not
     `BaseHTTPMiddleware`: that wrapper hides a client's disconnect from the routes, which poll for it."""
@@ -109,6 +123,8 @@ class _Gate:
             if self.api_key and request.url.path not in OPEN_PATHS and not _authorized(request, self.api_key):
                 error = APIError(401, "invalid or missing API key: send it as `Authorization: Bearer KEY` or "
                                       "`x-api-key: KEY`")
+            elif request.url.path.startswith("/admin") and not self.api_key and not _from_loopback(request):
+                error = APIError(403, "admin routes answer only on loopback unless the server has an API key")
             elif size.isdigit() and int(size) > MAX_BODY_BYTES:
                 error = APIError(413, f"the request body has {int(size)} bytes; this server takes at most "
                                       f"{MAX_BODY_BYTES}")
@@ -116,6 +132,13 @@ class _Gate:
                 await _error(request, error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _from_loopback(request: Request) -> bool:
+    try:
+        return request.client is not None and ipaddress.ip_address(request.client.host).is_loopback
+    except ValueError:
+        return False
 
 
 def _anthropic(request: Request) -> bool:

@@ -10,17 +10,19 @@ went away is cancelled: it leaves the batch at the next step and its KV pages ar
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from freetoken.engine.batching import BatchRequest, BatchScheduler
 from freetoken.engine.generator import GenerationEvent
 from freetoken.engine.loader import LoadedModel
+from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
 from freetoken.errors import FreeTokenError
@@ -70,13 +72,17 @@ class _Job:
             self.cancelled.set()
 
 
+_WAKE = object()  # put on the job queue to wake an idle worker for a control
+
+
 class ServingEngine:
     def __init__(self, lm: LoadedModel, model_id: str, *, max_queue: int = 64, max_seq_len: int | None = None,
                  kv_tokens: int | None = None, max_batch: int = 16):
         self.lm, self.model_id, self.max_queue = lm, model_id, max_queue
         self.scheduler = BatchScheduler(lm, max_batch=max_batch, max_seq_len=max_seq_len, kv_tokens=kv_tokens)
         self.counters = Counters()
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: queue.Queue = queue.Queue()  # _Job, _WAKE, or None to stop
+        self._controls: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="ft-engine", daemon=True)
         self._worker.start()
 
@@ -132,6 +138,26 @@ class ServingEngine:
                 "running": len(self.scheduler.active), "max_batch": self.scheduler.max_batch,
                 "forwards": self.scheduler.forwards, "requests": asdict(self.counters), "engine": asdict(snap)}
 
+    def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Runs `fn()` on the worker between two batch steps, where nothing else touches the model; the future
+        holds its result (or its exception)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._controls.put((fn, future))
+        self._jobs.put(_WAKE)  # an idle worker sleeps on the job queue
+        return future
+
+    def resize_expert_cache(self, nbytes: int) -> dict[str, int]:
+        """On the worker: the device expert cache to `nbytes` (whole slots), without reloading weights."""
+        ex, spec = self.lm.experts, self.lm.moe_spec
+        if not isinstance(ex, OffloadedExpertExecutor):
+            raise FreeTokenError("this model's experts are not offloaded; start the server with --expert-cache "
+                                 "SIZE to get a resizable cache")
+        per_slot = spec.bytes_per_expert(ex.dtype)
+        slots = min(nbytes // per_slot, spec.total_routed_experts)
+        ex.resize(slots)
+        return {"slots": slots, "bytes": slots * per_slot, "cached": len(ex.cache.slot_of),
+                "total_experts": spec.total_routed_experts}
+
     def close(self) -> None:
         self._jobs.put(None)
         self._worker.join(timeout=30)
@@ -141,6 +167,12 @@ class ServingEngine:
     def _work(self) -> None:
         scheduler = self.scheduler
         while True:
+            while not self._controls.empty():
+                fn, future = self._controls.get_nowait()
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
             while scheduler.has_room():  # admit what waits; sleep on the queue only when nothing runs
                 try:
                     job = self._jobs.get(block=not scheduler.active)
@@ -149,6 +181,8 @@ class ServingEngine:
                 if job is None:
                     scheduler.abort_all(Saturated("the server is shutting down"))
                     return
+                if job is _WAKE:
+                    break  # a control waits: run it before anything else
                 self._admit(job)
             try:
                 dropped = scheduler.step()

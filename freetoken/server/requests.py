@@ -47,11 +47,12 @@ async def read_body(request: Request, model: type[Model]) -> Model:
         raise APIError(400, f"{where}: {err['msg']}", param=where) from None
 
 
-def body_doc(model: type[BaseModel], served: set[str]) -> dict:
+def body_doc(model: type[BaseModel], served: set[str] | None = None) -> dict:
     """OpenAPI for a route that reads its JSON body itself (to answer bad bodies in its protocol's shape): the
     schema clients, docs and the fuzz tests see, with the model names this server answers to."""
     schema = model.model_json_schema()
-    schema["properties"]["model"]["enum"] = sorted(served)
+    if served is not None:
+        schema["properties"]["model"]["enum"] = sorted(served)
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 

@@ -115,3 +115,25 @@ def test_metrics_and_an_oversized_body(keyed_server):
     big = b"x" * (64 * 2**20 + 1)
     r = httpx.post(f"{keyed_server.url}/v1/messages", content=big, headers=headers)
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+def test_the_expert_cache_resizes_while_serving(keyed_server, tiny_moe):
+    headers = {"x-api-key": "s3cret"}
+    url = keyed_server.url
+    per_slot = keyed_server.engine.lm.moe_spec.bytes_per_expert(torch.float32)
+    before = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers).json()["choices"][0]
+    r = httpx.post(f"{url}/admin/expert-cache", json={"size": f"{6 * per_slot}B"}, headers=headers)
+    assert r.status_code == 200 and r.json()["slots"] == 6 and r.json()["bytes"] == 6 * per_slot
+    stats = httpx.get(f"{url}/v1/stats", headers=headers).json()["engine"]["experts"]
+    assert stats["slots"] == 6
+    after = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers).json()["choices"][0]
+    assert after["message"] == before["message"]  # greedy output unchanged by the resize
+    assert httpx.post(f"{url}/admin/expert-cache", json={"size": "lots"}, headers=headers).status_code == 400
+    assert httpx.post(f"{url}/admin/expert-cache", json={"size": "1GiB"}).status_code == 401  # key needed
+    httpx.post(f"{url}/admin/expert-cache", json={"size": f"{3 * per_slot}B"}, headers=headers)
+    resident = start_server(load_model(tiny_moe, progress=False), "tiny")
+    try:
+        r = httpx.post(f"{resident.url}/admin/expert-cache", json={"size": "1MiB"})
+        assert r.status_code == 400 and "--expert-cache" in r.json()["error"]["message"]
+    finally:
+        resident.stop()
