@@ -43,6 +43,7 @@ class GenerationEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: Timings | None = None
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 class Generator:
@@ -171,7 +172,8 @@ class Reply:
         if finish is None:
             return GenerationEvent(ids, text, None, self.prompt_tokens, self.produced)
         self.timings.decode_s = time.perf_counter() - self.started - self.timings.prefill_s
-        return GenerationEvent(ids, text, finish, self.prompt_tokens, self.produced, self.timings)
+        matched = detok.stops.matched if detok is not None else None
+        return GenerationEvent(ids, text, finish, self.prompt_tokens, self.produced, self.timings, matched)
 
 
 class _TextPipeline:

@@ -11,15 +11,17 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
         self.pending = ""
+        self.matched: str | None = None  # the stop string that ended the text, once one has
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string matched)."""
         if not self.stops:
             return delta, False
         self.pending += delta
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:at], ""
             return out, True
         hold = max((_overlap(self.pending, s) for s in self.stops), default=0)
         out = self.pending[: len(self.pending) - hold]

@@ -130,8 +130,10 @@ async def _complete(engine: ServingEngine, ident: str, events: AsyncIterator, pa
     if not blocks:
         blocks = [{"type": "text", "text": ""}]
     used_tools = any(b["type"] == "tool_use" for b in blocks)
-    reason = "tool_use" if used_tools else _STOP_REASONS[last.finish_reason]
-    return _message(engine, ident, blocks, reason, last.prompt_tokens, last.completion_tokens)
+    message = _message(engine, ident, blocks, _stop_reason(last, used_tools), last.prompt_tokens,
+                       last.completion_tokens)
+    message["stop_sequence"] = last.stop_sequence
+    return message
 
 
 async def _stream(engine: ServingEngine, ident: str, prompt_tokens: int, events: AsyncIterator,
@@ -183,10 +185,16 @@ async def _stream(engine: ServingEngine, ident: str, prompt_tokens: int, events:
     if index < 0:  # an empty reply still has one (empty) text block
         yield start("text", {"type": "text", "text": ""})
         yield stop()
-    reason = "tool_use" if used_tools else _STOP_REASONS[last.finish_reason]
-    yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
+    yield sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(last, used_tools),
+                                                   "stop_sequence": last.stop_sequence},
                "usage": {"output_tokens": last.completion_tokens}}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")
+
+
+def _stop_reason(last, used_tools: bool) -> str:
+    if used_tools:
+        return "tool_use"
+    return "stop_sequence" if last.stop_sequence else _STOP_REASONS[last.finish_reason]
 
 
 def _delta(index: int, delta: dict) -> str:

@@ -75,3 +75,9 @@ def test_a_vanishing_temperature_samples_greedily_instead_of_overflowing():
 def test_a_vanishing_top_p_keeps_the_top_token():
     probs = filtered_probs(torch.tensor([0.0, 3.0, 1.0]), top_k=0, top_p=5e-324, min_p=0.0)  # 0 in fp32
     assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_the_matcher_says_which_stop_string_matched_first():
+    m = StopMatcher(("world", "lo w"))
+    assert m.feed("hel") == ("he", False) and m.matched is None  # "l" may begin "lo w": held
+    assert m.feed("lo world") == ("l", True) and m.matched == "lo w"  # it starts before "world"

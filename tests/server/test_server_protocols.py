@@ -70,6 +70,17 @@ def test_anthropic_messages_answer_and_stream(ant):
     assert "Paris" in final.content[0].text and final.stop_reason == "end_turn"
 
 
+def test_anthropic_reports_the_stop_sequence_that_ended_the_reply(ant):
+    args = dict(model="smollm2", max_tokens=32, extra_body={"temperature": 0}, stop_sequences=["Paris", "Rome"],
+                messages=[{"role": "user", "content": QUESTION}])
+    msg = ant.messages.create(**args)
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "Paris"
+    assert "Paris" not in msg.content[0].text and msg.content[0].text.strip()
+    with ant.messages.stream(**args) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == "Paris"
+
+
 def test_anthropic_count_tokens_matches_the_prompt_the_reply_reports(ant):
     messages = [{"role": "user", "content": QUESTION}]
     counted = ant.messages.count_tokens(model="smollm2", messages=messages).input_tokens
