@@ -33,6 +33,7 @@ from freetoken.server.requests import (
     read_body,
     sampling_params,
     sse,
+    text_content,
     while_connected,
 )
 
@@ -53,6 +54,11 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     ignore_eos: bool = False  # an extension (as vLLM's): generate max_tokens whatever the model says; benchmarks
+
+    def check(self, served: set[str], engine: ServingEngine) -> None:
+        check_model(self.model, served, engine)
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -88,9 +94,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
     @r.post("/v1/chat/completions", openapi_extra=body_doc(ChatRequest, model_ids))
     async def chat_completions(request: Request):
         req = await read_body(request, ChatRequest)
-        check_model(req.model, model_ids, engine)
-        if req.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+        req.check(model_ids, engine)
         tools = _tools(req)
         messages = [_message(m, i) for i, m in enumerate(req.messages)]
         thinking = None if req.reasoning_effort is None else req.reasoning_effort not in ("none", "minimal")
@@ -115,9 +119,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
     @r.post("/v1/completions", openapi_extra=body_doc(CompletionRequest, model_ids))
     async def completions(request: Request):
         req = await read_body(request, CompletionRequest)
-        check_model(req.model, model_ids, engine)
-        if req.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+        req.check(model_ids, engine)
         ids = engine.tokenizer.encode(req.prompt, add_special_tokens=True)
         admit(engine, ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
@@ -251,7 +253,7 @@ def _message(m: dict[str, Any], i: int) -> dict[str, Any]:
     if role is None:
         raise APIError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.get('role')!r}",
                        param=f"messages.{i}.role")
-    out: dict[str, Any] = {"role": role, "content": _text(m.get("content"), i)}
+    out: dict[str, Any] = {"role": role, "content": text_content(m.get("content"), f"messages.{i}")}
     if role == "assistant" and m.get("tool_calls"):
         out["tool_calls"] = [_tool_call(c, i) for c in m["tool_calls"]]
     if role == "tool":
@@ -259,25 +261,6 @@ def _message(m: dict[str, Any], i: int) -> dict[str, Any]:
         if m.get("name"):
             out["name"] = m["name"]
     return out
-
-
-def _text(content: Any, i: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("text", "input_text", "output_text"):
-                texts.append(str(part.get("text", "")))
-            elif kind in ("image_url", "input_image", "input_audio", "file"):
-                raise APIError(400, f"messages[{i}]: {kind} content is not supported by this model (text only)",
-                               param=f"messages.{i}.content")
-            else:
-                raise APIError(400, f"messages[{i}]: unknown content part {kind!r}", param=f"messages.{i}.content")
-        return "".join(texts)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of content parts",
-                   param=f"messages.{i}.content")
 
 
 def _tool_call(call: Any, i: int) -> dict:

@@ -56,6 +56,23 @@ def body_doc(model: type[BaseModel], served: set[str] | None = None) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+def text_content(content: Any, where: str) -> str:
+    """An OpenAI message's content (a string, or a list of text parts) as one string; other parts (images, audio,
+    files) get a 400 naming them. `where` is the field's dotted path, e.g. `messages.3`."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text", "output_text"):
+            raise APIError(400, f"{where}: {kind} content is not supported by this model (text only)",
+                           param=f"{where}.content")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
 def message_schema(roles: list[str], part_types: list[str]) -> dict:
     """JSON Schema of one chat message: a role and text content (a string or a list of parts)."""
     part = {"type": "object", "required": ["type", "text"],

@@ -32,6 +32,7 @@ from freetoken.server.requests import (
     read_body,
     sampling_params,
     sse,
+    text_content,
     while_connected,
 )
 
@@ -260,7 +261,7 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
             if role not in ("system", "user", "assistant"):
                 raise APIError(400, f"input[{i}].role must be user, assistant, system or developer",
                                param=f"input.{i}.role")
-            out.append({"role": role, "content": _content(item.get("content"), i)})
+            out.append({"role": role, "content": text_content(item.get("content"), f"input.{i}")})
         elif kind == "function_call":
             try:
                 args = json.loads(item.get("arguments") or "{}")
@@ -281,22 +282,6 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
         else:
             raise APIError(400, f"input[{i}]: item type {kind!r} is not supported", param=f"input.{i}")
     return out
-
-
-def _content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("input_text", "output_text", "text"):
-                texts.append(str(part.get("text", "")))
-            else:
-                raise APIError(400, f"input[{i}]: content part {kind!r} is not supported by this model (text only)",
-                               param=f"input.{i}.content")
-        return "".join(texts)
-    raise APIError(400, f"input[{i}].content must be a string or a list of content parts", param=f"input.{i}")
 
 
 def _tools(req: ResponsesRequest) -> list[dict] | None:
