@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-16k | p1 | hf
+#   PART: machine | tests | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
@@ -47,6 +47,10 @@ for part in "$@"; do
     d1-q8) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB \
              --expert-format Q8_0 --strategies copy,cpu,auto --probe-mib 512 --commit "$commit" \
              --out "$OUT/d1-q8-1k.md" ;;
+    d1-q8-nographs) python3 -c "import sys; from freetoken.engine.offload import transfer; transfer.DEQUANT_GRAPHS = False
+from freetoken.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-30b-a3b --context 1024 \
+             --tokens 16 --budgets 0,8GiB --expert-format Q8_0 --strategies copy,auto --probe-mib 512 \
+             --commit "$commit (dequantiser launched, no graphs)" --out "$OUT/d1-q8-1k-nographs.md" ;;
     d1-16k) ft bench decode --shape qwen3-30b-a3b --context 16384 --tokens 16 --budgets 0,8GiB,16GiB \
               --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-16k.md" ;;
     p1) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0,8GiB \

@@ -188,6 +188,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             rows.append(_row(label, budget, tok_s, before, after, a.tokens, ceilings, executor))
             rows[-1].same_tokens = produced == reference
             print(_format_row(rows[-1]), file=sys.stderr, flush=True)
+            if miss_path == "auto":
+                print(f"  planner after the run: {executor.planner.describe()}", file=sys.stderr, flush=True)
             del executor
             lm.experts = None
             attach_experts(lm.model, None)

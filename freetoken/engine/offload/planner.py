@@ -112,6 +112,12 @@ class MissPlanner:
             return n - 1
         return on_cpu
 
+    def describe(self) -> str:
+        """The current model, for logs and benchmark diagnostics."""
+        return (f"copy {self.copy.gb_s:.1f} GB/s + {self.copy.fixed * 1e6:.0f} µs, "
+                f"CPU {self.cpu.gb_s:.1f} GB/s + {self.cpu.fixed * 1e6:.0f} µs, "
+                f"{self.issue_s * 1e6:.1f} µs to queue a copy")
+
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if self.learn:
             self.copy.observe(nbytes, seconds)

@@ -29,6 +29,7 @@ from freetoken.kernels.gguf_dequant import fused
 from freetoken.kernels.gguf_dequant.reference import dequantize
 
 _INDEX_RING = 8  # pinned rows of slot numbers in flight (fused path)
+DEQUANT_GRAPHS = True  # replay the fused dequantiser's launch from a CUDA graph per batch size (False: launch it)
 
 
 def _stacks(experts: LayerExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,6 +75,8 @@ class ExpertCopier:
             self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
         self._raw_batches: dict[str, torch.Tensor] = {}  # the same for several experts at once (to_slots)
         self._rows: torch.Tensor | None = None  # fused path: [n, expert bytes] on the device
+        self._dequant_graphs: dict[int, tuple[tuple[int, ...], torch.cuda.CUDAGraph]] = {}  # n → (pointers, graph)
+        self._launched: set[int] = set()  # batch sizes launched once already (compiled and warm)
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
 
@@ -189,8 +192,30 @@ class ExpertCopier:
             for address, nbytes in sources:
                 cudart.copy_to_device(at, address + e * nbytes, nbytes, stream)
                 at += nbytes
-        fused.dequantize_into(rows, self._fused_type, _stacks(dest), slots[0] if n == 1 else self._slot_index(slots))
+        self._dequantize_rows(n, dest, slots)
         self._finish_timing(n)
+
+    def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int]) -> None:
+        """Rows [0, n) into their slots on the copy stream. Triton's launcher costs the host tens of µs per call,
+        and this host thread is the decode step's critical path; a graph replay costs a few. A batch size is
+        captured the second time it is seen (the first launch compiles and warms the kernel; capturing runs
+        nothing) and recaptured when the slots or the rows buffer move (a cache resize)."""
+        stacks = _stacks(dest)
+        if not DEQUANT_GRAPHS or n not in self._launched:
+            self._launched.add(n)
+            fused.dequantize_into(self._rows[:n], self._fused_type, stacks,
+                                  slots[0] if n == 1 else self._slot_index(slots))
+            return
+        index = self._slot_index(slots)
+        pointers = (self._rows.data_ptr(), *(t.data_ptr() for t in stacks))
+        entry = self._dequant_graphs.get(n)
+        if entry is None or entry[0] != pointers:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(capture_error_mode="thread_local")  # the CPU expert threads never touch CUDA
+            fused.dequantize_into(self._rows[:n], self._fused_type, stacks, index)
+            graph.capture_end()
+            entry = self._dequant_graphs[n] = (pointers, graph)
+        entry[1].replay()
 
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """The slot numbers as a device tensor, queued on the copy stream without holding the host."""

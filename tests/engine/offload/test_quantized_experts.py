@@ -106,3 +106,33 @@ def test_on_cuda_q8_0_experts_cross_in_blocks_and_dequantize_in_one_launch(miss_
     assert lm.experts.counters.bytes_copied > 0
     torch.testing.assert_close(lm.prefill_logits(prompt_ids()), resident.prefill_logits(prompt_ids()),
                                atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_graphed_dequantization_writes_each_batch_into_its_own_slots(tmp_path):
+    """From the second batch of a size on, the fused launch replays from a CUDA graph: the slot numbers and the
+    block bytes of every later batch must still land where that batch says, also after the slots moved."""
+    from freetoken.engine.offload import transfer
+
+    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
+    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    lm = load_model(gguf, device="cuda", dtype=torch.bfloat16, progress=False, expert_cache=0)
+    copier, host = lm.experts.copier, lm.experts.host[0]
+    assert copier.fused and transfer.DEQUANT_GRAPHS
+    dest = copier.allocate(8)
+    generator = torch.Generator().manual_seed(0)
+    for round_ in range(6):
+        if round_ == 4:
+            dest = copier.allocate(8)  # new slot storage: the graphs captured for the old one must not be used
+        n = 1 + round_ % 2 * 2  # sizes 1 and 3, each seen several times
+        slots = torch.randperm(8, generator=generator)[:n].tolist()
+        experts = torch.randperm(host.num_experts, generator=generator)[:n].tolist()
+        copier.begin()
+        copier.to_slots(0, experts, dest, slots)
+        copier.end()
+        torch.cuda.synchronize()
+        for e, slot in zip(experts, slots, strict=True):
+            for p, got in zip(("gate_proj", "up_proj", "down_proj"), dest.weights_of(slot), strict=True):
+                want = host.dequantized(e, p, torch.bfloat16, host.raw[p][e].cuda())
+                assert torch.equal(got, want), (round_, e, slot, p)
+    assert set(copier._dequant_graphs) == {1, 3}
