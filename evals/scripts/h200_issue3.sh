@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | d1-16k | p1 | hf
+#   PART: machine | tests | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
@@ -47,6 +47,7 @@ for part in "$@"; do
     d1-q8) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB \
              --expert-format Q8_0 --strategies copy,cpu,auto --probe-mib 512 --commit "$commit" \
              --out "$OUT/d1-q8-1k.md" ;;
+    copier-cost) (cd /tmp && python3 "$OLDPWD/evals/scripts/copier_host_cost.py" | tee "$OUT/copier-host-cost.md") ;;
     d1-q8-nographs) python3 -c "import sys; from freetoken.engine.offload import transfer; transfer.DEQUANT_GRAPHS = False
 from freetoken.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-30b-a3b --context 1024 \
              --tokens 16 --budgets 0,8GiB --expert-format Q8_0 --strategies copy,auto --probe-mib 512 \

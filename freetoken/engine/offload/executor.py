@@ -162,8 +162,9 @@ class OffloadedExpertExecutor:
         return self._forward_grouped(layer, hidden, topk_ids, topk_weights)
 
     def _collect_copy_timings(self) -> None:
-        for nbytes, seconds in self.copier.finished_timings():
-            self.planner.observe_copy(nbytes, seconds)
+        for nbytes, seconds, cold in self.copier.finished_timings():
+            if not cold:
+                self.planner.observe_copy(nbytes, seconds)
             self.counters.copy_seconds += seconds
 
     # -- small batches: one host sync, the copies, one gathered matmul --
@@ -241,8 +242,9 @@ class OffloadedExpertExecutor:
                 else:
                     slot_of[e] = admitted[0]
             copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
+            if not copier.batch_is_cold:
+                self.planner.observe_issue(len(to_copy), time.perf_counter() - t_issue)
             copier.end()
-            self.planner.observe_issue(len(to_copy), time.perf_counter() - t_issue)
             self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         on_cpu = None
         if to_cpu:  # after the copies, which take the host ~3 µs each to queue; starting the CPU takes longer

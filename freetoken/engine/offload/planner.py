@@ -107,9 +107,9 @@ class MissPlanner:
         if n >= 2 and self._idle["cpu"] >= self.PROBE_EVERY:
             self._idle["cpu"] = 0
             return 1
-        if n >= 2 and self._idle["copy"] >= self.PROBE_EVERY:
-            self._idle["copy"] = 0
-            return n - 1
+        if n >= 2 and self._idle["copy"] >= self.PROBE_EVERY:  # half the misses: one copy alone would be
+            self._idle["copy"] = 0  # timed with a batch's fixed costs and make the link look slower than it is
+            return n - n // 2
         return on_cpu
 
     def describe(self) -> str:
@@ -126,7 +126,10 @@ class MissPlanner:
         """The host took `seconds` to queue `copies` copies."""
         if self.learn and copies:
             d = self.ISSUE_DECAY
-            self.issue_s = d * self.issue_s + (1 - d) * seconds / copies
+            # one stalled step (a page fault, a collection) must not lock the copy path out: a sample counts for
+            # at most a few times the current estimate, so a lasting change still shows within a few steps
+            sample = min(seconds / copies, 4 * self.issue_s + 20e-6)
+            self.issue_s = d * self.issue_s + (1 - d) * sample
 
     def observe_cpu(self, nbytes: int, seconds: float) -> None:
         if self.learn:

@@ -44,6 +44,7 @@ class _Batch:
     start: object = None  # torch.cuda.Event, or a perf_counter float on the CPU
     end: object = None
     seconds: float | None = None  # CPU copies: known at once
+    cold: bool = False  # compiled or captured a kernel on the way: not a sample of the link's speed
 
 
 class ExpertCopier:
@@ -76,7 +77,7 @@ class ExpertCopier:
         self._raw_batches: dict[str, torch.Tensor] = {}  # the same for several experts at once (to_slots)
         self._rows: torch.Tensor | None = None  # fused path: [n, expert bytes] on the device
         self._dequant_graphs: dict[int, tuple[tuple[int, ...], torch.cuda.CUDAGraph]] = {}  # n → (pointers, graph)
-        self._launched: set[int] = set()  # batch sizes launched once already (compiled and warm)
+        self._launched: set[bool] = set()  # kernel variants compiled: reading slot numbers from the device or not
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
 
@@ -197,6 +198,70 @@ class ExpertCopier:
 
     def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int]) -> None:
         """Rows [0, n) into their slots on the copy stream. Triton's launcher costs the host tens of µs per call,
+        and this host thread is the decode step's critical path; a graph replay costs a few. The first launch
+        compiles the kernel, each batch size's first use captures its graph (capturing runs nothing, so it is
+        safe whatever the slots hold), and a cache resize (the slots move) recaptures. Those batches are marked
+        cold: their timings say nothing about the link (see `finished_timings`)."""
+        stacks = _stacks(dest)
+        use_rows = DEQUANT_GRAPHS or n > 1  # a graph reads its slot numbers from the device, like a batch
+        compiles = use_rows not in self._launched
+        if not DEQUANT_GRAPHS or compiles:
+            self._batch.cold |= compiles
+            self._launched.add(use_rows)
+            fused.dequantize_into(self._rows[:n], self._fused_type, stacks,
+                                  self._slot_index(slots) if use_rows else slots[0])
+            return
+        index = self._slot_index(slots)
+        pointers = (self._rows.data_ptr(), *(t.data_ptr() for t in stacks))
+        entry = self._dequant_graphs.get(n)
+        if entry is None or entry[0] != pointers:
+            self._batch.cold = True
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(capture_error_mode="thread_local")  # the CPU expert threads never touch CUDA
+            fused.dequantize_into(self._rows[:n], self._fused_type, stacks, index)
+            graph.capture_end()
+            entry = self._dequant_graphs[n] = (pointers, graph)
+        entry[1].replay()
+
+    def _raw_rows(self, n: int) -> torch.Tensor:
+        """[n, expert bytes] on the device: whole experts' block bytes, gate, up and down back to back."""
+        if self._rows is None or self._rows.shape[0] < n:
+            self._rows = torch.empty((max(n, self.staging_slots), self.expert_bytes), dtype=torch.uint8,
+                                     device=self.device)
+        return self._rows[:n]
+
+    def _prepare_fused(self) -> None:
+        first = next(iter(self.host.values()))
+        self._fused_type = first.type_names["gate_proj"]
+        # per layer: (address of expert 0, bytes per expert) of each projection: no tensor indexing per copy
+        self._block_sources = {layer: [(le.raw[p].data_ptr(), le.raw[p].shape[1]) for p in PROJECTIONS]
+                               for layer, le in self.host.items()}
+        # a batch's slot numbers cross from a ring of pinned rows: the host fills a row only once the copy that
+        # read it last time has run (its event)
+        most = first.num_experts
+        self._index_host = torch.empty((_INDEX_RING, most), dtype=torch.int64, pin_memory=True)
+        self._index_rows = self._index_host.numpy()
+        self._index_read: list[torch.cuda.Event | None] = [None] * _INDEX_RING
+        self._index_next = 0
+        self._index_device = torch.empty(most, dtype=torch.int64, device=self.device)  # read in stream order
+
+    def _fused_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
+        """On the copy stream: the experts' block bytes into rows of the device buffer (three runtime calls
+        each), then one launch dequantizes every row into its slot. Stream order keeps the next batch's copies
+        into these rows behind this launch."""
+        self._start_timing()
+        n, stream = len(experts), self.stream.cuda_stream
+        rows = self._raw_rows(n)
+        at, sources = rows.data_ptr(), self._block_sources[layer]
+        for e in experts:
+            for address, nbytes in sources:
+                cudart.copy_to_device(at, address + e * nbytes, nbytes, stream)
+                at += nbytes
+        self._dequantize_rows(n, dest, slots)
+        self._finish_timing(n)
+
+    def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int]) -> None:
+        """Rows [0, n) into their slots on the copy stream. Triton's launcher costs the host tens of µs per call,
         and this host thread is the decode step's critical path; a graph replay costs a few. A batch size is
         captured the second time it is seen (the first launch compiles and warms the kernel; capturing runs
         nothing) and recaptured when the slots or the rows buffer move (a cache resize)."""
@@ -264,14 +329,19 @@ class ExpertCopier:
                 batch.end.record(self.stream)
             self._timed.append(batch)
 
-    def finished_timings(self) -> list[tuple[int, float]]:
-        """(bytes, seconds) of the steps whose copies have completed since the last call; never blocks."""
+    @property
+    def batch_is_cold(self) -> bool:
+        """The open batch compiled or captured a kernel: the host's time to queue it is not a sample either."""
+        return self._batch is not None and self._batch.cold
+
+    def finished_timings(self) -> list[tuple[int, float, bool]]:
+        """(bytes, seconds, cold) of the steps whose copies have completed since the last call; never blocks."""
         done, pending = [], []
         for b in self._timed:
             if b.seconds is not None:
-                done.append((b.nbytes, b.seconds))
+                done.append((b.nbytes, b.seconds, b.cold))
             elif b.end.query():
-                done.append((b.nbytes, b.start.elapsed_time(b.end) / 1e3))
+                done.append((b.nbytes, b.start.elapsed_time(b.end) / 1e3, b.cold))
             else:
                 pending.append(b)
         self._timed = pending

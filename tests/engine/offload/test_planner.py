@@ -80,6 +80,17 @@ def test_an_unused_path_is_probed():
     planner = MissPlanner(copy_gb_s=1000, cpu_gb_s=0.001)
     cpu_counts = [len(planner.split([1, 2, 3], EXPERT).cpu) for _ in range(2 * MissPlanner.PROBE_EVERY + 2)]
     assert sum(cpu_counts) == 2 and max(cpu_counts) == 1
+    # the link is probed with half the misses: a lone copy is timed with a whole batch's fixed costs
+    planner = MissPlanner(copy_gb_s=0.001, cpu_gb_s=1000)
+    copy_counts = [len(planner.split(list(range(8)), EXPERT).copy) for _ in range(MissPlanner.PROBE_EVERY + 1)]
+    assert copy_counts.count(4) == 1 and sum(copy_counts) == 4
+
+
+def test_one_stalled_queueing_does_not_lock_the_link_out():
+    planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0, issue_s=3e-6)
+    planner.observe_issue(1, 0.05)  # a 50 ms stall while queueing one copy
+    assert planner.issue_s < 10e-6
+    assert len(planner.split(list(range(8)), EXPERT).copy) >= 3
 
 
 def test_the_time_to_queue_copies_delays_the_cpu_and_is_learned():
