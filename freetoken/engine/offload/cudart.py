@@ -1,10 +1,13 @@
-"""Host → device copies issued straight through the CUDA runtime (ctypes), for the decode hot path.
+"""Host → device copies, event records and waits, and graph launches issued straight through the CUDA runtime
+(ctypes), for the decode hot path.
 
 A decode step copies a few experts per layer, three projections each; through `Tensor.copy_` every copy costs
 ~10 µs of host time (dispatch, checks, a pinned-memory event), more than the copy engine needs to start it, and
-the host thread is the critical path of an offloaded decode step. `cudaMemcpyAsync` through ctypes costs ~1 µs.
-Only used between pinned host memory and device memory, on a stream torch created; where the runtime library
-cannot be found in this process (a static build), `available()` is False and callers keep using torch.
+the host thread is the critical path of an offloaded decode step. `cudaMemcpyAsync` through ctypes costs ~1 µs;
+recording a torch event or entering a stream context costs several µs each, the runtime call about one. Only
+used between pinned host memory and device memory, on streams and events torch created (events recorded once by
+torch first, so torch's own `query` and `elapsed_time` keep working); where the runtime library cannot be found
+in this process (a static build), `available()` is False and callers keep using torch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ def _runtime() -> ctypes.CDLL | None:
             continue
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
+        for name, args in (("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+                           ("cudaStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
+                           ("cudaGraphLaunch", [ctypes.c_void_p, ctypes.c_void_p])):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, ctypes.c_int
         return lib
     return None
 
@@ -44,6 +51,24 @@ def available() -> bool:
 def copy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Queues a copy of `nbytes` from pinned host address `src` to device address `dst` on the stream handle
     `stream` (`torch.cuda.Stream.cuda_stream`)."""
-    rc = _runtime().cudaMemcpyAsync(dst, src, nbytes, _HOST_TO_DEVICE, stream)
+    _check("cudaMemcpyAsync", _runtime().cudaMemcpyAsync(dst, src, nbytes, _HOST_TO_DEVICE, stream))
+
+
+def record_event(event, stream: int) -> None:
+    """Records `event` (a torch.cuda.Event torch has recorded once) on the stream handle `stream`."""
+    _check("cudaEventRecord", _runtime().cudaEventRecord(event._as_parameter_, stream))
+
+
+def wait_event(stream: int, event) -> None:
+    """Work queued on `stream` after this call waits for `event`'s last record."""
+    _check("cudaStreamWaitEvent", _runtime().cudaStreamWaitEvent(stream, event._as_parameter_, 0))
+
+
+def launch_graph(graph_exec: int, stream: int) -> None:
+    """Launches an instantiated graph (`CUDAGraph.raw_cuda_graph_exec()`) on `stream`."""
+    _check("cudaGraphLaunch", _runtime().cudaGraphLaunch(graph_exec, stream))
+
+
+def _check(call: str, rc: int) -> None:
     if rc != 0:
-        raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc}")
+        raise RuntimeError(f"{call} failed with CUDA error {rc}")

@@ -119,6 +119,7 @@ class OffloadedExpertExecutor:
         self._staged_ahead: dict[tuple[int, int], int] = {}  # prefetched into staging: (layer, expert) → ring index
         self._prefetch_done: list = []  # completion of the last prefetch's copies (the link's backlog)
         self._prefetch_seconds = 0.0  # their predicted copy time
+        self._deferred_prefetch: tuple | None = None  # (layer, experts, room, event): queued at the next boundary
         self._graph_io: _GraphIO | None = None  # allocated by prepare_graph_io for captured decode
         self.slots_version = 0  # bumped when the slot tensors are reallocated (captured graphs read them)
 
@@ -162,8 +163,8 @@ class OffloadedExpertExecutor:
         return self._forward_grouped(layer, hidden, topk_ids, topk_weights)
 
     def _collect_copy_timings(self) -> None:
-        for nbytes, seconds, cold in self.copier.finished_timings():
-            if not cold:
+        for nbytes, seconds, sample in self.copier.finished_timings():
+            if sample:
                 self.planner.observe_copy(nbytes, seconds)
             self.counters.copy_seconds += seconds
 
@@ -242,7 +243,7 @@ class OffloadedExpertExecutor:
                 else:
                     slot_of[e] = admitted[0]
             copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
-            if not copier.batch_is_cold:
+            if copier.batch_is_sample:
                 self.planner.observe_issue(len(to_copy), time.perf_counter() - t_issue)
             copier.end()
             self.counters.bytes_copied += len(to_copy) * self.expert_bytes
@@ -352,8 +353,9 @@ class OffloadedExpertExecutor:
         """The host work between two segments: the previous segment has been replayed, the next one reads the
         GPU share from `replay_experts()` and the CPU share from the static buffer."""
         t0 = time.perf_counter()
-        self._collect_copy_timings()
         io, layer = self._graph_io, boundary.layer
+        self._issue_deferred_prefetch(layer)
+        self._collect_copy_timings()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the segment's copies to the host have landed
         t_routed = time.perf_counter()
@@ -374,14 +376,25 @@ class OffloadedExpertExecutor:
             if y.data_ptr() != io.y_host.data_ptr():  # the torch fallback returns its own tensor
                 io.y_host.copy_(y)
             self._to_device(io.y, io.y_host)
-        # The prefetch goes last: host DRAM feeds both miss paths and is their shared limit, so copies queued
-        # while the CPU share still reads it would only slow that down. From here to the next layer's routing
-        # (the next segment's dense work, the sync) DRAM and the link would otherwise idle.
+        # The prefetch comes after the CPU share: host DRAM feeds both miss paths and is their shared limit, so
+        # copies queued while the CPU share still reads it would only slow that down. Its copies are queued at
+        # the start of the next boundary, once the next segment (that layer's dense work) has been launched:
+        # queueing them costs the host ~15 µs each, which would otherwise delay that launch. They wait for this
+        # step's expert work, which may still read a slot they overwrite.
         next_layer = self._prefetch_target(layer)
         if next_layer is not None and boundary.predicts:
             k = self._routers[next_layer][1]
-            self._prefetch(next_layer, set(io.predicted[:, :k].flatten().tolist()), self._prefetch_room(ids))
+            after = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
+            self._deferred_prefetch = (next_layer, set(io.predicted[:, :k].flatten().tolist()),
+                                       self._prefetch_room(ids), after)
         self._count_step_time(t0, t_routed, cpu_wait)
+
+    def _issue_deferred_prefetch(self, layer: int) -> None:
+        """Queues the prefetch the previous boundary planned for `layer` (dropped if this is another layer: a
+        step cut short)."""
+        pending, self._deferred_prefetch = self._deferred_prefetch, None
+        if pending is not None and pending[0] == layer:
+            self._prefetch(*pending)
 
     def _count_step_time(self, start: float, routed: float, cpu_wait: float) -> None:
         c = self.counters
@@ -398,18 +411,22 @@ class OffloadedExpertExecutor:
         else:
             dst.copy_(src, non_blocking=True)
 
-    def _prefetch(self, layer: int, experts: set[int], room: int) -> None:
+    def _prefetch(self, layer: int, experts: set[int], room: int, after: torch.cuda.Event | None = None) -> None:
         """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
         this layer's compute (a victim's slot may still be read by it). Only the share the planner would copy
         if they were misses: the rest would go to the CPU anyway, and extra copies would crowd the link.
-        Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs."""
+        Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs. `after`: an
+        event on the compute stream past the last reader of the slots (instead of all the compute queued)."""
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
         if self.miss_path == "auto":
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
         if not missing:
             return
         copier = self.copier
-        copier.begin(wait_compute=bool(self.cache.capacity))  # staging slots wait for their own last reader
+        # staging slots wait for their own last reader; cache slots for the compute queued so far, or `after`
+        copier.begin(wait_compute=bool(self.cache.capacity) and after is None)
+        if after is not None and self.cache.capacity:
+            copier.stream.wait_event(after)
         experts, slots = [], []
         for e in missing:
             if self.cache.capacity:
@@ -503,7 +520,7 @@ class OffloadedExpertExecutor:
         """Issues the copies first (side stream), computes the hits meanwhile, then each copied expert once its
         bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns."""
         copier = self.copier
-        copier.begin()
+        copier.begin(sample=False)  # staged copies wait for compute to free their slots: no sample of the link
         cached, staged = [], []
         for g in to_copy:
             admitted = self.cache.admit((layer, g.expert))

@@ -12,6 +12,8 @@ No torch here: the executor measures, this module only decides.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -75,6 +77,8 @@ class MissPlanner:
         self.learn = learn
         self._idle = {"copy": 0, "cpu": 0}
         self.steps = 0
+        # the latest raw samples (GB/s of copy and CPU batches, µs to queue one copy), for diagnostics
+        self.recent = {"copy": deque(maxlen=64), "cpu": deque(maxlen=64), "issue": deque(maxlen=64)}
 
     def split(self, misses: list, expert_bytes: int, tokens_of=lambda m: 1, min_copy: int = 0,
               observe: bool = True, copy_busy_s: float = 0.0) -> Split:
@@ -113,14 +117,19 @@ class MissPlanner:
         return on_cpu
 
     def describe(self) -> str:
-        """The current model, for logs and benchmark diagnostics."""
-        return (f"copy {self.copy.gb_s:.1f} GB/s + {self.copy.fixed * 1e6:.0f} µs, "
-                f"CPU {self.cpu.gb_s:.1f} GB/s + {self.cpu.fixed * 1e6:.0f} µs, "
-                f"{self.issue_s * 1e6:.1f} µs to queue a copy")
+        """The current model (and the median of its latest raw samples), for logs and benchmark diagnostics."""
+        def seen(kind: str, unit: str) -> str:
+            r = self.recent[kind]
+            return f" (latest {len(r)}: median {statistics.median(r):.1f} {unit})" if r else ""
+
+        return (f"copy {self.copy.gb_s:.1f} GB/s + {self.copy.fixed * 1e6:.0f} µs{seen('copy', 'GB/s')}, "
+                f"CPU {self.cpu.gb_s:.1f} GB/s + {self.cpu.fixed * 1e6:.0f} µs{seen('cpu', 'GB/s')}, "
+                f"{self.issue_s * 1e6:.1f} µs to queue a copy{seen('issue', 'µs')}")
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if self.learn:
             self.copy.observe(nbytes, seconds)
+            self.recent["copy"].append(nbytes / seconds / 1e9 if seconds > 0 else 0.0)
 
     def observe_issue(self, copies: int, seconds: float) -> None:
         """The host took `seconds` to queue `copies` copies."""
@@ -128,9 +137,11 @@ class MissPlanner:
             d = self.ISSUE_DECAY
             # one stalled step (a page fault, a collection) must not lock the copy path out: a sample counts for
             # at most a few times the current estimate, so a lasting change still shows within a few steps
+            self.recent["issue"].append(seconds / copies * 1e6)
             sample = min(seconds / copies, 4 * self.issue_s + 20e-6)
             self.issue_s = d * self.issue_s + (1 - d) * sample
 
     def observe_cpu(self, nbytes: int, seconds: float) -> None:
         if self.learn:
             self.cpu.observe(nbytes, seconds)
+            self.recent["cpu"].append(nbytes / seconds / 1e9 if seconds > 0 else 0.0)

@@ -44,7 +44,7 @@ class _Batch:
     start: object = None  # torch.cuda.Event, or a perf_counter float on the CPU
     end: object = None
     seconds: float | None = None  # CPU copies: known at once
-    cold: bool = False  # compiled or captured a kernel on the way: not a sample of the link's speed
+    sample: bool = True  # False: paced by something else (compute, a kernel compiled or captured on the way)
 
 
 class ExpertCopier:
@@ -68,18 +68,23 @@ class ExpertCopier:
         self.fused = self.quantized and self._direct and fused.available(device) and all(
             set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
             for le in host.values())
-        if self.fused:
-            self._prepare_fused()
         self._released: list[torch.cuda.Event | None] = [None] * staging_slots
         self._next_staging = 0
+        if self._direct:  # events recorded through the runtime: created (and recorded once by torch) up front
+            self._stream_handle = self.stream.cuda_stream
+            self._compute_mark = self._new_event()
+            self._release_marks = [self._new_event() for _ in range(staging_slots)]
+            self._timing_pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # free (start, end) pairs
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
             self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
         self._raw_batches: dict[str, torch.Tensor] = {}  # the same for several experts at once (to_slots)
         self._rows: torch.Tensor | None = None  # fused path: [n, expert bytes] on the device
-        self._dequant_graphs: dict[int, tuple[tuple[int, ...], torch.cuda.CUDAGraph]] = {}  # n → (pointers, graph)
+        self._dequant_graphs: dict[int, tuple] = {}  # n → (pointers, graph, its exec handle or None)
         self._launched: set[bool] = set()  # kernel variants compiled: reading slot numbers from the device or not
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
+        if self.fused:
+            self._prepare_fused()
 
     @property
     def staging_slots(self) -> int:
@@ -91,11 +96,18 @@ class ExpertCopier:
 
     # -- one layer-step: begin, any number of copies, end --
 
-    def begin(self, wait_compute: bool = True) -> None:
+    def begin(self, wait_compute: bool = True, sample: bool = True) -> None:
         """Before the step's copies: slots about to be overwritten may still be read by queued compute.
-        `wait_compute=False` when every copy goes to staging slots (their release events order them)."""
-        self._batch = _Batch()
-        if self.stream is not None and wait_compute:
+        `wait_compute=False` when every copy goes to staging slots (their release events order them) or the
+        caller orders them itself. `sample=False`: copies paced by compute (prefill's staging ring), whose
+        timing says nothing about the link."""
+        self._batch = _Batch(sample=sample)
+        if self.stream is None or not wait_compute:
+            return
+        if self._direct:
+            cudart.record_event(self._compute_mark, torch.cuda.current_stream(self.device).cuda_stream)
+            cudart.wait_event(self._stream_handle, self._compute_mark)
+        else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def to_slot(self, layer: int, expert: int, dest: LayerExperts, slot: int):
@@ -123,7 +135,10 @@ class ExpertCopier:
             i = (i + 1) % ring
         self._next_staging = (i + 1) % ring
         if self.stream is not None and self._released[i] is not None:
-            self.stream.wait_event(self._released[i])
+            if self._direct:
+                cudart.wait_event(self._stream_handle, self._released[i])
+            else:
+                self.stream.wait_event(self._released[i])
         return i
 
     def to_slots(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
@@ -137,9 +152,8 @@ class ExpertCopier:
                 for e, slot in zip(experts, slots, strict=True):
                     self._copy(layer, e, dest, slot)
             return
-        if self.fused:
-            with self._on_copy_stream():
-                self._fused_copies(layer, experts, dest, slots)
+        if self.fused:  # enters the copy stream only where torch launches something
+            self._fused_copies(layer, experts, dest, slots)
             return
         if len(experts) < 2:
             for e, slot in zip(experts, slots, strict=True):
@@ -177,7 +191,7 @@ class ExpertCopier:
         most = first.num_experts
         self._index_host = torch.empty((_INDEX_RING, most), dtype=torch.int64, pin_memory=True)
         self._index_rows = self._index_host.numpy()
-        self._index_read: list[torch.cuda.Event | None] = [None] * _INDEX_RING
+        self._index_read = [self._new_event() for _ in range(_INDEX_RING)]
         self._index_next = 0
         self._index_device = torch.empty(most, dtype=torch.int64, device=self.device)  # read in stream order
 
@@ -200,100 +214,48 @@ class ExpertCopier:
         """Rows [0, n) into their slots on the copy stream. Triton's launcher costs the host tens of µs per call,
         and this host thread is the decode step's critical path; a graph replay costs a few. The first launch
         compiles the kernel, each batch size's first use captures its graph (capturing runs nothing, so it is
-        safe whatever the slots hold), and a cache resize (the slots move) recaptures. Those batches are marked
-        cold: their timings say nothing about the link (see `finished_timings`)."""
+        safe whatever the slots hold), and a cache resize (the slots move) recaptures. Those batches are no
+        samples of the link's speed (see `finished_timings`). Replays go through the runtime where torch gives
+        the graph's handle (no stream context to enter)."""
         stacks = _stacks(dest)
         use_rows = DEQUANT_GRAPHS or n > 1  # a graph reads its slot numbers from the device, like a batch
         compiles = use_rows not in self._launched
         if not DEQUANT_GRAPHS or compiles:
-            self._batch.cold |= compiles
+            self._batch.sample &= not compiles
             self._launched.add(use_rows)
-            fused.dequantize_into(self._rows[:n], self._fused_type, stacks,
-                                  self._slot_index(slots) if use_rows else slots[0])
+            index = self._slot_index(slots) if use_rows else slots[0]
+            with torch.cuda.stream(self.stream):
+                fused.dequantize_into(self._rows[:n], self._fused_type, stacks, index)
             return
         index = self._slot_index(slots)
         pointers = (self._rows.data_ptr(), *(t.data_ptr() for t in stacks))
         entry = self._dequant_graphs.get(n)
         if entry is None or entry[0] != pointers:
-            self._batch.cold = True
+            self._batch.sample = False
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(capture_error_mode="thread_local")  # the CPU expert threads never touch CUDA
-            fused.dequantize_into(self._rows[:n], self._fused_type, stacks, index)
-            graph.capture_end()
-            entry = self._dequant_graphs[n] = (pointers, graph)
-        entry[1].replay()
-
-    def _raw_rows(self, n: int) -> torch.Tensor:
-        """[n, expert bytes] on the device: whole experts' block bytes, gate, up and down back to back."""
-        if self._rows is None or self._rows.shape[0] < n:
-            self._rows = torch.empty((max(n, self.staging_slots), self.expert_bytes), dtype=torch.uint8,
-                                     device=self.device)
-        return self._rows[:n]
-
-    def _prepare_fused(self) -> None:
-        first = next(iter(self.host.values()))
-        self._fused_type = first.type_names["gate_proj"]
-        # per layer: (address of expert 0, bytes per expert) of each projection: no tensor indexing per copy
-        self._block_sources = {layer: [(le.raw[p].data_ptr(), le.raw[p].shape[1]) for p in PROJECTIONS]
-                               for layer, le in self.host.items()}
-        # a batch's slot numbers cross from a ring of pinned rows: the host fills a row only once the copy that
-        # read it last time has run (its event)
-        most = first.num_experts
-        self._index_host = torch.empty((_INDEX_RING, most), dtype=torch.int64, pin_memory=True)
-        self._index_rows = self._index_host.numpy()
-        self._index_read: list[torch.cuda.Event | None] = [None] * _INDEX_RING
-        self._index_next = 0
-        self._index_device = torch.empty(most, dtype=torch.int64, device=self.device)  # read in stream order
-
-    def _fused_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
-        """On the copy stream: the experts' block bytes into rows of the device buffer (three runtime calls
-        each), then one launch dequantizes every row into its slot. Stream order keeps the next batch's copies
-        into these rows behind this launch."""
-        self._start_timing()
-        n, stream = len(experts), self.stream.cuda_stream
-        rows = self._raw_rows(n)
-        at, sources = rows.data_ptr(), self._block_sources[layer]
-        for e in experts:
-            for address, nbytes in sources:
-                cudart.copy_to_device(at, address + e * nbytes, nbytes, stream)
-                at += nbytes
-        self._dequantize_rows(n, dest, slots)
-        self._finish_timing(n)
-
-    def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int]) -> None:
-        """Rows [0, n) into their slots on the copy stream. Triton's launcher costs the host tens of µs per call,
-        and this host thread is the decode step's critical path; a graph replay costs a few. A batch size is
-        captured the second time it is seen (the first launch compiles and warms the kernel; capturing runs
-        nothing) and recaptured when the slots or the rows buffer move (a cache resize)."""
-        stacks = _stacks(dest)
-        if not DEQUANT_GRAPHS or n not in self._launched:
-            self._launched.add(n)
-            fused.dequantize_into(self._rows[:n], self._fused_type, stacks,
-                                  slots[0] if n == 1 else self._slot_index(slots))
-            return
-        index = self._slot_index(slots)
-        pointers = (self._rows.data_ptr(), *(t.data_ptr() for t in stacks))
-        entry = self._dequant_graphs.get(n)
-        if entry is None or entry[0] != pointers:
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(capture_error_mode="thread_local")  # the CPU expert threads never touch CUDA
-            fused.dequantize_into(self._rows[:n], self._fused_type, stacks, index)
-            graph.capture_end()
-            entry = self._dequant_graphs[n] = (pointers, graph)
-        entry[1].replay()
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(capture_error_mode="thread_local")  # the CPU expert threads never touch CUDA
+                fused.dequantize_into(self._rows[:n], self._fused_type, stacks, index)
+                graph.capture_end()
+            handle = graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else None
+            entry = self._dequant_graphs[n] = (pointers, graph, handle)
+        if entry[2] is not None:
+            cudart.launch_graph(entry[2], self._stream_handle)
+        else:
+            with torch.cuda.stream(self.stream):
+                entry[1].replay()
 
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """The slot numbers as a device tensor, queued on the copy stream without holding the host."""
         k = self._index_next
         self._index_next = (k + 1) % _INDEX_RING
-        if self._index_read[k] is not None:
-            self._index_read[k].synchronize()  # queued _INDEX_RING batches ago: long done in practice
+        self._index_read[k].synchronize()  # queued _INDEX_RING batches ago: long done in practice
         n = len(slots)
         self._index_rows[k, :n] = slots
         row_bytes = self._index_rows.shape[1] * 8
         cudart.copy_to_device(self._index_device.data_ptr(), self._index_host.data_ptr() + k * row_bytes, n * 8,
                               self.stream.cuda_stream)
-        self._index_read[k] = self.stream.record_event()
+        cudart.record_event(self._index_read[k], self._stream_handle)
         return self._index_device[:n]
 
     def _raw_batch(self, projection: str, n: int) -> torch.Tensor:
@@ -316,32 +278,44 @@ class ExpertCopier:
 
     def release(self, *staging: int) -> None:
         """The compute stream has queued its last read of these staging slots (ring indices)."""
-        if self.stream is not None and staging:
-            event = torch.cuda.current_stream(self.device).record_event()
+        if self.stream is None or not staging:
+            return
+        if self._direct:
+            compute = torch.cuda.current_stream(self.device).cuda_stream
             for i in staging:
-                self._released[i] = event
+                cudart.record_event(self._release_marks[i], compute)
+                self._released[i] = self._release_marks[i]
+            return
+        event = torch.cuda.current_stream(self.device).record_event()
+        for i in staging:
+            self._released[i] = event
 
     def end(self) -> None:
         batch, self._batch = self._batch, None
         if batch is not None and batch.nbytes:
-            if self.stream is not None:
+            if self._direct:
+                cudart.record_event(batch.end, self._stream_handle)
+            elif self.stream is not None:
                 batch.end = torch.cuda.Event(enable_timing=True)
                 batch.end.record(self.stream)
             self._timed.append(batch)
 
     @property
-    def batch_is_cold(self) -> bool:
-        """The open batch compiled or captured a kernel: the host's time to queue it is not a sample either."""
-        return self._batch is not None and self._batch.cold
+    def batch_is_sample(self) -> bool:
+        """False when the open batch compiled or captured a kernel: the host's time to queue it is no sample."""
+        return self._batch is not None and self._batch.sample
 
     def finished_timings(self) -> list[tuple[int, float, bool]]:
-        """(bytes, seconds, cold) of the steps whose copies have completed since the last call; never blocks."""
+        """(bytes, seconds, sample) of the steps whose copies have completed since the last call; never blocks.
+        `sample` is False for batches paced by something other than the link (see `begin`)."""
         done, pending = [], []
         for b in self._timed:
             if b.seconds is not None:
-                done.append((b.nbytes, b.seconds, b.cold))
+                done.append((b.nbytes, b.seconds, b.sample))
             elif b.end.query():
-                done.append((b.nbytes, b.start.elapsed_time(b.end) / 1e3, b.cold))
+                done.append((b.nbytes, b.start.elapsed_time(b.end) / 1e3, b.sample))
+                if self._direct:
+                    self._timing_pairs.append((b.start, b.end))
             else:
                 pending.append(b)
         self._timed = pending
@@ -352,15 +326,28 @@ class ExpertCopier:
     def _on_copy_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
+    def _new_event(self, timing: bool = False) -> torch.cuda.Event:
+        """An event torch has recorded once (on the copy stream), so the runtime can re-record it."""
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(self.stream)
+        return event
+
     def _record(self):
         return self.stream.record_event() if self.stream is not None else None
 
     def _start_timing(self) -> None:
         batch = self._batch
-        if batch.start is None:
-            batch.start = torch.cuda.Event(enable_timing=True) if self.stream is not None else time.perf_counter()
-            if self.stream is not None:
-                batch.start.record(self.stream)
+        if batch.start is not None:
+            return
+        if self._direct:
+            batch.start, batch.end = self._timing_pairs.pop() if self._timing_pairs else \
+                (self._new_event(timing=True), self._new_event(timing=True))
+            cudart.record_event(batch.start, self._stream_handle)
+        elif self.stream is not None:
+            batch.start = torch.cuda.Event(enable_timing=True)
+            batch.start.record(self.stream)
+        else:
+            batch.start = time.perf_counter()
 
     def _finish_timing(self, experts: int) -> None:
         batch = self._batch

@@ -118,3 +118,5 @@ def test_the_time_to_queue_copies_delays_the_cpu_and_is_learned():
 def test_the_planner_describes_its_current_model():
     planner = MissPlanner(40, 20, copy_fixed_s=20e-6, cpu_fixed_s=150e-6, issue_s=3e-6)
     assert planner.describe() == "copy 40.0 GB/s + 20 µs, CPU 20.0 GB/s + 150 µs, 3.0 µs to queue a copy"
+    planner.observe_issue(2, 10e-6)
+    assert planner.describe().endswith("µs to queue a copy (latest 1: median 5.0 µs)")
