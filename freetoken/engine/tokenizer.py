@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+KEPT_MARKERS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]",
+                          "[CALL_ID]", "<|python_tag|>"})
+
+
 @dataclass(slots=True, eq=False)
 class Tokenizer:
     """A model's tokenizer; build it with `from_hf_dir` or `from_gguf_metadata`."""
@@ -139,6 +143,9 @@ class Tokenizer:
     ) -> Tokenizer:
         special = frozenset(i for i, added in backend.get_added_tokens_decoder().items() if added.special)
         eos_ids = frozenset(extra_eos | set(_end_of_turn_ids(backend, special)))
+        # markers of reasoning and tool calls stay in decoded text even where a vocabulary flags them special
+        # (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): the server's output parser reads them
+        special = frozenset(i for i in special if backend.id_to_token(i) not in KEPT_MARKERS)
         bos = backend.id_to_token(bos_id) if bos_id is not None else None
         eos = backend.id_to_token(eos_id) if eos_id is not None else None
         compiled: dict[str, ChatTemplate] = {}
@@ -179,7 +186,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """With `skip_special_tokens`, drops `special_ids` (so never the markers of KEPT_MARKERS)."""
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self.backend.decode(ids, skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -2,9 +2,10 @@
 
 Models mark reasoning with `<think>…</think>` and tool calls with `<tool_call>…</tool_call>` (Hermes / Qwen: a
 JSON object `{"name", "arguments"}`; Qwen3-Coder: `<function=NAME><parameter=P>value</parameter></function>`).
-Llama 3 and Mistral answer a tool call with bare JSON instead (`{"name", "parameters"}`, or a list of calls after
-Mistral's `[TOOL_CALLS]` token, which decoding drops): with tools offered, an answer that opens with `{` or `[` is
-held and judged whole at the end. `OutputParser.push` takes each text delta and returns the parts it completes; a
+Mistral opens its calls with `[TOOL_CALLS]`: a JSON list of calls (older tokenizers) or `NAME[ARGS]{...}` per call
+(newer ones, with `[CALL_ID]id` in between for some); Llama 3.1 may open with `<|python_tag|>`; both are held and
+judged whole at the end. Llama 3 also answers a call with bare JSON (`{"name", "parameters"}`): with tools
+offered, an answer that opens with `{` or `[` is held and judged whole at the end too. `OutputParser.push` takes each text delta and returns the parts it completes; a
 tag cut across two deltas is held back until it can be told apart from text. A tool call is returned whole once
 its closing tag arrives.
 """
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+PYTHON_TAG = "<|python_tag|>"
+_HELD_TO_THE_END = (MISTRAL_CALLS, PYTHON_TAG)  # everything after these is calls, parsed once complete
 
 
 @dataclass(slots=True)
@@ -49,13 +53,15 @@ class OutputParser:
         self.buffer += text
         parts: list[Part] = []
         while True:
-            if self.state == "json":
-                return parts  # a bare JSON answer: judged whole in finish()
+            if self.state in ("json", "calls"):
+                return parts  # a bare JSON answer or marked calls: judged whole in finish()
             if self.state == "text" and self.tools and not self._answered:
                 head = self.buffer.lstrip()
                 if not head:
                     return parts  # only whitespace so far: wait to see how the answer opens
-                if head[0] in "{[":
+                if head[0] in "{[" and not head.startswith(MISTRAL_CALLS):
+                    if MISTRAL_CALLS.startswith(head):
+                        return parts  # "[" or "[TOOL_…" so far: a marker or a JSON list, not known yet
                     self.state = "json"
                     return parts
             if self.state == "tool":
@@ -68,7 +74,8 @@ class OutputParser:
             if self._after_reasoning:  # the newlines between a reasoning block and the answer belong to neither
                 self.buffer = self.buffer.lstrip("\n")
                 self._after_reasoning = not self.buffer
-            tags = [THINK_CLOSE] if self.state == "reasoning" else [THINK_OPEN] + ([TOOL_OPEN] if self.tools else [])
+            tags = [THINK_CLOSE] if self.state == "reasoning" else \
+                [THINK_OPEN] + ([TOOL_OPEN, *_HELD_TO_THE_END] if self.tools else [])
             found = [(self.buffer.find(t), t) for t in tags if self.buffer.find(t) >= 0]
             if not found:
                 keep = _partial_tag(self.buffer, tags)
@@ -77,6 +84,9 @@ class OutputParser:
                 return parts
             at, tag = min(found)
             self._emit_text(parts, self.buffer[:at])
+            if tag in _HELD_TO_THE_END:  # keep the marker: the calls after it are split on it
+                self.buffer, self.state = self.buffer[at:], "calls"
+                continue
             self.buffer = self.buffer[at + len(tag):]
             self.state = {THINK_OPEN: "reasoning", THINK_CLOSE: "text", TOOL_OPEN: "tool"}[tag]
             self._after_reasoning = tag == THINK_CLOSE
@@ -91,8 +101,8 @@ class OutputParser:
         rest, self.buffer = self.buffer, ""
         if self._after_reasoning:
             rest = rest.lstrip("\n")
-        if self.state == "json":
-            calls = parse_bare_calls(rest)
+        if self.state in ("json", "calls"):
+            calls = parse_bare_calls(rest) if self.state == "json" else parse_marked_calls(rest)
             return [Part("tool_call", call=c) for c in calls] if calls else _append([], "text", rest)
         if self.state == "tool":
             call = parse_tool_call(rest)
@@ -124,6 +134,32 @@ def parse_bare_calls(text: str) -> list[ToolCall]:
         return []
     calls = [_call_of(o) for o in (obj if isinstance(obj, list) else [obj])]
     return calls if calls and all(calls) else []
+
+
+def parse_marked_calls(text: str) -> list[ToolCall]:
+    """Calls after Mistral's `[TOOL_CALLS]` (a JSON list, or `NAME[ARGS]{...}` / `NAME[CALL_ID]id[ARGS]{...}` per
+    marker) or Llama's `<|python_tag|>` (a JSON call); [] unless every part is a call."""
+    calls: list[ToolCall] = []
+    for chunk in re.split(r"\[TOOL_CALLS\]|<\|python_tag\|>", text):
+        chunk = chunk.strip()
+        if not chunk:
+            continue
+        if MISTRAL_ARGS not in chunk:
+            found = parse_bare_calls(chunk)
+            if not found:
+                return []
+            calls += found
+            continue
+        head, args = chunk.split(MISTRAL_ARGS, 1)
+        name = head.split(MISTRAL_CALL_ID, 1)[0].strip()
+        try:
+            value = json.loads(args)
+        except json.JSONDecodeError:
+            return []
+        if not name or not isinstance(value, dict):
+            return []
+        calls.append(ToolCall(name, value))
+    return calls
 
 
 def _call_of(obj) -> ToolCall | None:

@@ -83,3 +83,36 @@ def test_json_that_is_not_a_call_is_text_and_text_first_is_never_held():
     parser = OutputParser()
     first = parser.push("Sure: ")  # answer text came first: later JSON is text, streamed as it comes
     assert [p.text for p in first] == ["Sure: "] and [p.text for p in parser.push('{"name": "x"}')] == ['{"name": "x"}']
+
+
+@pytest.mark.parametrize("sizes", [[1], [4], [1000]])
+def test_mistral_and_llama_marked_calls(sizes):
+    """Mistral's [TOOL_CALLS] before a JSON list (older tokenizers) or before NAME[ARGS]{...} per call (newer,
+    some with [CALL_ID]); Llama 3.1's <|python_tag|> before a JSON call. Text before a marker stays text."""
+    assert _run('[TOOL_CALLS][{"name": "ls", "arguments": {}}]', sizes) == [("tool_call", "ls", {})]
+    assert _run('[TOOL_CALLS]read_file[ARGS]{"path": "a.py"}[TOOL_CALLS]ls[ARGS]{}', sizes) == [
+        ("tool_call", "read_file", {"path": "a.py"}), ("tool_call", "ls", {})]
+    assert _run('Checking.[TOOL_CALLS]grep[CALL_ID]abc123XYZ[ARGS]{"q": "x"}', sizes) == [
+        ("text", "Checking."), ("tool_call", "grep", {"q": "x"})]
+    assert _run('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', sizes) == [
+        ("tool_call", "get_weather", {"city": "Paris"})]
+    # not calls after all: everything stays visible, marker included
+    assert _run("[TOOL_CALLS]oops[ARGS]{not json", sizes) == [("text", "[TOOL_CALLS]oops[ARGS]{not json")]
+    assert _run("[TOOL_CALLS]x[ARGS]{}", sizes, tools=False) == [("text", "[TOOL_CALLS]x[ARGS]{}")]
+
+
+def test_markers_survive_decoding_where_the_vocabulary_flags_them_special(tmp_path):
+    """A vocabulary may mark [TOOL_CALLS] as a control token; decoding for the server (special tokens skipped)
+    must keep it, or the calls after it would read as plain text."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    from freetoken.engine.tokenizer import Tokenizer
+
+    backend = Backend(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    backend.add_special_tokens(["[TOOL_CALLS]", "</s>"])
+    tok = Tokenizer._assemble(backend, bos_id=None, eos_id=3, extra_eos=set(), add_bos=False, templates={})
+    ids = [backend.token_to_id("[TOOL_CALLS]"), 0, backend.token_to_id("</s>")]
+    kept = tok.decode(ids, skip_special_tokens=True)  # (a word-level vocabulary joins tokens with spaces)
+    assert kept.startswith("[TOOL_CALLS]") and "</s>" not in kept
+    assert tok.decode(ids).endswith("</s>")
