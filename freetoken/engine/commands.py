@@ -58,12 +58,12 @@ def _device(name: str) -> str:
     return name
 
 
-def _load(a: argparse.Namespace):
+def _load(a: argparse.Namespace, on_progress=None):
     from freetoken.engine.loader import load_model
 
     cache = a.expert_cache if a.expert_cache in (None, "auto") else parse_bytes(a.expert_cache)
     return load_model(a.model, device=_device(a.device), dtype=_DTYPES[a.dtype], expert_cache=cache,
-                      expert_policy=a.expert_policy)
+                      expert_policy=a.expert_policy, on_progress=on_progress)
 
 
 def _messages(system: str | None, history: list[dict]) -> list[dict]:

@@ -93,10 +93,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, progress: bool = True, expert_cache: int | str | None = None,
-               expert_policy: str = "freq") -> LoadedModel:
+               expert_policy: str = "freq", on_progress=None) -> LoadedModel:
     """Loads a model onto `device`. `expert_cache` (bytes) keeps routed experts in host memory with a cache
     of that many bytes on the device; "auto" sizes it from free device memory (resident when all fit); None
-    keeps every expert resident on the device."""
+    keeps every expert resident on the device. `on_progress(done, total)` is called as tensors land (from the
+    loading threads too)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     path = resolve_model_source(source)
@@ -127,7 +128,15 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     # peak memory stays at the model's bytes. Dequantized GGUF tensors go one by one (each makes a temporary).
     parallel = (lambda name: True) if ckpt.format == "hf" else \
         (lambda name: raw_experts and bool(STACKED_EXPERT.fullmatch(name)))
-    place_all(placer, items, parallel, bar.update)
+    landed = [0]
+
+    def done() -> None:
+        bar.update()
+        landed[0] += 1
+        if on_progress is not None:
+            on_progress(landed[0], len(items))
+
+    place_all(placer, items, parallel, done)
     bar.close()
     layers = placer.finish()
     experts = build_executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy)

@@ -79,7 +79,7 @@ def _load_then_serve(a: argparse.Namespace, model_id: str, loading, server, stat
     from freetoken.server.engine import ServingEngine
 
     try:
-        lm = _load(a)
+        lm = _load(a, on_progress=loading.progress)
         kv_tokens = None
         if a.kv_cache:
             from freetoken.engine.offload.budget import kv_bytes_per_token
@@ -130,16 +130,32 @@ def ask(argv: list[str]) -> int:
 
 
 def _wait_healthy(url: str, seconds: float) -> str:
-    deadline = time.monotonic() + seconds
+    """The served model's name once /health says ok; says on stderr how loading goes, stops at a failed load."""
+    deadline, said, said_at = time.monotonic() + seconds, None, 0.0
     while True:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
                 return json.load(r)["model"]
+        except urllib.error.HTTPError as e:  # 503 while the model loads, or after its load failed
+            try:
+                body = json.loads(e.read())
+            except (json.JSONDecodeError, ValueError):
+                body = {}
+            if body.get("status") == "error":
+                raise FreeTokenError(f"the server at {url} could not load its model: {body.get('message')}") \
+                    from None
+            share = body.get("progress")
+            line = f"waiting for {url} to load {body.get('model', 'its model')}" + \
+                (f": {share:.0%} of the weights" if isinstance(share, (int, float)) else "")
+            if line != said and time.monotonic() - said_at >= 5:  # a line every few seconds at most
+                print(line, file=sys.stderr, flush=True)
+                said, said_at = line, time.monotonic()
         except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, KeyError):
-            if time.monotonic() > deadline:
-                raise FreeTokenError(f"no server answered at {url} within {seconds:.0f}s; start one with "
-                                     "`ft serve`") from None
-            time.sleep(0.5)
+            pass
+        if time.monotonic() > deadline:
+            raise FreeTokenError(f"no server answered at {url} within {seconds:.0f}s; start one with "
+                                 "`ft serve`") from None
+        time.sleep(0.5)
 
 
 def _loopback(host: str) -> bool:

@@ -17,6 +17,11 @@ class LoadingApp:
     def __init__(self, model: str):
         self.model, self.inner, self.error = model, None, None
         self.started = time.monotonic()
+        self.tensors = (0, 0)  # (loaded, total) weight tensors, once loading has counted them
+
+    def progress(self, done: int, total: int) -> None:
+        """Called by the loader (from its threads) as tensors land."""
+        self.tensors = (done, total)
 
     def ready(self, app) -> None:
         self.inner = app
@@ -34,6 +39,10 @@ class LoadingApp:
         if path == "/health":
             status = "error" if self.error else "loading"
             body = {"status": status, "model": self.model, "seconds": round(time.monotonic() - self.started, 1)}
+            done, total = self.tensors
+            if total:  # the share of weight tensors in place (the last steps after them take a moment more)
+                body["progress"] = round(done / total, 3)
+                body["tensors"] = {"loaded": done, "total": total}
             if self.error:
                 body["message"] = self.error
         else:

@@ -83,12 +83,17 @@ def test_while_the_model_loads_health_says_so_and_routes_answer_503(tiny_moe):
     url, server, thread = start_uvicorn(loading)
     try:
         r = httpx.get(f"{url}/health")
-        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert r.status_code == 503 and r.json()["status"] == "loading" and "progress" not in r.json()
+        seen = []
+        lm = load_model(tiny_moe, progress=False, on_progress=lambda done, total: (
+            loading.progress(done, total), seen.append(httpx.get(f"{url}/health").json())))
+        assert [b["tensors"]["loaded"] for b in seen] == list(range(1, len(seen) + 1))
+        assert seen[-1]["progress"] == 1.0 and 0 < seen[0]["progress"] < 1
         r = httpx.post(f"{url}/v1/chat/completions", json=CHAT)
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
         r = httpx.post(f"{url}/v1/messages", json=MESSAGE)
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
-        engine = ServingEngine(load_model(tiny_moe, progress=False), "tiny")
+        engine = ServingEngine(lm, "tiny")
         loading.ready(create_app(engine))
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
         assert httpx.post(f"{url}/v1/chat/completions", json=CHAT).status_code == 200
@@ -137,3 +142,21 @@ def test_the_expert_cache_resizes_while_serving(keyed_server, tiny_moe):
         assert r.status_code == 400 and "--expert-cache" in r.json()["error"]["message"]
     finally:
         resident.stop()
+
+
+def test_ask_reports_loading_progress_and_stops_at_a_failed_load(capsys):
+    from freetoken.server.loading import LoadingApp
+
+    loading = LoadingApp("big-model")
+    loading.progress(3, 10)
+    url, server, thread = start_uvicorn(loading)
+    try:
+        assert ft_main(["ask", "hi", "--url", url, "--wait", "1"]) == 2  # still loading after a second
+        err = capsys.readouterr().err
+        assert f"waiting for {url} to load big-model: 30% of the weights" in err and "within 1s" in err
+        loading.failed("no such file: big.gguf")
+        assert ft_main(["ask", "hi", "--url", url, "--wait", "60"]) == 2  # at once, not after a minute
+        assert "could not load its model: no such file: big.gguf" in capsys.readouterr().err
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
