@@ -5,9 +5,9 @@ JSON object `{"name", "arguments"}`; Qwen3-Coder: `<function=NAME><parameter=P>v
 Mistral opens its calls with `[TOOL_CALLS]`: a JSON list of calls (older tokenizers) or `NAME[ARGS]{...}` per call
 (newer ones, with `[CALL_ID]id` in between for some); Llama 3.1 may open with `<|python_tag|>`; both are held and
 judged whole at the end. Llama 3 also answers a call with bare JSON (`{"name", "parameters"}`): with tools
-offered, an answer that opens with `{` or `[` is held and judged whole at the end too. `OutputParser.push` takes each text delta and returns the parts it completes; a
-tag cut across two deltas is held back until it can be told apart from text. A tool call is returned whole once
-its closing tag arrives.
+offered, an answer that opens with `{` or `[` is held and judged whole at the end too. `OutputParser.push` takes
+each text delta and returns the parts it completes; a tag cut across two deltas is held back until it can be told
+apart from text. A tool call is returned whole once its closing tag arrives.
 """
 
 from __future__ import annotations
