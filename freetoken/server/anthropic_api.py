@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.errors import ChatTemplateError
-from freetoken.server.engine import ServingEngine
+from freetoken.server.engine import ChatPrompt, ServingEngine
 from freetoken.server.errors import APIError, context_exceeded_anthropic, stream_error
 from freetoken.server.output import OutputParser
 from freetoken.server.requests import (
@@ -35,6 +35,7 @@ from freetoken.server.requests import (
     sse,
     while_connected,
 )
+from freetoken.server.tool_choice import anthropic_choice
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
@@ -72,32 +73,32 @@ class CountRequest(BaseModel):
 def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
     r = APIRouter()
 
-    def prompt(req: MessagesRequest | CountRequest) -> tuple[str, list[int], list[dict] | None]:
+    def prompt(req: MessagesRequest | CountRequest) -> ChatPrompt:
         if req.model not in model_ids:
             raise APIError(404, f"model: {req.model} (this server serves {engine.model_id})")
         tools = _tools(req)
+        choice = anthropic_choice(getattr(req, "tool_choice", None), [t["function"]["name"] for t in tools or []])
         messages = _system(req.system) + [m for i, msg in enumerate(req.messages) for m in _messages(msg, i)]
         thinking = None if req.thinking is None else req.thinking.get("type") == "enabled"
         try:
-            text, ids = engine.chat_prompt(messages, tools, enable_thinking=thinking)
+            return engine.chat_prompt(messages, tools, enable_thinking=thinking, choice=choice)
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render these messages: {e}") from None
-        return text, ids, tools
 
     @r.post("/v1/messages/count_tokens", openapi_extra=body_doc(CountRequest, model_ids))
     async def count_tokens(request: Request) -> dict:
-        _, ids, _ = prompt(await read_body(request, CountRequest))
-        return {"input_tokens": len(ids)}
+        return {"input_tokens": len(prompt(await read_body(request, CountRequest)).ids)}
 
     @r.post("/v1/messages", openapi_extra=body_doc(MessagesRequest, model_ids))
     async def messages(request: Request):
         req = await read_body(request, MessagesRequest)
-        text, ids, tools = prompt(req)
+        chat = prompt(req)
+        ids = chat.ids
         admit(engine, ids, context_exceeded_anthropic)
         params = sampling_params(max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,
                                  seed=None, stop=list(req.stop_sequences or []))
-        parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=bool(tools))
+        parser = chat.parser()
         ident = f"msg_{uuid.uuid4().hex[:24]}"
         events = engine.stream(ids, params)
         if req.stream:

@@ -26,8 +26,22 @@ from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
 from freetoken.errors import FreeTokenError
+from freetoken.server.output import OutputParser
+from freetoken.server.tool_choice import ToolChoice, call_opener, call_syntax, with_tools_described
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    text: str  # the rendered prompt, ending with `opener`
+    ids: list[int]
+    opener: str  # written on the model's behalf (a forced tool call's opening), or ""
+    in_reasoning: bool  # the template left a reasoning block open
+    tools: bool  # tools were offered (the parser looks for calls)
+
+    def parser(self) -> OutputParser:
+        return OutputParser(in_reasoning=self.in_reasoning, tools=self.tools, prefix=self.opener)
 
 
 class ContextLengthExceeded(FreeTokenError):
@@ -98,10 +112,19 @@ class ServingEngine:
         return self.lm.tokenizer
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                    enable_thinking: bool | None = None) -> tuple[str, list[int]]:
-        """The chat template's rendering of a conversation and its token ids (ChatTemplateError if it fails)."""
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, enable_thinking=enable_thinking)
-        return text, self.tokenizer.encode(text)
+                    enable_thinking: bool | None = None, choice: ToolChoice | None = None) -> ChatPrompt:
+        """The chat template's rendering of a conversation and its token ids (ChatTemplateError if it fails).
+        Tools go through the template; one that never renders tools gets them described in the system message.
+        A `choice` that forces a call ends the prompt with the opening of one (see tool_choice.py)."""
+        tok = self.tokenizer
+        template = (tok.tool_use_template if tools else None) or tok.chat_template
+        syntax = call_syntax(template.source) if tools and template is not None else "none"
+        if tools and syntax == "none":
+            messages = with_tools_described(list(messages), list(tools))
+        text = tok.apply_chat_template(messages, tools=tools or None, enable_thinking=enable_thinking)
+        in_reasoning = text.rstrip().endswith("<think>")
+        opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
+        return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools))
 
     def check_fits(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.context_length:

@@ -36,6 +36,7 @@ from freetoken.server.requests import (
     text_content,
     while_connected,
 )
+from freetoken.server.tool_choice import openai_choice
 
 
 class _SamplingRequest(BaseModel):
@@ -96,20 +97,21 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         req = await read_body(request, ChatRequest)
         req.check(model_ids, engine)
         tools = _tools(req)
+        choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []])
         messages = [_message(m, i) for i, m in enumerate(req.messages)]
         thinking = None if req.reasoning_effort is None else req.reasoning_effort not in ("none", "minimal")
         try:
-            prompt_text, prompt_ids = engine.chat_prompt(messages, tools, enable_thinking=thinking)
+            chat = engine.chat_prompt(messages, tools, enable_thinking=thinking, choice=choice)
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
-        admit(engine, prompt_ids, context_exceeded_openai)
+        admit(engine, chat.ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_completion_tokens or req.max_tokens,
-                                 prompt_tokens=len(prompt_ids), context=engine.context_length,
+                                 prompt_tokens=len(chat.ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                                  seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
-        parser = OutputParser(in_reasoning=prompt_text.rstrip().endswith("<think>"), tools=bool(tools))
+        parser = chat.parser()
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        events = engine.stream(prompt_ids, params)
+        events = engine.stream(chat.ids, params)
         if req.stream:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream(engine, ident, events, parser, include_usage),

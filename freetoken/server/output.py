@@ -41,17 +41,20 @@ class Part:
 
 
 class OutputParser:
-    def __init__(self, *, in_reasoning: bool = False, tools: bool = True):
-        """`in_reasoning`: the prompt already opened a reasoning block (templates that end with `<think>`)."""
+    def __init__(self, *, in_reasoning: bool = False, tools: bool = True, prefix: str = ""):
+        """`in_reasoning`: the prompt already opened a reasoning block (templates that end with `<think>`).
+        `prefix`: text the prompt wrote on the model's behalf (a forced tool call's opening), read first."""
         self.state = "reasoning" if in_reasoning else "text"
         self.tools = tools
         self.buffer = ""
         self._after_reasoning = False
         self._answered = False  # answer text has been emitted (so it is not a bare JSON tool call)
+        self._pending: list[Part] = []
+        self._pending = self.push(prefix) if prefix else []
 
     def push(self, text: str) -> list[Part]:
         self.buffer += text
-        parts: list[Part] = []
+        parts, self._pending = self._pending, []
         while True:
             if self.state in ("json", "calls"):
                 return parts  # a bare JSON answer or marked calls: judged whole in finish()

@@ -35,6 +35,7 @@ from freetoken.server.requests import (
     text_content,
     while_connected,
 )
+from freetoken.server.tool_choice import openai_choice
 
 STORE_SIZE = 1024  # responses kept for previous_response_id
 
@@ -88,18 +89,20 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         conversation = [m for m in history if m["role"] != "system"] + new
         tools = _tools(req)
+        choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []], responses=True)
         effort = (req.reasoning or {}).get("effort")
         thinking = None if effort is None else effort not in ("none", "minimal")
         try:
-            text, ids = engine.chat_prompt(system + conversation, tools, enable_thinking=thinking)
+            chat = engine.chat_prompt(system + conversation, tools, enable_thinking=thinking, choice=choice)
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render this input: {e}", param="input") from None
+        ids = chat.ids
         admit(engine, ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_output_tokens, prompt_tokens=len(ids),
                                  context=engine.context_length, temperature=req.temperature, top_p=req.top_p,
                                  top_k=None, min_p=None, seed=None, stop=[])
         reply = _Reply(engine, req, f"resp_{uuid.uuid4().hex}", store if req.store else None, conversation)
-        parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=bool(tools))
+        parser = chat.parser()
         events = engine.stream(ids, params)
         if req.stream:
             return StreamingResponse(reply.stream(events, parser), media_type="text/event-stream",

@@ -1,0 +1,141 @@
+"""tool_choice in the three protocols: parsed and checked, honoured by opening the reply as a call in the model's
+own syntax (the parser reads the opening too), and tools described for templates that never render them."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from freetoken.server.errors import APIError
+from freetoken.server.output import OutputParser
+from freetoken.server.tool_choice import (
+    ToolChoice,
+    anthropic_choice,
+    call_opener,
+    call_syntax,
+    openai_choice,
+    with_tools_described,
+)
+
+NAMES = ["get_weather", "read_file"]
+
+# the parts of real chat templates that decide the syntax (abridged)
+TEMPLATES = {
+    "hermes": "{%- if tools %}<tools>{{ tool | tojson }}</tools> ... <tool_call>\n{\"name\": ...}\n</tool_call>",
+    "qwen-xml": "{%- if tools %}<tools>...</tools><tool_call>\n<function=example_function_name>\n<parameter=x>",
+    "mistral-args": "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                    "[TOOL_CALLS]{{ call.name }}[ARGS]{{ call.arguments|tojson }}",
+    "mistral-json": "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                    "[TOOL_CALLS][{{ tool_calls|tojson }}]",
+    "llama3": "{%- if tools is not none %}Environment: ipython ... {\"name\": function name, \"parameters\": "
+              "dictionary of argument name and its value} <|python_tag|>",
+    "none": "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>"
+            "{% endfor %}",
+}
+
+# what a model trained on each syntax writes after the opening of a call named get_weather
+CONTINUATIONS = {
+    "hermes": '{"city": "Paris"}}\n</tool_call>',
+    "qwen-xml": "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    "mistral-args": '{"city": "Paris"}',
+    "mistral-json": '{"city": "Paris"}}]',
+    "llama3": '{"city": "Paris"}}',
+    "none": '{"city": "Paris"}}\n</tool_call>',  # taught the Hermes format by the system message
+}
+
+
+@pytest.mark.parametrize("syntax", list(TEMPLATES))
+def test_the_syntax_is_read_from_the_template_and_a_named_opening_parses_as_that_call(syntax):
+    assert call_syntax(TEMPLATES[syntax]) == syntax
+    for in_reasoning in (False, True):
+        opener = call_opener(ToolChoice("named", "get_weather"), syntax, in_reasoning)
+        parser = OutputParser(in_reasoning=in_reasoning, prefix=opener)
+        parts = parser.push(CONTINUATIONS[syntax]) + parser.finish()
+        calls = [(p.call.name, p.call.arguments) for p in parts if p.kind == "tool_call"]
+        assert calls == [("get_weather", {"city": "Paris"})], (syntax, opener, parts)
+        assert not [p for p in parts if p.kind == "text" and p.text.strip()]
+
+
+def test_required_opens_a_call_without_a_name_and_auto_opens_nothing():
+    assert call_opener(ToolChoice("required"), "hermes") == "<tool_call>\n"
+    assert call_opener(ToolChoice("required"), "mistral-args") == "[TOOL_CALLS]"
+    assert call_opener(ToolChoice("required"), "qwen-xml", in_reasoning=True) == "</think>\n\n<tool_call>\n<function="
+    assert call_opener(ToolChoice("auto"), "hermes") == call_opener(ToolChoice("none"), "hermes") == ""
+    parser = OutputParser(prefix=call_opener(ToolChoice("required"), "hermes"))
+    parts = parser.push('{"name": "read_file", "arguments": {"path": "a.py"}}</tool_call>') + parser.finish()
+    assert [(p.call.name, p.call.arguments) for p in parts] == [("read_file", {"path": "a.py"})]
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, ToolChoice()), ("auto", ToolChoice()), ("none", ToolChoice("none")), ("required", ToolChoice("required")),
+    ({"type": "function", "function": {"name": "read_file"}}, ToolChoice("named", "read_file")),
+])
+def test_openai_choices(value, expected):
+    assert openai_choice(value, NAMES) == expected
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, ToolChoice()), ({"type": "auto"}, ToolChoice()), ({"type": "any"}, ToolChoice("required")),
+    ({"type": "none"}, ToolChoice("none")),
+    ({"type": "tool", "name": "get_weather"}, ToolChoice("named", "get_weather")),
+])
+def test_anthropic_choices(value, expected):
+    assert anthropic_choice(value, NAMES) == expected
+
+
+def test_bad_choices_are_400s_that_say_what_is_wrong():
+    cases = [
+        (lambda: openai_choice({"type": "function", "function": {"name": "rm"}}, NAMES), "not among the tools"),
+        (lambda: openai_choice("sometimes", NAMES), "tool_choice must be"),
+        (lambda: openai_choice("required", []), "needs tools"),
+        (lambda: openai_choice({"type": "function", "function": {"name": "x"}}, NAMES, responses=True),
+         '{"type": "function", "name": ...}'),
+        (lambda: anthropic_choice({"type": "tool"}, NAMES), "'type': 'tool', 'name'"),
+        (lambda: anthropic_choice({"type": "any"}, []), "needs tools"),
+    ]
+    for make, fragment in cases:
+        with pytest.raises(APIError) as e:
+            make()
+        assert e.value.status == 400 and fragment in e.value.message
+
+
+def test_tools_are_described_in_the_system_message_when_the_template_ignores_them():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    described = with_tools_described([{"role": "user", "content": "hi"}], tools)
+    assert described[0]["role"] == "system" and '"name": "get_weather"' in described[0]["content"]
+    kept = with_tools_described([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools)
+    assert kept[0]["content"].startswith("Be brief.\n\n") and "<tool_call>" in kept[0]["content"] and len(kept) == 2
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": CITY}}
+
+
+def test_through_the_server_a_forced_call_lengthens_the_prompt_by_its_opening(smollm2_server):
+    """SmolLM2's template never renders tools: they go into the system message, and a named choice ends the
+    prompt with the opening of that call. (Whether a 135M model then writes good arguments is its business.)"""
+    oai = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 8,
+           "temperature": 0}
+    plain = oai.chat.completions.create(**ask).usage.prompt_tokens
+    offered = oai.chat.completions.create(**ask, tools=[WEATHER]).usage.prompt_tokens
+    named = oai.chat.completions.create(**ask, tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}).usage.prompt_tokens
+    assert plain < offered < named
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        oai.chat.completions.create(**ask, tools=[WEATHER], tool_choice={"type": "function",
+                                                                         "function": {"name": "rm"}})
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        oai.responses.create(model="smollm2", input="hi", tool_choice="required", max_output_tokens=8)
+    ant = anthropic.Anthropic(base_url=smollm2_server.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    counted = ant.messages.count_tokens(model="smollm2", messages=msgs, tools=tools).input_tokens
+    reply = ant.messages.create(model="smollm2", max_tokens=8, messages=msgs, tools=tools,
+                                tool_choice={"type": "tool", "name": "get_weather"})
+    assert reply.usage.input_tokens > counted  # the opening of the call
+    with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
+        ant.messages.create(model="smollm2", max_tokens=8, messages=msgs, tools=tools,
+                            tool_choice={"type": "tool", "name": "rm"})
