@@ -123,3 +123,25 @@ def test_a_request_whose_sampling_fails_ends_alone(model):
         scheduler.step()
     assert isinstance(bad[-1], RuntimeError) and len(bad) == 1
     assert good[-1].finish_reason == "length" and good[-1].completion_tokens == 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("offload", [False, True])
+def test_on_cuda_batched_requests_get_their_own_tokens(model, offload):
+    """The CUDA path: one request decoding alone replays a CUDA graph (on the scheduler's own up-front KV pool),
+    several share eager forwards, offloaded experts go through the copy stream."""
+    lm = load_model(model, device="cuda", dtype=torch.float32, progress=False)
+    prompts = [prompt_ids(t) for t in TEXTS]
+    expected = [Generator(lm).generate_ids(p, GREEDY) for p in prompts]
+    if offload:
+        if lm.moe_spec is None:
+            pytest.skip("a dense model has no experts to offload")
+        lm = load_model(model, device="cuda", dtype=torch.float32, progress=False,
+                        expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
+    scheduler = BatchScheduler(lm, prefill_chunk=4)
+    assert scheduler.use_graphs
+    got, _ = _run(scheduler, prompts, join_late=True)
+    assert got == expected
+    alone, _ = _run(scheduler, prompts[:1])  # one request: its decode replays the graph
+    assert alone == expected[:1]
+    assert scheduler.cache.allocator.num_free == scheduler.cache.allocator.num_pages
