@@ -3,9 +3,11 @@
 Each step runs one forward over the next token of every sequence that is decoding plus, interleaved, one chunk
 of at most `prefill_chunk` tokens of a prompt still being prefilled, so a long prompt never stalls the streams
 already talking. Requests join and leave between steps. All sequences live in one paged KV cache; a finished or
-cancelled sequence returns its pages at once. On CUDA a step with a single decoding sequence replays the CUDA
-graph of the single-sequence path (the KV pool is then allocated at full size up front, as the graphs need);
-every other step runs eagerly through `LoadedModel.forward_batch`.
+cancelled sequence returns its pages at once, except its full pages, which the prefix cache keeps (until the
+pool needs them) so a later prompt that starts with the same tokens, an agent's next turn, reuses their K/V.
+On CUDA a step with a single decoding sequence replays the CUDA graph of the single-sequence path (the KV pool is
+then allocated at full size up front, as the graphs need); every other step runs eagerly through
+`LoadedModel.forward_batch`.
 
 Shapes: B sequences in a step, V vocabulary.
 """
@@ -20,6 +22,7 @@ import torch
 from freetoken.engine.generator import GenerationEvent, Reply, run_settings
 from freetoken.engine.kv_cache import SequenceKV
 from freetoken.engine.loader import LoadedModel
+from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
 
@@ -40,7 +43,9 @@ class BatchRequest:
     seq: SequenceKV | None = None
     reply: Reply | None = None
     prefilled: int = 0  # prompt tokens in the cache
+    cached: int = 0  # of those, taken from the prefix cache
     next_token: int | None = None  # sampled, not yet in the cache
+    fed: list[int] = field(default_factory=list)  # generated tokens written to the cache
     steps: list[int] = field(default_factory=list)  # batch sizes of the forwards this request took part in
 
     @property
@@ -51,10 +56,11 @@ class BatchRequest:
 class BatchScheduler:
     def __init__(self, lm: LoadedModel, *, max_batch: int = 16, prefill_chunk: int | None = None,
                  max_seq_len: int | None = None, kv_tokens: int | None = None, page_size: int = 16,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, prefix_cache: bool = True):
         """`max_seq_len`: tokens one request may hold (default: the model's context); `kv_tokens`: tokens all
         requests hold together (default: unbounded on the CPU, where the pool grows; on CUDA the pool is
-        allocated up front, `max_seq_len` tokens by default)."""
+        allocated up front, `max_seq_len` tokens by default). `prefix_cache`: keep finished requests' full
+        pages for later prompts with the same start."""
         self.lm, self.max_batch = lm, max_batch
         self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
         if self.use_graphs:
@@ -66,6 +72,13 @@ class BatchScheduler:
         self._graphs = None
         self.active: list[BatchRequest] = []
         self.forwards = 0
+        self.prefix = None
+        if prefix_cache:
+            # a growing pool (CPU) would grow for cached pages too: their count is capped at two full contexts
+            cap = None if self.cache.max_pages is not None else 2 * -(-self.capacity // page_size)
+            allocator = self.cache.allocator
+            self.prefix = PrefixCache(page_size, allocator.retain, allocator.free, max_pages=cap)
+            self.cache.reclaim = self.prefix.evict
 
     def has_room(self) -> bool:
         return len(self.active) < self.max_batch
@@ -79,6 +92,11 @@ class BatchScheduler:
         budget = min(req.params.max_tokens, self.capacity - len(req.prompt_ids))
         req.seq = self.cache.new_sequence()
         req.reply = Reply(self.lm, len(req.prompt_ids), req.params, budget)
+        if self.prefix is not None:
+            shared = self.prefix.match(req.prompt_ids)
+            if shared:
+                self.cache.adopt(req.seq, shared)
+                req.prefilled = req.cached = req.reply.cached_tokens = req.seq.length
         self.active.append(req)
 
     @torch.inference_mode()
@@ -126,6 +144,7 @@ class BatchScheduler:
                 self._finish(req)
             else:
                 req.next_token = ev.token_ids[0]
+                req.fed.append(req.next_token)  # written to the cache by the next step
         return dropped
 
     def _forward(self, batch: list[BatchRequest], tokens: list[int], counts: list[int]) -> torch.Tensor:
@@ -145,7 +164,7 @@ class BatchScheduler:
             return
         need = sum(max(0, -(-(r.seq.length + n) // cache.page_size) - len(r.seq.pages))
                    for r, n in zip(batch, counts, strict=True))
-        free = cache.allocator.num_free
+        free = cache.free_pages(need)  # the prefix cache gives back what it can first
         if cache.max_pages is not None:
             free += cache.max_pages - cache.allocator.num_pages
         if need <= free:
@@ -158,7 +177,12 @@ class BatchScheduler:
 
     def _finish(self, req: BatchRequest) -> None:
         self.active.remove(req)
-        self.cache.release(req.seq)
+        seq = req.seq
+        if self.prefix is not None and seq.length:
+            # the cache holds the prompt and the generated tokens fed back so far (the last sampled one was
+            # never fed); a later turn that resends this reply in its history reuses it too
+            self.prefix.insert((req.prompt_ids + req.fed)[:seq.length], seq.pages)
+        self.cache.release(seq)
 
     def abort_all(self, error: BaseException) -> None:
         for req in list(self.active):

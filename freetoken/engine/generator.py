@@ -44,6 +44,7 @@ class GenerationEvent:
     completion_tokens: int = 0
     timings: Timings | None = None
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    cached_tokens: int = 0  # prompt tokens whose K/V came from an earlier request (not computed)
 
 
 class Generator:
@@ -147,6 +148,7 @@ class Reply:
         self.detok = _text_pipeline(lm, params) if decode_text else None
         self.timings = Timings()
         self.produced = 0
+        self.cached_tokens = 0  # set by the caller when the prompt starts on a cached prefix
         self.started = time.perf_counter()
 
     def prefilled(self) -> None:
@@ -170,10 +172,12 @@ class Reply:
             text += detok.flush() if detok is not None else ""
         ids = [] if token in self.eos else [token]
         if finish is None:
-            return GenerationEvent(ids, text, None, self.prompt_tokens, self.produced)
+            return GenerationEvent(ids, text, None, self.prompt_tokens, self.produced,
+                                   cached_tokens=self.cached_tokens)
         self.timings.decode_s = time.perf_counter() - self.started - self.timings.prefill_s
         matched = detok.stops.matched if detok is not None else None
-        return GenerationEvent(ids, text, finish, self.prompt_tokens, self.produced, self.timings, matched)
+        return GenerationEvent(ids, text, finish, self.prompt_tokens, self.produced, self.timings, matched,
+                               self.cached_tokens)
 
 
 class _TextPipeline:

@@ -10,17 +10,20 @@ Shapes: L cached tokens, T new tokens, Hkv KV heads, D head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 
 class PageAllocator:
-    """Free-list of page ids. Invariant: every page id is either free or owned by exactly one sequence."""
+    """Free-list of page ids with reference counts. Invariant: every page id is either free or referenced by its
+    holders (sequences, the prefix cache) exactly `refs[page]` times; it is free again when the last lets go."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+        self.refs: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -33,10 +36,29 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"KV cache needs {n} pages, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        """One more holder of each page (a page shared by another sequence, or kept by the prefix cache)."""
+        for p in pages:
+            if p not in self.refs:
+                raise ValueError(f"page {p} is free; only a held page can be shared")
+            self.refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """One holder fewer for each page; pages nobody holds go back to the free list."""
+        released = []
+        for p in pages:
+            left = self.refs[p] - 1
+            if left:
+                self.refs[p] = left
+            else:
+                del self.refs[p]
+                released.append(p)
+        self._free.extend(reversed(released))
 
 
 @dataclass(slots=True)
@@ -59,12 +81,35 @@ class PagedKVCache:
         self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
         self.max_pages = max_pages
         self.allocator = PageAllocator(initial_pages)
+        # frees held-but-idle pages (the prefix cache's) when the pool runs short: called with the number of
+        # pages wanted, returns how many references it dropped (0: nothing left to give)
+        self.reclaim: Callable[[int], int] | None = None
         shape = (initial_pages * page_size, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV(slots=torch.empty(0, dtype=torch.long, device=self.device))
+
+    def adopt(self, seq: SequenceKV, pages: list[int]) -> None:
+        """Starts an empty `seq` on shared full pages (a cached prefix): it holds them too and its own tokens
+        go to pages after them, so the shared ones are never written."""
+        if seq.pages:
+            raise ValueError("only an empty sequence can adopt a prefix")
+        self.allocator.retain(pages)
+        seq.pages = list(pages)
+        seq.length = len(pages) * self.page_size
+        offsets = torch.arange(self.page_size, device=self.device)
+        seq.slots = (torch.tensor(pages, dtype=torch.long, device=self.device)[:, None] * self.page_size
+                     + offsets).flatten() if pages else torch.empty(0, dtype=torch.long, device=self.device)
+
+    def free_pages(self, wanted: int) -> int:
+        """Free pages, after asking `reclaim` for up to `wanted` of them."""
+        allocator = self.allocator
+        while self.reclaim is not None and allocator.num_free < wanted:
+            if not self.reclaim(wanted - allocator.num_free):
+                break
+        return allocator.num_free
 
     def release(self, seq: SequenceKV) -> None:
         self.allocator.free(seq.pages)
@@ -76,7 +121,7 @@ class PagedKVCache:
         need = -(-(seq.length + n_new) // self.page_size) - len(seq.pages)
         if need <= 0:
             return
-        if need > self.allocator.num_free:
+        if need > self.free_pages(need):
             self._grow(self.allocator.num_pages - self.allocator.num_free + need)
         new_pages = self.allocator.allocate(need)
         seq.pages.extend(new_pages)

@@ -42,6 +42,9 @@ class KVStats:
     page_size: int
     pages_total: int
     pages_free: int
+    pages_cached: int = 0  # kept by the prefix cache for later prompts (given back when the pool needs them)
+    prefix_lookups: int = 0  # prompts looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # prompt tokens whose K/V were reused
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,7 +60,7 @@ class EngineStats:
         return d
 
 
-def snapshot(lm, cache: PagedKVCache | None = None) -> EngineStats:
+def snapshot(lm, cache: PagedKVCache | None = None, prefix=None) -> EngineStats:
     spec, ex = lm.moe_spec, lm.experts
     if spec is None:
         experts = ExpertStats("none")
@@ -73,5 +76,6 @@ def snapshot(lm, cache: PagedKVCache | None = None) -> EngineStats:
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype))
     kv = None
     if cache is not None:
-        kv = KVStats(cache.page_size, cache.allocator.num_pages, cache.allocator.num_free)
+        kv = KVStats(cache.page_size, cache.allocator.num_pages, cache.allocator.num_free,
+                     *((len(prefix), prefix.lookups, prefix.hit_tokens) if prefix is not None else ()))
     return EngineStats(str(lm.device), str(lm.dtype).removeprefix("torch."), experts, kv)

@@ -110,11 +110,15 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
 
 
 def _message(engine: ServingEngine, ident: str, content: list, stop_reason: str | None, input_tokens: int,
-             output_tokens: int) -> dict:
+             output_tokens: int, cached: int = 0) -> dict:
     return {"id": ident, "type": "message", "role": "assistant", "model": engine.model_id, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+            "stop_reason": stop_reason, "stop_sequence": None, "usage": _usage(input_tokens, output_tokens, cached)}
+
+
+def _usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
+    """Anthropic counts prompt tokens read from the cache apart: input_tokens are the ones computed."""
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 async def _complete(engine: ServingEngine, ident: str, events: AsyncIterator, parser: OutputParser) -> dict:
@@ -132,7 +136,7 @@ async def _complete(engine: ServingEngine, ident: str, events: AsyncIterator, pa
         blocks = [{"type": "text", "text": ""}]
     used_tools = any(b["type"] == "tool_use" for b in blocks)
     message = _message(engine, ident, blocks, _stop_reason(last, used_tools), last.prompt_tokens,
-                       last.completion_tokens)
+                       last.completion_tokens, last.cached_tokens)
     message["stop_sequence"] = last.stop_sequence
     return message
 
@@ -188,7 +192,8 @@ async def _stream(engine: ServingEngine, ident: str, prompt_tokens: int, events:
         yield stop()
     yield sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(last, used_tools),
                                                    "stop_sequence": last.stop_sequence},
-               "usage": {"output_tokens": last.completion_tokens}}, "message_delta")
+               # the full usage: message_start went out before the prompt met the prefix cache
+               "usage": _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")
 
 

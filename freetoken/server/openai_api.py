@@ -229,7 +229,8 @@ async def _stream(engine: ServingEngine, ident: str, events: AsyncIterator, pars
 
 def _usage(ev) -> dict:
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
 
 
 def _call_id() -> str:

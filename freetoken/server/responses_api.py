@@ -190,7 +190,7 @@ class _Reply:
     def body(self, status: str) -> dict:
         last = self.last
         usage = None if last is None else {
-            "input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": last.cached_tokens},
             "output_tokens": last.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": last.prompt_tokens + last.completion_tokens}
         req = self.req
