@@ -1,9 +1,13 @@
 """Paged KV cache: fixed-size pages in one pool per layer, a page table per sequence.
 
 Bookkeeping (`PageAllocator`, `SequenceKV.pages`) is plain Python; the tensors live in `PagedKVCache`. A page
-holds `page_size` consecutive token slots of one sequence; a token's slot is `page * page_size + offset`, so
-K/V pools are addressed flat as [num_pages * page_size, n_kv_heads, head_dim]. Pools grow by doubling when the
-allocator runs dry, so a short chat never pays for the model's full context up front.
+holds `page_size` consecutive token slots; a token's slot is `page * page_size + offset`, so K/V pools are
+addressed flat as [num_pages * page_size, n_kv_heads, head_dim]. Pools grow by doubling when the allocator runs
+dry, so a short chat never pays for the model's full context up front.
+
+Pages are reference-counted: a fork shares every page of its parent, a cached prefix is shared by the prompts
+that start with it. A sequence about to write into a page someone else also holds gets its own copy first
+(copy on write, in `reserve`), so sharing is invisible to the model code.
 
 Shapes: L cached tokens, T new tokens, Hkv KV heads, D head dim.
 """
@@ -103,6 +107,12 @@ class PagedKVCache:
         seq.slots = (torch.tensor(pages, dtype=torch.long, device=self.device)[:, None] * self.page_size
                      + offsets).flatten() if pages else torch.empty(0, dtype=torch.long, device=self.device)
 
+    def fork(self, seq: SequenceKV) -> SequenceKV:
+        """A second sequence holding the same tokens: it shares every page (no K/V is copied) until one of the
+        two writes into a shared page, which then gets copied for the writer."""
+        self.allocator.retain(seq.pages)
+        return SequenceKV(list(seq.pages), seq.length, seq.slots.clone())
+
     def free_pages(self, wanted: int) -> int:
         """Free pages, after asking `reclaim` for up to `wanted` of them."""
         allocator = self.allocator
@@ -118,6 +128,7 @@ class PagedKVCache:
 
     def reserve(self, seq: SequenceKV, n_new: int) -> None:
         """Makes room for `n_new` more tokens of `seq` (called once per forward, before any layer writes)."""
+        self._own_pages(seq, n_new)
         need = -(-(seq.length + n_new) // self.page_size) - len(seq.pages)
         if need <= 0:
             return
@@ -128,6 +139,26 @@ class PagedKVCache:
         offsets = torch.arange(self.page_size, device=self.device)
         new_slots = (torch.tensor(new_pages, device=self.device)[:, None] * self.page_size + offsets).flatten()
         seq.slots = torch.cat([seq.slots, new_slots])
+
+    def _own_pages(self, seq: SequenceKV, n_new: int) -> None:
+        """Copy on write: the pages the next `n_new` tokens land in (among those `seq` has) become its own."""
+        if n_new <= 0:
+            return
+        first, last = seq.length // self.page_size, (seq.length + n_new - 1) // self.page_size
+        for i in range(first, min(last + 1, len(seq.pages))):
+            old = seq.pages[i]
+            if self.allocator.refs[old] == 1:
+                continue
+            if self.free_pages(1) < 1:
+                self._grow(self.allocator.num_pages + 1)
+            new = self.allocator.allocate(1)[0]
+            size = self.page_size
+            for pool in (*self.k, *self.v):
+                pool[new * size:(new + 1) * size] = pool[old * size:(old + 1) * size]
+            seq.pages[i] = new
+            seq.slots = seq.slots.clone()  # a fork's slots may be a view its parent also reads
+            seq.slots[i * size:(i + 1) * size] = torch.arange(new * size, (new + 1) * size, device=self.device)
+            self.allocator.free([old])
 
     def _grow(self, pages_needed: int) -> None:
         new_total = max(pages_needed, 2 * self.allocator.num_pages)
