@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from freetoken.engine.kv_cache import PagedKVCache
+from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.sampling import Sampler, SamplingParams
 from freetoken.engine.stops import StopMatcher
@@ -75,6 +75,11 @@ class Generator:
             last = ev
         return "".join(parts), last
 
+    def cache(self, n_tokens: int = 0) -> PagedKVCache:
+        """The generator's KV cache (created on first use, for at least `n_tokens`); sequences of one generator
+        live in it together, so they can share pages (forks, sessions)."""
+        return self._cache_for(max(n_tokens, 1))
+
     def _cache_for(self, n_tokens: int) -> PagedKVCache:
         if self._cache is None:
             initial = self.capacity if self.use_graphs else n_tokens
@@ -93,21 +98,37 @@ class Generator:
         if len(prompt_ids) >= self.capacity:
             raise FreeTokenError(f"the prompt has {len(prompt_ids)} tokens; this generator holds at most "
                                  f"{self.capacity} (the model's context is {self.lm.context_length})")
-        budget = min(params.max_tokens, self.capacity - len(prompt_ids))
-        cache = self._cache_for(len(prompt_ids) + budget)
+        cache = self._cache_for(len(prompt_ids) + min(params.max_tokens, self.capacity - len(prompt_ids)))
         seq = cache.new_sequence()
-        reply = Reply(self.lm, len(prompt_ids), params, budget, decode_text)
         try:
-            logits = self._prefill(prompt_ids, cache, seq)
-            reply.prefilled()
-            while True:
-                ev = reply.accept(logits)
-                yield ev
-                if ev.finish_reason is not None:
-                    return
-                logits = self._decode(ev.token_ids[0], cache, seq)
+            yield from self.extend(seq, prompt_ids, params, decode_text=decode_text)
         finally:
             cache.release(seq)
+
+    @torch.inference_mode()
+    def extend(self, seq: SequenceKV, new_ids: list[int], params: SamplingParams, *, decode_text: bool = True,
+               cached_tokens: int = 0) -> Iterator[GenerationEvent]:
+        """Prefills `new_ids` after the tokens `seq` already holds (in this generator's cache), then generates.
+        The generated tokens stay in `seq`, all but the last sampled one (never fed back); the caller owns `seq`.
+        `cached_tokens` is what the events report as reused (the tokens `seq` held that the prompt shares)."""
+        if not new_ids:
+            raise FreeTokenError("nothing new to prefill; give at least one token")
+        total = seq.length + len(new_ids)
+        if total >= self.capacity:
+            raise FreeTokenError(f"the prompt has {total} tokens; this generator holds at most {self.capacity} "
+                                 f"(the model's context is {self.lm.context_length})")
+        budget = min(params.max_tokens, self.capacity - total)
+        cache = self._cache_for(total + budget)
+        reply = Reply(self.lm, total, params, budget, decode_text)
+        reply.cached_tokens = cached_tokens
+        logits = self._prefill(new_ids, cache, seq)
+        reply.prefilled()
+        while True:
+            ev = reply.accept(logits)
+            yield ev
+            if ev.finish_reason is not None:
+                return
+            logits = self._decode(ev.token_ids[0], cache, seq)
 
     def _prefill(self, prompt_ids: list[int], cache: PagedKVCache, seq) -> torch.Tensor:
         tokens = torch.tensor(prompt_ids, dtype=torch.long, device=self.lm.device)

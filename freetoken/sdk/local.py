@@ -1,0 +1,238 @@
+"""The in-process SDK: `Engine.load(...)`, `engine.session(...)`, and sessions that send, fork, checkpoint,
+roll back and edit their history while reusing every K/V they can.
+
+A session keeps its conversation (template messages) and one KV sequence holding the tokens of the conversation
+as last rendered. Each `send` renders the whole conversation with the new message, keeps the longest common
+prefix of tokens already in the cache and computes only the rest: an edit in the middle recomputes from the
+edit on, a rollback or a fork starts from pages it shares. `fork()` shares every page (nothing is copied until a
+branch writes into a shared page); a checkpoint holds a fork of the sequence, so rolling back is as cheap.
+
+One worker thread runs every operation of an engine's sessions in order (generation, fork, rollback, ...), so
+replies can be read from any thread or event loop and sessions never race; a reply is generated whether or not
+it is read.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from freetoken.engine.generator import Generator
+from freetoken.engine.sampling import SamplingParams
+from freetoken.errors import FreeTokenError
+from freetoken.sdk.reply import Reply, ReplyStats
+from freetoken.server.output import OutputParser
+
+
+class Worker:
+    """One thread running jobs in the order they were queued."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, job: Callable[[], Any]) -> Any:
+        """Runs `job` on the worker, after everything queued before it; returns its result (or raises)."""
+        done: queue.Queue = queue.Queue(maxsize=1)
+        self._jobs.put(lambda: done.put(_outcome(job)))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=60)
+
+
+class Engine(Worker):
+    """A loaded model and the worker that runs its sessions. Use `Engine.load(...)`, then `engine.session()`."""
+
+    def __init__(self, lm, *, max_seq_len: int | None = None):
+        self.lm = lm
+        self.generator = Generator(lm, max_seq_len=max_seq_len)
+        self.cache = self.generator.cache()
+        super().__init__("ft-sdk")
+
+    @classmethod
+    def load(cls, model: str | None = None, *, device: str = "auto", dtype: str | None = None,
+             expert_cache: int | str | None = None, max_seq_len: int | None = None, progress: bool = False,
+             **options: Any) -> Engine:
+        """Loads `model` (an HF directory, a .gguf file, a cached HF repo id; default: the embedded SmolLM2).
+        `expert_cache` keeps routed experts in host memory behind a device cache of that many bytes ("8GiB",
+        "auto"); other options go to the loader (`expert_policy`)."""
+        import torch
+
+        from freetoken.engine.loader import load_model
+        from freetoken.units import parse_bytes
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        cache = parse_bytes(expert_cache) if isinstance(expert_cache, str) and expert_cache != "auto" \
+            else expert_cache
+        lm = load_model(model, device=device, dtype=torch_dtype, expert_cache=cache, progress=progress, **options)
+        return cls(lm, max_seq_len=max_seq_len)
+
+    def session(self, system: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                messages: Sequence[Mapping[str, Any]] = ()) -> Session:
+        """A new conversation: an optional system prompt, tools (OpenAI function shape), earlier messages."""
+        history = ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in messages]
+        return Session(self, history, list(tools) if tools else None)
+
+
+
+def _outcome(job: Callable[[], Any]) -> tuple[bool, Any]:
+    try:
+        return True, job()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+        return False, e
+
+
+class Session:
+    """One conversation on an engine. `send` returns a `Reply` at once; the reply's text, reasoning, tool calls
+    and stats are there once it completes (iterate it to stream). Messages are OpenAI-style dicts; a plain
+    string is a user message."""
+
+    def __init__(self, engine: Engine, messages: list[dict], tools: list[dict] | None):
+        self.engine, self._messages, self.tools = engine, messages, tools
+        self._seq = engine.cache.new_sequence()
+        self._tokens: list[int] = []  # what `_seq` holds
+        self._checkpoints: dict[str, tuple[list[dict], list[int], Any]] = {}
+
+    @property
+    def messages(self) -> list[dict]:
+        """The conversation so far (a copy), as of every operation queued before this call."""
+        return self.engine.run(lambda: copy.deepcopy(self._messages))
+
+    def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None) -> Reply:
+        msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                stop=tuple(stop), seed=seed)
+        reply = Reply()
+        self.engine.submit(lambda: self._generate(msg, params, reply))
+        return reply
+
+    def _generate(self, msg: dict, params: SamplingParams, reply: Reply) -> None:
+        try:
+            stats = self._generate_into(msg, params, reply)
+        except BaseException as e:  # noqa: BLE001 - the reader gets it
+            reply.close(error=e)
+        else:
+            reply.close(stats)
+
+    def _generate_into(self, msg: dict, params: SamplingParams, reply: Reply) -> ReplyStats:
+        lm, cache = self.engine.lm, self.engine.cache
+        messages = self._messages + [msg]
+        text = lm.tokenizer.apply_chat_template(messages, tools=self.tools)
+        prompt = lm.tokenizer.encode(text)
+        common = _common_prefix(self._tokens, prompt, limit=len(prompt) - 1)
+        cache.truncate(self._seq, common)  # history past an edit, or the end of the last reply, recomputed
+        self._tokens = prompt[:common]
+        parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=bool(self.tools))
+        generated, parts, last = [], [], None
+        try:
+            for ev in self.engine.generator.extend(self._seq, prompt[common:], params, cached_tokens=common):
+                generated += ev.token_ids
+                for part in parser.push(ev.text) + (parser.finish() if ev.finish_reason else []):
+                    parts.append(part)
+                    reply.put(part)
+                last = ev
+        finally:
+            self._tokens = (prompt + generated)[:self._seq.length]
+            reply.generated_ids = generated
+        self._messages = messages + [_assistant_message(parts)]
+        calls = any(p.kind == "tool_call" for p in parts)
+        t = last.timings
+        decode = (last.completion_tokens - 1) / t.decode_s if t and t.decode_s > 0 and last.completion_tokens > 1 \
+            else None
+        return ReplyStats(last.prompt_tokens, common, last.completion_tokens, t.first_token_s if t else None,
+                          decode, "tool_calls" if calls else last.finish_reason)
+
+    def fork(self) -> Session:
+        """A second session with this one's history, sharing its K/V (nothing is copied until one writes)."""
+        def make() -> Session:
+            child = Session.__new__(Session)
+            child.engine, child._messages, child.tools = self.engine, copy.deepcopy(self._messages), self.tools
+            child._seq, child._tokens = self.engine.cache.fork(self._seq), list(self._tokens)
+            child._checkpoints = {}
+            return child
+
+        return self.engine.run(make)
+
+    def checkpoint(self, name: str) -> None:
+        """Remembers the conversation and its K/V as they are (after every queued reply) under `name`."""
+        def take() -> None:
+            old = self._checkpoints.pop(name, None)
+            if old is not None:
+                self.engine.cache.release(old[2])
+            self._checkpoints[name] = (copy.deepcopy(self._messages), list(self._tokens),
+                                       self.engine.cache.fork(self._seq))
+
+        self.engine.run(take)
+
+    def rollback(self, name: str) -> None:
+        """Back to checkpoint `name`: its conversation, and its K/V (shared, not recomputed)."""
+        def restore() -> None:
+            if name not in self._checkpoints:
+                raise FreeTokenError(f"no checkpoint {name!r}; this session has {sorted(self._checkpoints)}")
+            messages, tokens, seq = self._checkpoints[name]
+            cache = self.engine.cache
+            cache.release(self._seq)
+            self._messages, self._tokens, self._seq = copy.deepcopy(messages), list(tokens), cache.fork(seq)
+
+        self.engine.run(restore)
+
+    def edit(self, index: int, message: str | Mapping[str, Any]) -> None:
+        """Replaces message `index` (a string keeps the role); the next send recomputes from the first token
+        that changed."""
+        def change() -> None:
+            if not -len(self._messages) <= index < len(self._messages):
+                raise FreeTokenError(f"no message {index}; the session has {len(self._messages)}")
+            old = self._messages[index]
+            self._messages[index] = {**old, "content": message} if isinstance(message, str) else dict(message)
+
+        self.engine.run(change)
+
+    def close(self) -> None:
+        """Frees the session's K/V and its checkpoints'."""
+        def free() -> None:
+            cache = self.engine.cache
+            cache.release(self._seq)
+            for _, _, seq in self._checkpoints.values():
+                cache.release(seq)
+            self._checkpoints, self._tokens = {}, []
+
+        self.engine.run(free)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y or n >= limit:
+            break
+        n += 1
+    return n
+
+
+def _assistant_message(parts: list) -> dict:
+    """The reply as the next turn's history holds it: the answer, and its tool calls (reasoning is dropped, as
+    chat templates drop it from earlier turns)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(p.text for p in parts if p.kind == "text")}
+    calls = [p.call for p in parts if p.kind == "tool_call"]
+    if calls:
+        msg["tool_calls"] = [{"id": f"call_{i}", "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+    return msg

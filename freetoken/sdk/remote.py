@@ -1,0 +1,134 @@
+"""`freetoken.connect(url)`: the Session API against a running `ft serve` (or any OpenAI-compatible server).
+
+The conversation lives on the client: each `send` posts the whole history to `/v1/chat/completions` (streamed),
+and the server's prefix cache recomputes only what changed since the last request, so `fork`, `checkpoint`,
+`rollback` and `edit` are operations on the client's message lists and stay cheap on the server too. Replies
+are the same `Reply` objects as in-process; `stats.cached_tokens` is what the server reports as reused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from freetoken.errors import FreeTokenError
+from freetoken.sdk.local import Worker
+from freetoken.sdk.reply import Reply, ReplyStats
+from freetoken.server.output import Part, ToolCall
+
+
+def connect(url: str = "http://127.0.0.1:1919", *, api_key: str | None = None, model: str | None = None,
+            timeout: float = 3600) -> RemoteEngine:
+    """A handle on the server at `url`; `model` defaults to the first the server lists."""
+    return RemoteEngine(url, api_key=api_key, model=model, timeout=timeout)
+
+
+class RemoteEngine(Worker):
+    def __init__(self, url: str, *, api_key: str | None, model: str | None, timeout: float):
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "unused", timeout=timeout,
+                                    max_retries=0)
+        try:
+            self.model = model or self.client.models.list().data[0].id
+        except openai.APIConnectionError:
+            raise FreeTokenError(f"no server answered at {url}; start one with `ft serve`") from None
+        super().__init__("ft-remote")
+
+    def session(self, system: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                messages: Sequence[Mapping[str, Any]] = ()) -> RemoteSession:
+        history = ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in messages]
+        return RemoteSession(self, history, list(tools) if tools else None)
+
+
+class RemoteSession:
+    def __init__(self, engine: RemoteEngine, messages: list[dict], tools: list[dict] | None):
+        self.engine, self._messages, self.tools = engine, messages, tools
+        self._checkpoints: dict[str, list[dict]] = {}
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.engine.run(lambda: copy.deepcopy(self._messages))
+
+    def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None) -> Reply:
+        msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
+        body = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": list(stop) or None,
+                "seed": seed, **({"extra_body": {"top_k": top_k}} if top_k else {})}
+        reply = Reply()
+        self.engine.submit(lambda: self._generate(msg, body, reply))
+        return reply
+
+    def _generate(self, msg: dict, body: dict, reply: Reply) -> None:
+        try:
+            stats = self._stream(msg, body, reply)
+        except BaseException as e:  # noqa: BLE001 - the reader gets it
+            reply.close(error=e)
+        else:
+            reply.close(stats)
+
+    def _stream(self, msg: dict, body: dict, reply: Reply) -> ReplyStats:
+        messages = self._messages + [msg]
+        started, first, parts, usage, finish = time.perf_counter(), None, [], None, None
+        stream = self.engine.client.chat.completions.create(
+            model=self.engine.model, messages=messages, tools=self.tools or None, stream=True,
+            stream_options={"include_usage": True}, **body)
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                delta = choice.delta
+                found = [Part("reasoning", r) for r in [getattr(delta, "reasoning_content", None)] if r]
+                found += [Part("text", delta.content)] if delta.content else []
+                found += [Part("tool_call", call=ToolCall(c.function.name, json.loads(c.function.arguments or "{}")))
+                          for c in delta.tool_calls or []]
+                for part in found:
+                    first = first or time.perf_counter()
+                    parts.append(part)
+                    reply.put(part)
+        self._messages = messages + [_assistant(parts)]
+        done = time.perf_counter()
+        tokens = usage.completion_tokens if usage else 0
+        cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage and usage.prompt_tokens_details else 0
+        return ReplyStats(usage.prompt_tokens if usage else 0, cached, tokens,
+                          first - started if first else None,
+                          (tokens - 1) / (done - first) if first and tokens > 1 and done > first else None, finish)
+
+    def fork(self) -> RemoteSession:
+        return self.engine.run(lambda: RemoteSession(self.engine, copy.deepcopy(self._messages), self.tools))
+
+    def checkpoint(self, name: str) -> None:
+        self.engine.run(lambda: self._checkpoints.__setitem__(name, copy.deepcopy(self._messages)))
+
+    def rollback(self, name: str) -> None:
+        def restore() -> None:
+            if name not in self._checkpoints:
+                raise FreeTokenError(f"no checkpoint {name!r}; this session has {sorted(self._checkpoints)}")
+            self._messages = copy.deepcopy(self._checkpoints[name])
+
+        self.engine.run(restore)
+
+    def edit(self, index: int, message: str | Mapping[str, Any]) -> None:
+        def change() -> None:
+            if not -len(self._messages) <= index < len(self._messages):
+                raise FreeTokenError(f"no message {index}; the session has {len(self._messages)}")
+            old = self._messages[index]
+            self._messages[index] = {**old, "content": message} if isinstance(message, str) else dict(message)
+
+        self.engine.run(change)
+
+    def close(self) -> None:
+        self.engine.run(lambda: self._checkpoints.clear())
+
+
+def _assistant(parts: list[Part]) -> dict:
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(p.text for p in parts if p.kind == "text")}
+    calls = [p.call for p in parts if p.kind == "tool_call"]
+    if calls:
+        msg["tool_calls"] = [{"id": f"call_{i}", "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments_json}}
+                             for i, c in enumerate(calls)]
+    return msg

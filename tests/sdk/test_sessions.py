@@ -1,0 +1,123 @@
+"""The Session SDK on the embedded SmolLM2: answers, history reuse, and that fork, rollback and edit continue
+exactly as a fresh run of the same history would (greedy, token for token) while sharing K/V pages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import freetoken
+from freetoken.engine.generator import Generator
+from freetoken.engine.sampling import SamplingParams
+from support.servers import start_server
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_gguf):
+    engine = freetoken.Engine.load(str(smollm2_gguf), device="cpu")
+    yield engine
+    engine.close()
+
+
+def fresh_ids(engine, messages: list[dict], max_tokens: int) -> list[int]:
+    """What a fresh generator makes of this history (no reuse of anything)."""
+    tok = engine.lm.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages))
+    return Generator(engine.lm).generate_ids(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def test_a_session_answers_and_reuses_its_history_on_the_next_turn(engine):
+    session = engine.session(system="You are a helpful assistant.")
+    first = session.send(QUESTION, max_tokens=24)
+    assert "Paris" in first.text
+    assert first.stats.cached_tokens == 0 and first.stats.prompt_tokens > 10 and first.stats.completion_tokens > 0
+    assert first.stats.finish_reason == "stop" and first.stats.ttft_s > 0
+    second = session.send("And of Italy?", max_tokens=24)
+    assert "Rome" in second.text
+    # the whole first turn (system, question, answer) came from the cache, up to where the template re-renders
+    assert second.stats.cached_tokens >= first.stats.prompt_tokens
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user", "assistant"]
+    session.close()
+
+
+def test_a_fork_shares_the_history_and_continues_like_a_fresh_run(engine):
+    session = engine.session(system="You are a helpful assistant. " * 30)  # a few hundred tokens of history
+    session.send(QUESTION, max_tokens=16).wait()
+    allocator = engine.cache.allocator
+    free = allocator.num_free
+    branch = session.fork()
+    assert allocator.num_free == free  # O(1): no page allocated until a branch generates
+    a = branch.send("Name one famous museum there.", max_tokens=12)
+    b = session.send("What language is spoken there?", max_tokens=12)
+    for reply, sess in ((a, branch), (b, session)):
+        history = sess.messages[:-1]  # everything before this reply
+        assert reply.token_ids == fresh_ids(engine, history, 12)
+        assert reply.stats.cached_tokens > 200
+    assert branch.messages[:3] == session.messages[:3] and branch.messages[3] != session.messages[3]
+    branch.close()
+    session.close()
+    assert allocator.num_free == allocator.num_pages  # every page back once the last owner is gone
+
+
+def test_rollback_and_edit_give_what_a_fresh_run_of_that_history_gives(engine):
+    session = engine.session(system="Answer in one short sentence.")
+    session.send(QUESTION, max_tokens=12).wait()
+    session.checkpoint("asked")
+    session.send("Tell me a joke.", max_tokens=12).wait()
+    session.rollback("asked")
+    assert len(session.messages) == 3
+    after = session.send("What about Spain?", max_tokens=12)
+    assert after.token_ids == fresh_ids(engine, session.messages[:-1], 12)
+    assert after.stats.cached_tokens > 0  # the checkpoint's K/V, not recomputed
+    before = after.stats.cached_tokens
+    session.edit(1, "What is the capital of Germany?")  # the first question: everything after it recomputes
+    edited = session.send("Thanks.", max_tokens=12)
+    assert edited.token_ids == fresh_ids(engine, session.messages[:-1], 12)
+    assert 0 < edited.stats.cached_tokens < before  # reused the system prompt only
+    with pytest.raises(freetoken.sdk.local.FreeTokenError, match="no checkpoint"):
+        session.rollback("never")
+    session.close()
+
+
+def test_replies_stream_to_sync_and_async_readers(engine):
+    session = engine.session()
+    deltas = list(session.send(QUESTION, max_tokens=16))
+    assert len(deltas) > 1 and "Paris" in "".join(deltas)
+
+    async def ask() -> tuple[list[str], str]:
+        streamed = [d async for d in session.send("And of Italy?", max_tokens=16)]
+        whole = await session.send("And of Spain?", max_tokens=16)
+        return streamed, whole.text
+
+    streamed, whole = asyncio.run(ask())
+    assert "Rome" in "".join(streamed) and "Madrid" in whole
+    session.close()
+
+
+def test_connect_gives_the_same_sessions_against_a_server(smollm2_gguf):
+    from freetoken.engine.loader import load_model
+
+    running = start_server(load_model(smollm2_gguf, progress=False), "smollm2")
+    try:
+        remote = freetoken.connect(running.url)
+        assert remote.model == "smollm2"
+        session = remote.session(system="You are a helpful assistant. " * 20)
+        first = session.send(QUESTION, max_tokens=24)
+        assert "Paris" in first.text and first.stats.completion_tokens > 0
+        branch = session.fork()
+        second = session.send("And of Italy?", max_tokens=24)
+        assert "Rome" in second.text and second.stats.cached_tokens > 100  # the server's prefix cache
+        assert len(branch.messages) == 3 and len(session.messages) == 5
+        session.checkpoint("two")
+        session.edit(1, "What is the capital of Spain?")
+        assert session.messages[1]["content"] == "What is the capital of Spain?"
+        session.rollback("two")
+        assert session.messages[1]["content"] == QUESTION
+        remote.close()
+    finally:
+        running.stop()
+    with pytest.raises(freetoken.sdk.remote.FreeTokenError, match="no server answered"):
+        freetoken.connect(running.url)
