@@ -58,10 +58,13 @@ class Generator:
     DEFAULT_GRAPH_CAPACITY = 16384
 
     def __init__(self, lm: LoadedModel, *, prefill_chunk: int | None = None, page_size: int = 16,
-                 max_seq_len: int | None = None, cuda_graphs: bool | None = None):
-        """Defaults as `run_settings` gives them."""
+                 max_seq_len: int | None = None, cuda_graphs: bool | None = None, pool_tokens: int | None = 0):
+        """Defaults as `run_settings` gives them. `pool_tokens`: tokens all sequences of this generator hold
+        together (0: one sequence's capacity; None: unbounded where the pool can grow, i.e. without graphs)."""
         self.lm, self.page_size = lm, page_size
         self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
+        self.pool_tokens = self.capacity if pool_tokens == 0 or (pool_tokens is None and self.use_graphs) \
+            else pool_tokens
         self._cache: PagedKVCache | None = None
         self._graphs: GraphedDecoder | None = None
 
@@ -82,8 +85,8 @@ class Generator:
 
     def _cache_for(self, n_tokens: int) -> PagedKVCache:
         if self._cache is None:
-            initial = self.capacity if self.use_graphs else n_tokens
-            self._cache = self.lm.new_cache(self.page_size, initial_tokens=initial, max_tokens=self.capacity)
+            initial = self.pool_tokens if self.use_graphs else n_tokens
+            self._cache = self.lm.new_cache(self.page_size, initial_tokens=initial, max_tokens=self.pool_tokens)
             if self.use_graphs:
                 from freetoken.engine.cuda_graphs import GraphedDecoder
 

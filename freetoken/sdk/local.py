@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from freetoken.engine.generator import Generator
+from freetoken.engine.generator import Generator, run_settings
 from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
 from freetoken.sdk.reply import Reply, ReplyStats
@@ -59,16 +59,21 @@ class Worker:
 class Engine(Worker):
     """A loaded model and the worker that runs its sessions. Use `Engine.load(...)`, then `engine.session()`."""
 
-    def __init__(self, lm, *, max_seq_len: int | None = None):
+    def __init__(self, lm, *, max_seq_len: int | None = None, kv_tokens: int | None = None):
+        """`max_seq_len`: tokens one conversation may hold (default: the model's context); `kv_tokens`: tokens
+        all sessions, forks and checkpoints hold together (default: unbounded on the CPU, where the pool grows;
+        two contexts on CUDA, where CUDA graphs need it allocated up front). Shared pages count once."""
         self.lm = lm
-        self.generator = Generator(lm, max_seq_len=max_seq_len)
+        graphs = lm.device.type == "cuda"
+        self.generator = Generator(lm, max_seq_len=max_seq_len, pool_tokens=kv_tokens or (
+            2 * run_settings(lm, None, max_seq_len, None)[2] if graphs else None))
         self.cache = self.generator.cache()
         super().__init__("ft-sdk")
 
     @classmethod
     def load(cls, model: str | None = None, *, device: str = "auto", dtype: str | None = None,
-             expert_cache: int | str | None = None, max_seq_len: int | None = None, progress: bool = False,
-             **options: Any) -> Engine:
+             expert_cache: int | str | None = None, max_seq_len: int | None = None, kv_tokens: int | None = None,
+             progress: bool = False, **options: Any) -> Engine:
         """Loads `model` (an HF directory, a .gguf file, a cached HF repo id; default: the embedded SmolLM2).
         `expert_cache` keeps routed experts in host memory behind a device cache of that many bytes ("8GiB",
         "auto"); other options go to the loader (`expert_policy`)."""
@@ -83,7 +88,7 @@ class Engine(Worker):
         cache = parse_bytes(expert_cache) if isinstance(expert_cache, str) and expert_cache != "auto" \
             else expert_cache
         lm = load_model(model, device=device, dtype=torch_dtype, expert_cache=cache, progress=progress, **options)
-        return cls(lm, max_seq_len=max_seq_len)
+        return cls(lm, max_seq_len=max_seq_len, kv_tokens=kv_tokens)
 
     def session(self, system: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                 messages: Sequence[Mapping[str, Any]] = ()) -> Session:
