@@ -25,13 +25,23 @@ class SequenceAttention:
         cache.reserve(seq, n_new)
         self.cache, self.seq, self.n_new = cache, seq, n_new
         self.positions = torch.arange(seq.length, seq.length + n_new, device=device)
+        self._pending_state: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.update(layer, self.seq, k, v)  # [L + T, Hkv, D]
         return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.seq.length)
 
+    def recurrent_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """A recurrent layer's state after the committed tokens (None before its first token)."""
+        return self.seq.recurrent.get(layer)
+
+    def set_recurrent_state(self, layer: int, state: tuple[torch.Tensor, ...]) -> None:
+        """The layer's state after this forward's tokens; it replaces the old one when the forward commits."""
+        self._pending_state[layer] = state
+
     def commit(self) -> None:
         self.cache.commit(self.seq, self.n_new)
+        self.seq.recurrent.update(self._pending_state)
 
 
 class BatchAttention:
@@ -56,6 +66,12 @@ class BatchAttention:
             keys, values = self.cache.update(layer, seq, k[a:b], v[a:b])
             outs.append(causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length))
         return torch.cat(outs)
+
+    def recurrent_state(self, layer: int):
+        raise NotImplementedError("continuous batching of layers with recurrent state is not supported yet; "
+                                  "such models generate one sequence at a time")
+
+    set_recurrent_state = recurrent_state
 
     def last_rows(self) -> list[int]:
         """The row of each sequence's last new token (the one whose logits pick its next token)."""

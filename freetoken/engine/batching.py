@@ -73,6 +73,8 @@ class BatchScheduler:
         self.active: list[BatchRequest] = []
         self.forwards = 0
         self.prefix = None
+        if lm.has_recurrent_state:  # its state is per sequence and cannot start from shared pages (yet)
+            self.max_batch, prefix_cache = 1, False
         if prefix_cache:
             # a growing pool (CPU) would grow for cached pages too: their count is capped at two full contexts
             cap = None if self.cache.max_pages is not None else 2 * -(-self.capacity // page_size)
@@ -155,6 +157,8 @@ class BatchScheduler:
                 self._graphs = GraphedDecoder(self.lm, self.cache)
             return self._graphs.step(batch[0].seq, tokens[0])[None]
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
+        if len(batch) == 1:
+            return self.lm.forward(ids, self.cache, batch[0].seq, "last")
         return self.lm.forward_batch(ids, self.cache, [r.seq for r in batch], counts)
 
     def _make_room(self, batch: list[BatchRequest], counts: list[int]) -> None:

@@ -109,6 +109,15 @@ class Generator:
             cache.release(seq)
 
     @torch.inference_mode()
+    def prefill(self, seq: SequenceKV, new_ids: list[int]) -> None:
+        """Appends `new_ids` to `seq` without generating (a prompt taken in segments)."""
+        if seq.length + len(new_ids) >= self.capacity:
+            raise FreeTokenError(f"the prompt has {seq.length + len(new_ids)} tokens; this generator holds at most "
+                                 f"{self.capacity} (the model's context is {self.lm.context_length})")
+        if new_ids:
+            self._prefill(new_ids, self._cache_for(seq.length + len(new_ids)), seq)
+
+    @torch.inference_mode()
     def extend(self, seq: SequenceKV, new_ids: list[int], params: SamplingParams, *, decode_text: bool = True,
                cached_tokens: int = 0) -> Iterator[GenerationEvent]:
         """Prefills `new_ids` after the tokens `seq` already holds (in this generator's cache), then generates.
@@ -154,7 +163,7 @@ def run_settings(lm: LoadedModel, prefill_chunk: int | None, max_seq_len: int | 
     traffic); graphs on CUDA; the model's context, at most DEFAULT_GRAPH_CAPACITY with graphs (their KV pool is
     allocated at full size up front)."""
     offloaded = not getattr(lm.experts, "capturable", True)
-    use_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+    use_graphs = (lm.device.type == "cuda" and not lm.has_recurrent_state) if cuda_graphs is None else cuda_graphs
     default = min(lm.context_length, Generator.DEFAULT_GRAPH_CAPACITY) if use_graphs else lm.context_length
     return prefill_chunk or (8192 if offloaded else 2048), use_graphs, min(max_seq_len or default, lm.context_length)
 

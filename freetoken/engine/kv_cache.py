@@ -9,6 +9,10 @@ Pages are reference-counted: a fork shares every page of its parent, a cached pr
 that start with it. A sequence about to write into a page someone else also holds gets its own copy first
 (copy on write, in `reserve`), so sharing is invisible to the model code.
 
+Layers with recurrent state (linear attention, SSMs) keep it per sequence in `SequenceKV.recurrent`: it sums up
+every token so far and cannot be rolled back, so `truncate` refuses a sequence that has any; a fork copies it,
+which makes a fork the way to snapshot a sequence at a point it may have to return to (see sdk/local.py).
+
 Shapes: L cached tokens, T new tokens, Hkv KV heads, D head dim.
 """
 
@@ -18,6 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+
+class RecurrentStateError(ValueError):
+    """A sequence whose layers keep recurrent state was asked to forget tokens."""
 
 
 class PageAllocator:
@@ -72,6 +80,7 @@ class SequenceKV:
     pages: list[int] = field(default_factory=list)
     length: int = 0
     slots: torch.Tensor | None = None  # flat slot ids of tokens [0, capacity), on the cache's device
+    recurrent: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # layer → its state tensors
 
     def capacity(self, page_size: int) -> int:
         return len(self.pages) * page_size
@@ -111,7 +120,8 @@ class PagedKVCache:
         """A second sequence holding the same tokens: it shares every page (no K/V is copied) until one of the
         two writes into a shared page, which then gets copied for the writer."""
         self.allocator.retain(seq.pages)
-        return SequenceKV(list(seq.pages), seq.length, seq.slots.clone())
+        state = {layer: tuple(t.clone() for t in tensors) for layer, tensors in seq.recurrent.items()}
+        return SequenceKV(list(seq.pages), seq.length, seq.slots.clone(), state)
 
     def free_pages(self, wanted: int) -> int:
         """Free pages, after asking `reclaim` for up to `wanted` of them."""
@@ -123,7 +133,7 @@ class PagedKVCache:
 
     def release(self, seq: SequenceKV) -> None:
         self.allocator.free(seq.pages)
-        seq.pages, seq.length = [], 0
+        seq.pages, seq.length, seq.recurrent = [], 0, {}
         seq.slots = torch.empty(0, dtype=torch.long, device=self.device)
 
     def reserve(self, seq: SequenceKV, n_new: int) -> None:
@@ -188,7 +198,11 @@ class PagedKVCache:
         seq.length += n_new
 
     def truncate(self, seq: SequenceKV, length: int) -> None:
-        """Drops tokens past `length` (rollback); frees pages no longer needed."""
+        """Drops tokens past `length` (rollback); frees pages no longer needed. A sequence with recurrent state
+        cannot go back (its state holds every token): restore a fork taken at the point instead."""
+        if seq.recurrent and length < seq.length:
+            raise RecurrentStateError(f"cannot roll a sequence with recurrent state back from {seq.length} to "
+                                      f"{length} tokens; restore a snapshot (a fork) taken there instead")
         keep = -(-length // self.page_size)
         self.allocator.free(seq.pages[keep:])
         del seq.pages[keep:]

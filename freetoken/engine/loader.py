@@ -53,6 +53,12 @@ class LoadedModel:
     def context_length(self) -> int:
         return self.model.args.max_position_embeddings
 
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layer keeps per-sequence recurrent state (it cannot be rolled back, only restored, and is not
+        captured in CUDA graphs or batched yet)."""
+        return any(getattr(m, "recurrent", False) for m in self.model.modules())
+
     def new_cache(self, page_size: int = 16, initial_tokens: int = 1024,
                   max_tokens: int | None = None) -> PagedKVCache:
         a = self.model.args.attention

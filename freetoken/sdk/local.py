@@ -7,6 +7,10 @@ prefix of tokens already in the cache and computes only the rest: an edit in the
 edit on, a rollback or a fork starts from pages it shares. `fork()` shares every page (nothing is copied until a
 branch writes into a shared page); a checkpoint holds a fork of the sequence, so rolling back is as cheap.
 
+A model with recurrent layers cannot drop tokens from its state, so its sessions snapshot the sequence (a fork:
+shared pages, a copy of the small state) at semantic boundaries while prefilling: the end of each message in
+the rendered prompt. A send then restarts from the last snapshot at or before the first changed token.
+
 One worker thread runs every operation of an engine's sessions in order (generation, fork, rollback, ...), so
 replies can be read from any thread or event loop and sessions never race; a reply is generated whether or not
 it is read.
@@ -115,6 +119,7 @@ class Session:
         self._seq = engine.cache.new_sequence()
         self._tokens: list[int] = []  # what `_seq` holds
         self._checkpoints: dict[str, tuple[list[dict], list[int], Any]] = {}
+        self._snapshots: dict[int, Any] = {}  # recurrent models: token offset → a fork of `_seq` taken there
 
     @property
     def messages(self) -> list[dict]:
@@ -144,12 +149,20 @@ class Session:
         text = lm.tokenizer.apply_chat_template(messages, tools=self.tools)
         prompt = lm.tokenizer.encode(text)
         common = _common_prefix(self._tokens, prompt, limit=len(prompt) - 1)
-        cache.truncate(self._seq, common)  # history past an edit, or the end of the last reply, recomputed
+        if lm.has_recurrent_state:
+            common = self._restore_before(common)
+            for end in self._boundaries(messages, prompt, after=common):  # snapshots while prefilling
+                self.engine.generator.prefill(self._seq, prompt[self._seq.length:end])
+                self._snapshots[end] = cache.fork(self._seq)
+            common_reused, common = common, self._seq.length
+        else:
+            cache.truncate(self._seq, common)  # history past an edit, or the end of the last reply, recomputed
+            common_reused = common
         self._tokens = prompt[:common]
         parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=bool(self.tools))
         generated, parts, last = [], [], None
         try:
-            for ev in self.engine.generator.extend(self._seq, prompt[common:], params, cached_tokens=common):
+            for ev in self.engine.generator.extend(self._seq, prompt[common:], params, cached_tokens=common_reused):
                 generated += ev.token_ids
                 for part in parser.push(ev.text) + (parser.finish() if ev.finish_reason else []):
                     parts.append(part)
@@ -163,8 +176,35 @@ class Session:
         t = last.timings
         decode = (last.completion_tokens - 1) / t.decode_s if t and t.decode_s > 0 and last.completion_tokens > 1 \
             else None
-        return ReplyStats(last.prompt_tokens, common, last.completion_tokens, t.first_token_s if t else None,
-                          decode, "tool_calls" if calls else last.finish_reason)
+        return ReplyStats(last.prompt_tokens, common_reused, last.completion_tokens,
+                          t.first_token_s if t else None, decode, "tool_calls" if calls else last.finish_reason)
+
+    def _restore_before(self, common: int) -> int:
+        """Recurrent models: where this send starts. The sequence as it is when the prompt continues it
+        exactly; else the last snapshot at or before `common` (later ones belong to the old history), or an
+        empty sequence. Returns the number of prompt tokens reused."""
+        cache = self.engine.cache
+        if common == self._seq.length:
+            return common
+        best = max((at for at in self._snapshots if at <= common), default=0)
+        for at in [at for at in self._snapshots if at > best]:
+            cache.release(self._snapshots.pop(at))
+        cache.release(self._seq)
+        self._seq = cache.fork(self._snapshots[best]) if best else cache.new_sequence()
+        return best
+
+    def _boundaries(self, messages: list[dict], prompt: list[int], after: int) -> list[int]:
+        """Token offsets in `prompt` where a message ends (where its rendering alone is a prefix of the prompt),
+        past `after` and before the prompt's last token."""
+        tok, ends = self.engine.lm.tokenizer, []
+        for i in range(1, len(messages) + 1):
+            try:
+                ids = tok.encode(tok.apply_chat_template(messages[:i], tools=self.tools, add_generation_prompt=False))
+            except Exception:  # noqa: BLE001 - a template that cannot render a partial conversation: no boundary
+                continue
+            if after < len(ids) < len(prompt) and prompt[:len(ids)] == ids:
+                ends.append(len(ids))
+        return sorted(set(ends))
 
     def fork(self) -> Session:
         """A second session with this one's history, sharing its K/V (nothing is copied until one writes)."""
@@ -172,7 +212,7 @@ class Session:
             child = Session.__new__(Session)
             child.engine, child._messages, child.tools = self.engine, copy.deepcopy(self._messages), self.tools
             child._seq, child._tokens = self.engine.cache.fork(self._seq), list(self._tokens)
-            child._checkpoints = {}
+            child._checkpoints, child._snapshots = {}, {}
             return child
 
         return self.engine.run(make)
@@ -196,9 +236,15 @@ class Session:
             messages, tokens, seq = self._checkpoints[name]
             cache = self.engine.cache
             cache.release(self._seq)
+            self._drop_snapshots()
             self._messages, self._tokens, self._seq = copy.deepcopy(messages), list(tokens), cache.fork(seq)
 
         self.engine.run(restore)
+
+    def _drop_snapshots(self) -> None:
+        for seq in self._snapshots.values():
+            self.engine.cache.release(seq)
+        self._snapshots = {}
 
     def edit(self, index: int, message: str | Mapping[str, Any]) -> None:
         """Replaces message `index` (a string keeps the role); the next send recomputes from the first token
@@ -218,6 +264,7 @@ class Session:
             cache.release(self._seq)
             for _, _, seq in self._checkpoints.values():
                 cache.release(seq)
+            self._drop_snapshots()
             self._checkpoints, self._tokens = {}, []
 
         self.engine.run(free)

@@ -1,0 +1,103 @@
+"""Recurrent state (linear attention, SSM layers) on a tiny model whose second layer is a gated linear recurrence:
+it cannot be rolled back, a fork snapshots it, and sessions restart from snapshots taken at message boundaries,
+continuing exactly as a fresh run of the same history would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import freetoken
+from freetoken.engine.generator import Generator
+from freetoken.engine.kv_cache import RecurrentStateError
+from freetoken.engine.loader import load_model
+from freetoken.engine.sampling import SamplingParams
+from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+class GatedRecurrence(nn.Module):
+    """h_t = a * h_{t-1} + (1 - a) * W_in x_t, y_t = W_out h_t: a layer whose state sums up every token."""
+
+    recurrent = True
+
+    def __init__(self, hidden: int, layer_idx: int, generator: torch.Generator):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.decay = nn.Parameter(torch.randn(hidden, generator=generator))
+        self.inp = nn.Parameter(torch.randn(hidden, hidden, generator=generator) / hidden ** 0.5)
+        self.out = nn.Parameter(torch.randn(hidden, hidden, generator=generator) / hidden ** 0.5)
+
+    def forward(self, x, cos, sin, ctx):
+        state = ctx.recurrent_state(self.layer_idx)
+        h = state[0] if state is not None else torch.zeros(x.shape[-1], device=x.device)
+        a, u = torch.sigmoid(self.decay), x.float() @ self.inp.t()
+        outs = []
+        for t in range(x.shape[0]):
+            h = a * h + (1 - a) * u[t]
+            outs.append(h)
+        ctx.set_recurrent_state(self.layer_idx, (h,))
+        return (torch.stack(outs) @ self.out.t()).to(x.dtype)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    write_hf_checkpoint(path=path, **PARITY_CASES["llama"])
+    lm = load_model(path, progress=False)
+    layer = lm.model.model.layers[1]
+    layer.self_attn = GatedRecurrence(lm.model.args.hidden_size, 1, torch.Generator().manual_seed(0))
+    assert lm.has_recurrent_state
+    return lm
+
+
+def test_a_fork_is_a_snapshot_and_truncation_is_refused(lm):
+    gen = Generator(lm)
+    first, second = prompt_ids("The quick brown fox"), prompt_ids(" jumps over the lazy dog")
+    seq = gen.cache().new_sequence()
+    gen.prefill(seq, first)
+    snapshot = gen.cache().fork(seq)
+    with pytest.raises(RecurrentStateError, match="restore a snapshot"):
+        gen.cache().truncate(seq, 3)
+    straight = [t for ev in gen.extend(seq, second, GREEDY) for t in ev.token_ids]
+    restored = gen.cache().fork(snapshot)  # back to the end of `first`, after `seq` moved on
+    again = [t for ev in gen.extend(restored, second, GREEDY) for t in ev.token_ids]
+    assert straight == again == gen.generate_ids(first + second, GREEDY)
+    for s in (seq, snapshot, restored):
+        gen.cache().release(s)
+    assert gen.cache().allocator.num_free == gen.cache().allocator.num_pages
+
+
+def test_sessions_restart_from_message_boundaries_and_match_fresh_runs(lm):
+    engine = freetoken.Engine(lm)
+
+    def fresh(messages, n):
+        tok = lm.tokenizer
+        return Generator(lm).generate_ids(tok.encode(tok.apply_chat_template(messages)),
+                                          SamplingParams(temperature=0, max_tokens=n))
+
+    session = engine.session(system="You are a tiny recurrent test model.")
+    one = session.send("first question", max_tokens=4)
+    assert one.token_ids == fresh(session.messages[:-1], 4)
+    two = session.send("second question", max_tokens=4)
+    assert two.token_ids == fresh(session.messages[:-1], 4)
+    assert two.stats.cached_tokens > 0  # restarted from the snapshot at the end of the last message it kept
+    branch = session.fork()
+    b = branch.send("a branch", max_tokens=4)
+    assert b.token_ids == fresh(branch.messages[:-1], 4)
+    session.edit(1, "an edited first question")  # restarts from the system prompt's boundary
+    edited = session.send("third", max_tokens=4)
+    assert edited.token_ids == fresh(session.messages[:-1], 4)
+    assert 0 < edited.stats.cached_tokens < two.stats.cached_tokens
+    session.checkpoint("here")
+    session.send("more", max_tokens=4).wait()
+    session.rollback("here")
+    back = session.send("instead", max_tokens=4)
+    assert back.token_ids == fresh(session.messages[:-1], 4)
+    for s in (session, branch):
+        s.close()
+    allocator = engine.cache.allocator
+    assert allocator.num_free == allocator.num_pages
+    engine.close()
