@@ -1,0 +1,131 @@
+"""`ft bench reuse`: what reusing a conversation's K/V saves an agent — time to first token of the next turn of a
+long conversation with reuse against from scratch, and the cost of an edit by its distance from the end.
+
+    ft bench reuse [--shape qwen3-30b-a3b] [--history 20000] [--turn 500] [--edits 1000,4000,16000]
+                   [--expert-cache SIZE] [--repeats 3]
+
+The history (random token ids standing in for a real agent transcript: reuse does not depend on the text) is
+prefilled once into a sequence of the generator's cache; every measurement works on a fork of it, so each
+starts from the same state and nothing leaks between rows. Rows:
+- `cold`: the whole history and the new turn from an empty cache (what a server without reuse pays per turn);
+- `reuse`: the new turn after the cached history (an agent's follow-up);
+- `edit at -d`: the history cut `d` tokens before its end (an edit there), those `d` tokens recomputed, then the
+  new turn.
+TTFT is from the first new token handed to the model to the first sampled token on the host; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from freetoken.bench.decode import _sync, add_model_args, result_header
+from freetoken.bench.synthetic import build_synthetic
+from freetoken.engine.generator import Generator
+from freetoken.engine.sampling import SamplingParams
+from freetoken.units import parse_bytes
+
+FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+
+def _ttft(gen: Generator, seq, new_ids: list[int]) -> float:
+    _sync(gen.lm.device)
+    t0 = time.perf_counter()
+    for _ in gen.extend(seq, new_ids, FIRST_TOKEN, decode_text=False):
+        break  # the event exists once the first token is on the host
+    return time.perf_counter() - t0
+
+
+def bench(a: argparse.Namespace) -> list[tuple[str, int, int, float]]:
+    """(case, distance from the end, tokens computed, median TTFT s) rows."""
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    budget = None if a.expert_cache == "all" else parse_bytes(a.expert_cache)
+    lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=budget, layers=a.layers, seed=a.seed,
+                         expert_format=a.expert_format)
+    total = a.history + a.turn + 8
+    gen = Generator(lm, max_seq_len=total, pool_tokens=3 * total)  # the history, a fork's new pages, a cold copy
+    cache = gen.cache(3 * total)  # allocated up front: a pool growing mid-measurement would be timed too
+    rng = torch.Generator().manual_seed(a.seed)
+    ids = torch.randint(0, lm.args.decoder.vocab_size, (a.history + a.turn,), generator=rng).tolist()
+    history, turn = ids[:a.history], ids[a.history:]
+    base = cache.new_sequence()
+    gen.prefill(base, history)
+    rows = []
+
+    def measure(case: str, distance: int, run) -> None:
+        times = []
+        for _ in range(a.repeats + 1):  # the first run warms up (kernels, allocator blocks)
+            times.append(run())
+        rows.append((case, distance, len(turn) + (a.history if case == "cold" else distance),
+                     statistics.median(times[1:])))
+        print(_format(rows[-1], rows[0][3]), file=sys.stderr, flush=True)
+
+    def cold() -> float:
+        seq = cache.new_sequence()
+        try:
+            return _ttft(gen, seq, history + turn)
+        finally:
+            cache.release(seq)
+
+    def from_history(distance: int):
+        def run() -> float:
+            seq = cache.fork(base)
+            try:
+                cache.truncate(seq, a.history - distance)
+                return _ttft(gen, seq, history[a.history - distance:] + turn)
+            finally:
+                cache.release(seq)
+        return run
+
+    measure("cold", a.history, cold)
+    measure("reuse", 0, from_history(0))
+    for d in a.edits:
+        if 0 < d < a.history:
+            measure(f"edit at -{d}", d, from_history(d))
+    cache.release(base)
+    return rows
+
+
+def _format(row: tuple[str, int, int, float], cold_s: float) -> str:
+    case, distance, computed, ttft = row
+    return f"| {case} | {distance} | {computed} | {ttft:.3f} | {cold_s / ttft:.1f}× |"
+
+
+def render(rows, a: argparse.Namespace) -> str:
+    lines = [
+        *result_header("Conversation reuse (TTFT of the next turn)", "reuse", a),
+        f"- history {a.history} tokens (random ids), new turn {a.turn} tokens, expert cache {a.expert_cache}, "
+        f"median of {a.repeats} runs after one warm-up; every run on a fork of the prefilled history",
+        "",
+        "| case | distance from the end (tokens) | tokens computed | TTFT s | faster than cold |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *(_format(r, rows[0][3]) for r in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ft bench reuse", description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--history", type=int, default=20000, help="tokens of conversation before the new turn")
+    p.add_argument("--turn", type=int, default=500, help="tokens of the new turn")
+    p.add_argument("--edits", default="1000,4000,16000", help="comma-separated distances of an edit from the end")
+    p.add_argument("--expert-cache", default="all", help="expert cache size, or 'all' for every expert resident")
+    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", default=None, help="write the Markdown table here")
+    a = p.parse_args(argv)
+    a.argv, a.edits = argv, [int(x) for x in a.edits.split(",") if x]
+    rows = bench(a)
+    table = render(rows, a)
+    print(table)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(table)
+    return 0

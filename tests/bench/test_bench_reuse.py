@@ -1,0 +1,19 @@
+"""`ft bench reuse` on the tiny MoE shape (CPU): every row present, and reuse computes only the new turn."""
+
+from __future__ import annotations
+
+from freetoken.bench.reuse import main
+
+
+def test_reuse_bench_writes_every_row(tmp_path, capsys):
+    out = tmp_path / "reuse.md"
+    argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--history", "96", "--turn", "8",
+            "--edits", "16,48,500", "--repeats", "1", "--expert-cache", "64KiB", "--out", str(out)]
+    assert main(argv) == 0
+    table = out.read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| case")
+            and not line.startswith("| ---")]
+    assert [r.split(" | ")[0] for r in rows] == ["| cold", "| reuse", "| edit at -16", "| edit at -48"]
+    computed = [int(r.split(" | ")[2]) for r in rows]
+    assert computed == [104, 8, 24, 56]  # the edit past the history's start (500) is skipped
+    assert "history 96 tokens" in table and "ft bench reuse" in table
