@@ -5,8 +5,10 @@ key chained from the page before it (the hash of the parent key and the page's t
 page's tokens *and* everything before them: equal keys mean equal K/V. A new prompt walks the chain page by
 page and takes the longest run of registered pages as its own (shared, never written: a sequence only writes
 after its last full shared page). The index holds one reference to each page it registers (the allocator's
-refcounts), so pages outlive their sequences until they are evicted, least recently used first, when the pool
-needs room or the index its budget. Plain Python, no torch: the KV cache owns the tensors.
+refcounts), so pages outlive their sequences until they are evicted when the pool needs room or the index its
+budget: the least recently used page among those no other cached page continues (a leaf). Evicting a page in the
+middle of a chain would leave every page after it unreachable yet still held; a leaf costs only its own tokens
+to recompute. Plain Python, no torch: the KV cache owns the tensors.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class PrefixCache:
         # chained key → (page, parent key, the page's tokens), least recently used first; the parent and tokens
         # are compared on a match, so a hash collision costs a miss, never wrong K/V
         self._pages: OrderedDict[int, tuple[int, int, tuple[int, ...]]] = OrderedDict()
+        self._children: dict[int, int] = {}  # key → cached pages continuing it
         self.lookups = self.hit_tokens = self.inserted = self.evicted = 0
 
     def __len__(self) -> int:
@@ -61,6 +64,8 @@ class PrefixCache:
                 continue
             self._retain([page])
             self._pages[key] = (page, parent, chunk)
+            if parent:
+                self._children[parent] = self._children.get(parent, 0) + 1
             self.inserted += 1
         if self.max_pages is not None and len(self._pages) > self.max_pages:
             self.evict(len(self._pages) - self.max_pages)
@@ -70,7 +75,13 @@ class PrefixCache:
         no sequence shares goes back to the pool. Returns how many were dropped."""
         dropped = []
         while self._pages and len(dropped) < n:
-            dropped.append(self._pages.popitem(last=False)[1][0])
+            key = next(k for k in self._pages if not self._children.get(k))  # a chain always ends in a leaf
+            page, parent, _ = self._pages.pop(key)
+            if parent in self._children:
+                self._children[parent] -= 1
+                if not self._children[parent]:
+                    del self._children[parent]
+            dropped.append(page)
         self._release(dropped)
         self.evicted += len(dropped)
         return len(dropped)

@@ -40,16 +40,16 @@ def test_the_longest_run_of_whole_pages_matches_and_one_token_is_always_left():
     assert alloc.num_free == 32 and not alloc.refs
 
 
-def test_eviction_drops_the_least_recently_used_and_shared_pages_survive_it():
+def test_eviction_drops_the_least_recently_used_leaf_and_shared_pages_survive_it():
     alloc, index = _index(max_pages=3)
     a, b = list(range(100, 108)), list(range(200, 208))
     pa, pb = alloc.allocate(2), alloc.allocate(2)
     index.insert(a, pa)
-    index.insert(b, pb)  # 4 pages > 3: the oldest (a's first) goes
-    assert len(index) == 3 and index.match(a + [0]) == []
-    assert index.evicted == 1 and alloc.refs[pa[0]] == 1  # a's sequence still holds it
-    index.match(b + [0])  # b used again: a's second page is now the oldest
-    assert index.evict(1) == 1 and index.match(b + [0]) == pb
+    index.insert(b, pb)  # 4 pages > 3: a's last page goes (a's first is older, but b's... a's second continues it)
+    assert len(index) == 3 and index.match(a + [0]) == pa[:1]  # a's chain is shorter, not broken
+    assert index.evicted == 1 and alloc.refs[pa[1]] == 1  # a's sequence still holds it
+    index.match(b + [0])  # b used again: a's first page is now the oldest leaf
+    assert index.evict(1) == 1 and index.match(b + [0]) == pb and index.match(a + [0]) == []
     alloc.free(pa + pb)
     index.clear()
     assert alloc.num_free == 32 and not alloc.refs
