@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | batching-cuda | reuse | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
-# The gguf wheel travels in .carry/whl (the machine has no gguf package). Results land in $OUT.
+#   PART: machine | tests | batching-cuda | reuse | serve-bench | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+# The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
+# (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
 export PYTHONUNBUFFERED=1
@@ -18,6 +19,12 @@ for part in "$@"; do
              -k test_on_cuda_pinned "$OLDPWD/tests/engine/offload/test_offloaded_executor.py" 2>&1 | tail -3) ;;
     reuse) ft bench reuse --shape qwen3-30b-a3b --history 20000 --turn 500 --edits 1000,4000,16000 \
              --expert-cache 16GiB --commit "$commit" --out "$OUT/reuse-qwen3-30b-a3b-20k.md" ;;
+    serve-bench) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf  # tokenizer-only GGUF
+             ft bench export --shape qwen3-30b-a3b --layers 8 --format gguf-q8_0 --out /tmp/q3-8l.gguf | tail -1
+             ft bench serve --model /tmp/q3-8l.gguf --sessions 1,4,16 --tokens 64 --commit "$commit" \
+               --out "$OUT/serve-q3-8l-resident.md"
+             ft bench serve --model /tmp/q3-8l.gguf --expert-cache 1GiB --sessions 1,4,16 --tokens 64 \
+               --commit "$commit" --out "$OUT/serve-q3-8l-offloaded.md" ;;
     batching-cuda) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k cuda \
              "$OLDPWD/tests/engine/test_batching.py" 2>&1 | tail -15) ;;
     q8-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k "cuda or compiled" \
