@@ -36,7 +36,8 @@ def openai_choice(value: Any, names: list[str], responses: bool = False) -> Tool
     if value is None or value in ("auto", "none", "required"):
         return _checked(ToolChoice(value or "auto"), names)
     if isinstance(value, dict) and value.get("type") == "function":
-        name = value.get("name") if responses else (value.get("function") or {}).get("name")
+        inner = value if responses else value.get("function")
+        name = inner.get("name") if isinstance(inner, dict) else None
         if isinstance(name, str):
             return _checked(ToolChoice("named", name), names)
     shape = '{"type": "function", "name": ...}' if responses else \

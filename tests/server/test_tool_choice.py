@@ -139,3 +139,13 @@ def test_through_the_server_a_forced_call_lengthens_the_prompt_by_its_opening(sm
     with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
         ant.messages.create(model="smollm2", max_tokens=8, messages=msgs, tools=tools,
                             tool_choice={"type": "tool", "name": "rm"})
+
+
+@pytest.mark.parametrize("value", [{"type": "function", "function": "get_weather"}, {"type": "function"},
+                                   {"type": "function", "function": {"name": 3}}, 7, ["required"]])
+def test_malformed_openai_choices_are_400s(value):
+    with pytest.raises(APIError) as e:
+        openai_choice(value, NAMES)
+    assert e.value.status == 400
+    with pytest.raises(APIError):
+        anthropic_choice(value, NAMES)
