@@ -27,6 +27,7 @@ from typing import Any
 from freetoken.engine.generator import Generator, run_settings
 from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
+from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.reply import Reply, ReplyStats
 from freetoken.server.output import OutputParser
 
@@ -101,7 +102,6 @@ class Engine(Worker):
         return Session(self, history, list(tools) if tools else None)
 
 
-
 def _outcome(job: Callable[[], Any]) -> tuple[bool, Any]:
     try:
         return True, job()
@@ -109,7 +109,7 @@ def _outcome(job: Callable[[], Any]) -> tuple[bool, Any]:
         return False, e
 
 
-class Session:
+class Session(Conversation):
     """One conversation on an engine. `send` returns a `Reply` at once; the reply's text, reasoning, tool calls
     and stats are there once it completes (iterate it to stream). Messages are OpenAI-style dicts; a plain
     string is a user message."""
@@ -121,29 +121,9 @@ class Session:
         self._checkpoints: dict[str, tuple[list[dict], list[int], Any]] = {}
         self._snapshots: dict[int, Any] = {}  # recurrent models: token offset → a fork of `_seq` taken there
 
-    @property
-    def messages(self) -> list[dict]:
-        """The conversation so far (a copy), as of every operation queued before this call."""
-        return self.engine.run(lambda: copy.deepcopy(self._messages))
-
-    def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None) -> Reply:
-        msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                stop=tuple(stop), seed=seed)
-        reply = Reply()
-        self.engine.submit(lambda: self._generate(msg, params, reply))
-        return reply
-
-    def _generate(self, msg: dict, params: SamplingParams, reply: Reply) -> None:
-        try:
-            stats = self._generate_into(msg, params, reply)
-        except BaseException as e:  # noqa: BLE001 - the reader gets it
-            reply.close(error=e)
-        else:
-            reply.close(stats)
-
-    def _generate_into(self, msg: dict, params: SamplingParams, reply: Reply) -> ReplyStats:
+    def _produce(self, msg: dict, sampling: Sampling, reply: Reply) -> ReplyStats:
+        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                max_tokens=sampling.max_tokens, stop=sampling.stop, seed=sampling.seed)
         lm, cache = self.engine.lm, self.engine.cache
         messages = self._messages + [msg]
         text = lm.tokenizer.apply_chat_template(messages, tools=self.tools)
@@ -171,7 +151,7 @@ class Session:
         finally:
             self._tokens = (prompt + generated)[:self._seq.length]
             reply.generated_ids = generated
-        self._messages = messages + [_assistant_message(parts)]
+        self._messages = messages + [assistant_message(parts)]
         calls = any(p.kind == "tool_call" for p in parts)
         t = last.timings
         decode = (last.completion_tokens - 1) / t.decode_s if t and t.decode_s > 0 and last.completion_tokens > 1 \
@@ -246,17 +226,6 @@ class Session:
             self.engine.cache.release(seq)
         self._snapshots = {}
 
-    def edit(self, index: int, message: str | Mapping[str, Any]) -> None:
-        """Replaces message `index` (a string keeps the role); the next send recomputes from the first token
-        that changed."""
-        def change() -> None:
-            if not -len(self._messages) <= index < len(self._messages):
-                raise FreeTokenError(f"no message {index}; the session has {len(self._messages)}")
-            old = self._messages[index]
-            self._messages[index] = {**old, "content": message} if isinstance(message, str) else dict(message)
-
-        self.engine.run(change)
-
     def close(self) -> None:
         """Frees the session's K/V and its checkpoints'."""
         def free() -> None:
@@ -277,14 +246,3 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
             break
         n += 1
     return n
-
-
-def _assistant_message(parts: list) -> dict:
-    """The reply as the next turn's history holds it: the answer, and its tool calls (reasoning is dropped, as
-    chat templates drop it from earlier turns)."""
-    msg: dict[str, Any] = {"role": "assistant", "content": "".join(p.text for p in parts if p.kind == "text")}
-    calls = [p.call for p in parts if p.kind == "tool_call"]
-    if calls:
-        msg["tool_calls"] = [{"id": f"call_{i}", "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
-    return msg

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken.errors import FreeTokenError
+from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.local import Worker
 from freetoken.sdk.reply import Reply, ReplyStats
 from freetoken.server.output import Part, ToolCall
@@ -44,33 +45,15 @@ class RemoteEngine(Worker):
         return RemoteSession(self, history, list(tools) if tools else None)
 
 
-class RemoteSession:
+class RemoteSession(Conversation):
     def __init__(self, engine: RemoteEngine, messages: list[dict], tools: list[dict] | None):
         self.engine, self._messages, self.tools = engine, messages, tools
         self._checkpoints: dict[str, list[dict]] = {}
 
-    @property
-    def messages(self) -> list[dict]:
-        return self.engine.run(lambda: copy.deepcopy(self._messages))
-
-    def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None) -> Reply:
-        msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
-        body = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": list(stop) or None,
-                "seed": seed, **({"extra_body": {"top_k": top_k}} if top_k else {})}
-        reply = Reply()
-        self.engine.submit(lambda: self._generate(msg, body, reply))
-        return reply
-
-    def _generate(self, msg: dict, body: dict, reply: Reply) -> None:
-        try:
-            stats = self._stream(msg, body, reply)
-        except BaseException as e:  # noqa: BLE001 - the reader gets it
-            reply.close(error=e)
-        else:
-            reply.close(stats)
-
-    def _stream(self, msg: dict, body: dict, reply: Reply) -> ReplyStats:
+    def _produce(self, msg: dict, sampling: Sampling, reply: Reply) -> ReplyStats:
+        body = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "stop": list(sampling.stop) or None, "seed": sampling.seed,
+                **({"extra_body": {"top_k": sampling.top_k}} if sampling.top_k else {})}
         messages = self._messages + [msg]
         started, first, parts, usage, finish = time.perf_counter(), None, [], None, None
         stream = self.engine.client.chat.completions.create(
@@ -89,7 +72,7 @@ class RemoteSession:
                     first = first or time.perf_counter()
                     parts.append(part)
                     reply.put(part)
-        self._messages = messages + [_assistant(parts)]
+        self._messages = messages + [assistant_message(parts, arguments_as_json=True)]
         done = time.perf_counter()
         tokens = usage.completion_tokens if usage else 0
         cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage and usage.prompt_tokens_details else 0
@@ -111,24 +94,5 @@ class RemoteSession:
 
         self.engine.run(restore)
 
-    def edit(self, index: int, message: str | Mapping[str, Any]) -> None:
-        def change() -> None:
-            if not -len(self._messages) <= index < len(self._messages):
-                raise FreeTokenError(f"no message {index}; the session has {len(self._messages)}")
-            old = self._messages[index]
-            self._messages[index] = {**old, "content": message} if isinstance(message, str) else dict(message)
-
-        self.engine.run(change)
-
     def close(self) -> None:
         self.engine.run(lambda: self._checkpoints.clear())
-
-
-def _assistant(parts: list[Part]) -> dict:
-    msg: dict[str, Any] = {"role": "assistant", "content": "".join(p.text for p in parts if p.kind == "text")}
-    calls = [p.call for p in parts if p.kind == "tool_call"]
-    if calls:
-        msg["tool_calls"] = [{"id": f"call_{i}", "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments_json}}
-                             for i, c in enumerate(calls)]
-    return msg

@@ -1,0 +1,80 @@
+"""What local and remote sessions share: the message list, `send` queueing a reply on the engine's worker,
+`edit`, and the assistant message a reply leaves in the history."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken.errors import FreeTokenError
+from freetoken.sdk.reply import Reply, ReplyStats
+from freetoken.server.output import Part
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+class Conversation:
+    """Subclasses set `engine` (a `Worker`), `_messages` and `tools`, and implement `_produce`."""
+
+    engine: Any
+    _messages: list[dict]
+    tools: list[dict] | None
+
+    @property
+    def messages(self) -> list[dict]:
+        """The conversation so far (a copy), as of every operation queued before this call."""
+        return self.engine.run(lambda: copy.deepcopy(self._messages))
+
+    def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None) -> Reply:
+        """Queues `message` (a string is a user message; a dict any OpenAI-style message, a tool result too)
+        and returns its reply at once; the reply completes whether or not it is read."""
+        msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
+        sampling = Sampling(max_tokens, temperature, top_p, top_k, tuple(stop), seed)
+        reply = Reply()
+        self.engine.submit(lambda: self._run(msg, sampling, reply))
+        return reply
+
+    def _run(self, msg: dict, sampling: Sampling, reply: Reply) -> None:
+        try:
+            stats = self._produce(msg, sampling, reply)
+        except BaseException as e:  # noqa: BLE001 - the reader gets it
+            reply.close(error=e)
+        else:
+            reply.close(stats)
+
+    def _produce(self, msg: dict, sampling: Sampling, reply: Reply) -> ReplyStats:
+        raise NotImplementedError
+
+    def edit(self, index: int, message: str | Mapping[str, Any]) -> None:
+        """Replaces message `index` (a string keeps the role); the next send recomputes from the first token
+        that changed."""
+        def change() -> None:
+            if not -len(self._messages) <= index < len(self._messages):
+                raise FreeTokenError(f"no message {index}; the session has {len(self._messages)}")
+            old = self._messages[index]
+            self._messages[index] = {**old, "content": message} if isinstance(message, str) else dict(message)
+
+        self.engine.run(change)
+
+
+def assistant_message(parts: list[Part], arguments_as_json: bool = False) -> dict:
+    """The reply as the next turn's history holds it: the answer, and its tool calls (reasoning is dropped, as
+    chat templates drop it from earlier turns). Servers take arguments as a JSON string, templates a dict."""
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(p.text for p in parts if p.kind == "text")}
+    calls = [p.call for p in parts if p.kind == "tool_call"]
+    if calls:
+        msg["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments_json if arguments_as_json else c.arguments}}
+            for i, c in enumerate(calls)]
+    return msg
