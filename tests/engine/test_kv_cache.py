@@ -131,3 +131,17 @@ def test_random_forks_truncations_and_writes_never_leak_or_mix_up_pages():
     for s, _ in seqs:
         cache.release(s)
     assert cache.allocator.num_free == cache.allocator.num_pages
+
+
+def test_forking_a_4k_token_sequence_allocates_nothing_until_a_branch_writes():
+    cache = PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=1, page_size=16, initial_pages=300)
+    parent = cache.new_sequence()
+    _write(cache, parent, [float(i % 97) for i in range(4000)])  # 250 pages, the last one partial
+    free = cache.allocator.num_free
+    branches = [cache.fork(parent) for _ in range(8)]
+    assert cache.allocator.num_free == free  # eight forks of 4k tokens: not one page
+    _write(cache, branches[0], [1.0])  # the first write copies only the shared partial page
+    assert cache.allocator.num_free == free - 1
+    for seq in [parent, *branches]:
+        cache.release(seq)
+    assert cache.allocator.num_free == cache.allocator.num_pages
