@@ -26,7 +26,7 @@ for part in "$@"; do
              ft bench serve --model /tmp/q3-8l.gguf --expert-cache 1GiB --sessions 1,4,16 --tokens 64 \
                --commit "$commit" --out "$OUT/serve-q3-8l-offloaded.md" ;;
     batching-cuda) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k cuda \
-             "$OLDPWD/tests/engine/test_batching.py" 2>&1 | tail -15) ;;
+             "$OLDPWD/tests/engine/test_batching.py" "$OLDPWD/tests/sdk/test_sessions.py" 2>&1 | tail -15) ;;
     q8-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k "cuda or compiled" \
              "$OLDPWD/tests/kernels/test_gguf_dequant_fused.py" "$OLDPWD/tests/engine/offload/test_quantized_experts.py" \
              2>&1 | grep -vE "^\s*$" | tail -45) ;;

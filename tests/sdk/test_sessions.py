@@ -121,3 +121,25 @@ def test_connect_gives_the_same_sessions_against_a_server(smollm2_gguf):
         running.stop()
     with pytest.raises(freetoken.sdk.remote.FreeTokenError, match="no server answered"):
         freetoken.connect(running.url)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_sessions_fork_and_reuse_through_graphs(smollm2_gguf):
+    """On CUDA every send decodes through CUDA graphs over the engine's up-front pool; forks and the reuse of the
+    history must give what a fresh run gives."""
+    import torch
+
+    engine = freetoken.Engine.load(str(smollm2_gguf), device="cuda", dtype="float32")
+    assert engine.generator.use_graphs
+    session = engine.session(system="You are a helpful assistant. " * 20)
+    first = session.send(QUESTION, max_tokens=16)
+    assert "Paris" in first.text
+    branch = session.fork()
+    for s, text in ((session, "And of Italy?"), (branch, "And of Spain?")):
+        reply = s.send(text, max_tokens=12)
+        assert reply.token_ids == fresh_ids(engine, s.messages[:-1], 12) and reply.stats.cached_tokens > 100
+    session.close()
+    branch.close()
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_pages
+    engine.close()
+    torch.cuda.empty_cache()
