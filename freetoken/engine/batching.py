@@ -63,6 +63,7 @@ class BatchScheduler:
         pages for later prompts with the same start."""
         self.lm, self.max_batch = lm, max_batch
         self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
+        self.request_limit = self.capacity  # tokens one request may hold, whatever the pool
         if self.use_graphs:
             pool = kv_tokens or self.capacity
             self.cache = lm.new_cache(page_size, initial_tokens=pool, max_tokens=pool)
@@ -81,6 +82,14 @@ class BatchScheduler:
             allocator = self.cache.allocator
             self.prefix = PrefixCache(page_size, allocator.retain, allocator.free, max_pages=cap)
             self.cache.reclaim = self.prefix.evict
+            self.cache.remap_hooks.append(self.prefix.renumber)
+
+    def resize_kv(self, tokens: int) -> dict[str, int]:
+        """Between steps: the KV pool to `tokens` (whole pages) without dropping a request; cached prefixes go
+        first when it shrinks. A request then holds at most the lesser of its limit and the pool."""
+        info = self.cache.resize(-(-tokens // self.cache.page_size))
+        self.capacity = min(self.request_limit, info["tokens"])
+        return info
 
     def has_room(self) -> bool:
         return len(self.active) < self.max_batch

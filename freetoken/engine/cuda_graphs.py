@@ -47,6 +47,7 @@ class _Captured:
     token: torch.Tensor  # [1] input buffer
     logits: torch.Tensor  # [1, V] output buffer
     slots_version: int = 0  # the executor's slot tensors these graphs read (recaptured when they change)
+    kv_version: int = 0  # the KV pool tensors they read (a resized pool is reallocated)
 
     def replay(self, experts) -> None:
         for i, graph in enumerate(self.graphs):
@@ -96,9 +97,13 @@ class GraphedDecoder:
         if cache.max_pages is None or cache.allocator.num_pages != cache.max_pages:
             raise ValueError("CUDA-graph decode needs a KV cache allocated at its full size")
         self.lm, self.cache = lm, cache
-        self.capacity = cache.max_pages * cache.page_size
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[int, _Captured] = {}
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the pool holds (it can be resized while serving)."""
+        return self.cache.max_pages * self.cache.page_size
 
     def window_for(self, n_tokens: int) -> int:
         w = MIN_WINDOW
@@ -111,8 +116,9 @@ class GraphedDecoder:
         self.cache.reserve(seq, 1)
         window = self.window_for(seq.length + 1)
         entry = self.captured.get(window)
-        if entry is None or entry.slots_version != getattr(self.lm.experts, "slots_version", 0):
-            entry = self._capture(window, seq)  # first use, or the executor's slots were reallocated
+        if entry is None or entry.slots_version != getattr(self.lm.experts, "slots_version", 0) \
+                or entry.kv_version != self.cache.version:
+            entry = self._capture(window, seq)  # first use, or the executor's slots or the KV pool moved
         entry.ctx.prepare(seq)
         entry.token.fill_(token)
         entry.replay(self.lm.experts)
@@ -136,6 +142,7 @@ class GraphedDecoder:
             entry = _Captured([graph], [], ctx, token, logits)
         else:
             entry = self._capture_segments(ctx, token)
+        entry.kv_version = self.cache.version
         self.captured[window] = entry
         return entry
 

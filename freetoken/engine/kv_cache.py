@@ -45,6 +45,16 @@ class PageAllocator:
         self._free[:0] = list(range(new_total - 1, self.num_pages - 1, -1))
         self.num_pages = new_total
 
+    def shrink(self, new_total: int, moves: dict[int, int]) -> None:
+        """Drops page ids ≥ `new_total`; `moves` (old → new id) relocates the held ones among them into free
+        ids below it (the caller has copied their contents)."""
+        for old, new in moves.items():
+            self.refs[new] = self.refs.pop(old)
+        if any(p >= new_total for p in self.refs):
+            raise ValueError("a held page is past the new size and was not moved")
+        self.num_pages = new_total
+        self._free = [p for p in range(new_total - 1, -1, -1) if p not in self.refs]
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"KV cache needs {n} pages, {len(self._free)} free")
@@ -94,6 +104,9 @@ class PagedKVCache:
         self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
         self.max_pages = max_pages
         self.allocator = PageAllocator(initial_pages)
+        self.version = 0  # bumped when the pool tensors are reallocated (captured CUDA graphs read them)
+        self._sequences: dict[int, SequenceKV] = {}  # live sequences by id(): a resize renumbers their pages
+        self.remap_hooks: list[Callable[[dict[int, int]], None]] = []  # other page holders (the prefix cache)
         # frees held-but-idle pages (the prefix cache's) when the pool runs short: called with the number of
         # pages wanted, returns how many references it dropped (0: nothing left to give)
         self.reclaim: Callable[[int], int] | None = None
@@ -102,7 +115,9 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
 
     def new_sequence(self) -> SequenceKV:
-        return SequenceKV(slots=torch.empty(0, dtype=torch.long, device=self.device))
+        seq = SequenceKV(slots=torch.empty(0, dtype=torch.long, device=self.device))
+        self._sequences[id(seq)] = seq
+        return seq
 
     def adopt(self, seq: SequenceKV, pages: list[int]) -> None:
         """Starts an empty `seq` on shared full pages (a cached prefix): it holds them too and its own tokens
@@ -121,7 +136,9 @@ class PagedKVCache:
         two writes into a shared page, which then gets copied for the writer."""
         self.allocator.retain(seq.pages)
         state = {layer: tuple(t.clone() for t in tensors) for layer, tensors in seq.recurrent.items()}
-        return SequenceKV(list(seq.pages), seq.length, seq.slots.clone(), state)
+        child = SequenceKV(list(seq.pages), seq.length, seq.slots.clone(), state)
+        self._sequences[id(child)] = child
+        return child
 
     def free_pages(self, wanted: int) -> int:
         """Free pages, after asking `reclaim` for up to `wanted` of them."""
@@ -134,6 +151,7 @@ class PagedKVCache:
     def release(self, seq: SequenceKV) -> None:
         self.allocator.free(seq.pages)
         seq.pages, seq.length, seq.recurrent = [], 0, {}
+        self._sequences.pop(id(seq), None)
         seq.slots = torch.empty(0, dtype=torch.long, device=self.device)
 
     def reserve(self, seq: SequenceKV, n_new: int) -> None:
@@ -169,6 +187,60 @@ class PagedKVCache:
             seq.slots = seq.slots.clone()  # a fork's slots may be a view its parent also reads
             seq.slots[i * size:(i + 1) * size] = torch.arange(new * size, (new + 1) * size, device=self.device)
             self.allocator.free([old])
+
+    def resize(self, max_pages: int) -> dict[str, int]:
+        """Changes the pool's page budget while sequences live in it, keeping every token: the pool tensors are
+        reallocated when they are allocated at full size (CUDA graphs need that) or would hold more than the
+        new budget; held pages past a smaller size move into free ones below it (idle prefix-cache pages are
+        given back first). Too many pages held by live sequences: ValueError, and nothing changes."""
+        if max_pages < 1:
+            raise ValueError("the KV cache needs at least one page")
+        allocator = self.allocator
+        if len(allocator.refs) > max_pages:
+            self.free_pages(allocator.num_pages - max_pages)  # the prefix cache lets go of what it can
+            if len(allocator.refs) > max_pages:
+                raise ValueError(f"{len(allocator.refs)} pages are held by live requests; the KV cache cannot "
+                                 f"shrink to {max_pages} pages now")
+        full = self.max_pages is not None and allocator.num_pages == self.max_pages
+        new_total = max_pages if full or allocator.num_pages > max_pages else allocator.num_pages
+        moves: dict[int, int] = {}
+        if new_total < allocator.num_pages:
+            spare = iter(p for p in range(new_total) if p not in allocator.refs)
+            moves = {old: next(spare) for old in sorted(allocator.refs) if old >= new_total}
+        if new_total != allocator.num_pages:
+            self._reallocate(new_total, moves)
+        if new_total < allocator.num_pages:
+            allocator.shrink(new_total, moves)
+            if moves:
+                self._renumber(moves)
+        elif new_total > allocator.num_pages:
+            allocator.grow(new_total)
+        self.max_pages = max_pages
+        return {"pages": max_pages, "tokens": max_pages * self.page_size, "allocated_pages": allocator.num_pages}
+
+    def _reallocate(self, new_total: int, moves: dict[int, int]) -> None:
+        """New pool tensors of `new_total` pages holding every kept page's rows (moved ones at their new ids)."""
+        size, rows = self.page_size, min(new_total, self.allocator.num_pages) * self.page_size
+        shape = (new_total * size, self.n_kv_heads, self.head_dim)
+        for pools in (self.k, self.v):
+            for i, pool in enumerate(pools):
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                new[:rows] = pool[:rows]
+                for old, to in moves.items():
+                    new[to * size:(to + 1) * size] = pool[old * size:(old + 1) * size]
+                pools[i] = new
+        self.version += 1
+
+    def _renumber(self, moves: dict[int, int]) -> None:
+        size = self.page_size
+        offsets = torch.arange(size, device=self.device)
+        for seq in self._sequences.values():
+            if any(p in moves for p in seq.pages):
+                seq.pages = [moves.get(p, p) for p in seq.pages]
+                seq.slots = (torch.tensor(seq.pages, dtype=torch.long, device=self.device)[:, None] * size
+                             + offsets).flatten()  # a sequence's slots cover its pages exactly
+        for hook in self.remap_hooks:
+            hook(moves)
 
     def _grow(self, pages_needed: int) -> None:
         new_total = max(pages_needed, 2 * self.allocator.num_pages)

@@ -86,5 +86,11 @@ class PrefixCache:
         self.evicted += len(dropped)
         return len(dropped)
 
+    def renumber(self, moves: dict[int, int]) -> None:
+        """Pages moved to new ids (a resized pool)."""
+        for key, (page, parent, chunk) in self._pages.items():
+            if page in moves:
+                self._pages[key] = (moves[page], parent, chunk)
+
     def clear(self) -> None:
         self.evict(len(self._pages))

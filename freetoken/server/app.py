@@ -59,6 +59,12 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
         nbytes = parse_bytes((await read_body(request, ResizeRequest)).size)  # a bad size: FreeTokenError → 400
         return await asyncio.wrap_future(engine.control(lambda: engine.resize_expert_cache(nbytes)))
 
+    @app.post("/admin/kv-cache", openapi_extra=body_doc(ResizeRequest))
+    async def kv_cache(request: Request) -> dict:
+        """Resizes the KV pool while serving (between two batch steps; running requests keep their tokens)."""
+        nbytes = parse_bytes((await read_body(request, ResizeRequest)).size)
+        return await asyncio.wrap_future(engine.control(lambda: engine.resize_kv_cache(nbytes)))
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(prometheus_text(engine.stats()), media_type="text/plain; version=0.0.4")

@@ -181,6 +181,21 @@ class ServingEngine:
         return {"slots": slots, "bytes": slots * per_slot, "cached": len(ex.cache.slot_of),
                 "total_experts": spec.total_routed_experts}
 
+    def resize_kv_cache(self, nbytes: int) -> dict[str, int]:
+        """On the worker: the KV pool to `nbytes` (whole pages), keeping every running request."""
+        from freetoken.engine.offload.budget import kv_bytes_per_token
+
+        per_token = kv_bytes_per_token(self.lm.args, self.lm.dtype)
+        if nbytes < 16 * per_token:
+            raise FreeTokenError(f"{nbytes} bytes hold fewer than 16 tokens of this model's KV ({per_token} bytes "
+                                 "per token); give more")
+        try:
+            info = self.scheduler.resize_kv(nbytes // per_token)
+        except ValueError as e:
+            raise FreeTokenError(str(e)) from None
+        return {**info, "bytes": info["pages"] * self.scheduler.cache.page_size * per_token,
+                "context": self.context_length}
+
     def close(self) -> None:
         self._jobs.put(None)
         self._worker.join(timeout=30)

@@ -145,3 +145,49 @@ def test_forking_a_4k_token_sequence_allocates_nothing_until_a_branch_writes():
     for seq in [parent, *branches]:
         cache.release(seq)
     assert cache.allocator.num_free == cache.allocator.num_pages
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_resizing_the_pool_keeps_every_sequence_and_moves_pages_past_a_smaller_size(full):
+    """`full`: the pool allocated at its budget up front (as CUDA graphs need): it is reallocated either way."""
+    cache = PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=1, page_size=2, initial_pages=16 if full else 4,
+                         max_pages=16)
+    seqs, contents = [], []
+    for i in range(5):
+        seq = cache.new_sequence()
+        values = [float(10 * i + j) for j in range(3 + i)]
+        _write(cache, seq, values)
+        seqs.append(seq)
+        contents.append(values)
+    cache.release(seqs.pop(1))  # a hole in the middle of the pool
+    contents.pop(1)
+    fork = cache.fork(seqs[0])
+    seqs.append(fork)
+    contents.append(list(contents[0]))
+    held = len(cache.allocator.refs)
+    moved = []
+    cache.remap_hooks.append(moved.append)
+    version = cache.version
+    info = cache.resize(held)  # as small as the live pages allow: pages past it must move
+    assert info["pages"] == held == cache.allocator.num_pages and cache.version > version
+    assert all(p < held for s in seqs for p in s.pages) and moved and moved[0]
+    for s, c in zip(seqs, contents, strict=True):
+        for layer in range(2):
+            assert _read(cache, s, layer) == c
+    with pytest.raises(ValueError, match="held by live requests"):
+        cache.resize(held - 1)
+    cache.resize(32)  # grows back; writes go on
+    _write(cache, fork, [99.0])
+    assert _read(cache, fork) == contents[-1] + [99.0] and _read(cache, seqs[0]) == contents[0]
+    for s in seqs:
+        cache.release(s)
+    assert cache.allocator.num_free == cache.allocator.num_pages and not cache.allocator.refs
+
+
+def test_shrinking_a_growing_pool_with_nothing_to_move_still_shrinks_it():
+    cache = PagedKVCache(n_layers=1, n_kv_heads=1, head_dim=1, page_size=2, initial_pages=16)
+    seq = cache.new_sequence()
+    _write(cache, seq, [1.0, 2.0, 3.0])  # pages 0 and 1
+    cache.resize(4)
+    assert cache.allocator.num_pages == 4 == cache.max_pages and cache.k[0].shape[0] == 8
+    assert cache.allocator.num_free == 2 and _read(cache, seq) == [1.0, 2.0, 3.0]

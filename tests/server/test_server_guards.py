@@ -144,6 +144,31 @@ def test_the_expert_cache_resizes_while_serving(keyed_server, tiny_moe):
         resident.stop()
 
 
+def test_the_kv_pool_resizes_while_serving(keyed_server):
+    """Shrinking gives back cached prefixes first and keeps what requests hold; the context a request may use
+    follows the pool; bad sizes are 400s in the protocol's shape."""
+    from freetoken.engine.offload.budget import kv_bytes_per_token
+
+    headers = {"x-api-key": "s3cret"}
+    url, engine = keyed_server.url, keyed_server.engine
+    per_token = kv_bytes_per_token(engine.lm.args, engine.lm.dtype)
+    before = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers).json()["choices"][0]
+    r = httpx.post(f"{url}/admin/kv-cache", json={"size": f"{64 * per_token}B"}, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == 64 and r.json()["context"] == 64
+    kv = httpx.get(f"{url}/v1/stats", headers=headers).json()["engine"]["kv"]
+    assert kv["pages_total"] * kv["page_size"] == 64
+    models = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]
+    assert "64" in str(models)  # the context a request may hold now
+    after = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers).json()["choices"][0]
+    assert after["message"] == before["message"]
+    r = httpx.post(f"{url}/admin/kv-cache", json={"size": f"{per_token}B"}, headers=headers)
+    assert r.status_code == 400 and "fewer than 16 tokens" in r.json()["error"]["message"]
+    assert httpx.post(f"{url}/admin/kv-cache", json={"size": "1GiB"}).status_code == 401
+    r = httpx.post(f"{url}/admin/kv-cache", json={"size": f"{4096 * per_token}B"}, headers=headers)
+    assert r.status_code == 200 and r.json()["context"] == engine.scheduler.request_limit
+
+
 def test_ask_reports_loading_progress_and_stops_at_a_failed_load(capsys):
     from freetoken.server.loading import LoadingApp
 
