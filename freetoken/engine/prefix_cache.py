@@ -6,15 +6,20 @@ page's tokens *and* everything before them: equal keys mean equal K/V. A new pro
 page and takes the longest run of registered pages as its own (shared, never written: a sequence only writes
 after its last full shared page). The index holds one reference to each page it registers (the allocator's
 refcounts), so pages outlive their sequences until they are evicted when the pool needs room or the index its
-budget: the least recently used page among those no other cached page continues (a leaf). Evicting a page in the
-middle of a chain would leave every page after it unreachable yet still held; a leaf costs only its own tokens
-to recompute. Plain Python, no torch: the KV cache owns the tensors.
+budget. Only leaves go (pages no other cached page continues): evicting a page in the middle of a chain would
+leave every page after it unreachable yet still held. Among leaves, eviction weighs what a page would cost to
+recompute against how long ago it was used (GreedyDual: every page costs the same bytes, a page further into its
+sequence costs more attention to recompute): a used page's credit is the current inflation level plus its
+cost, the leaf with the least credit goes, and the level rises to that credit, so pages not used for a while
+lose to fresh ones whatever their cost. Plain Python, no torch: the KV cache owns the tensors.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+
+ATTENTION_TOKENS = 4096  # position where a token's attention costs about as much as the rest of its layer
 
 
 class PrefixCache:
@@ -28,6 +33,8 @@ class PrefixCache:
         # are compared on a match, so a hash collision costs a miss, never wrong K/V
         self._pages: OrderedDict[int, tuple[int, int, tuple[int, ...]]] = OrderedDict()
         self._children: dict[int, int] = {}  # key → cached pages continuing it
+        self._credit: dict[int, float] = {}  # key → inflation level at its last use + its recompute cost
+        self._level = 0.0
         self.lookups = self.hit_tokens = self.inserted = self.evicted = 0
 
     def __len__(self) -> int:
@@ -41,16 +48,22 @@ class PrefixCache:
             key = hash((parent, chunk))
             yield key, parent, chunk
 
+    def _use(self, key: int, page_index: int) -> None:
+        """Page `page_index` of its sequence was used: its credit is renewed (cost in units of one page's
+        position-independent work)."""
+        self._credit[key] = self._level + 1.0 + (page_index + 0.5) * self.page_size / ATTENTION_TOKENS
+
     def match(self, tokens: Sequence[int]) -> list[int]:
         """The registered pages holding the longest prefix of `tokens` in whole pages, leaving at least one
         token to compute (its logits pick the next token). The caller takes its own references."""
         self.lookups += 1
         found = []
-        for key, parent, chunk in self._keys(tokens, (len(tokens) - 1) // self.page_size):
+        for i, (key, parent, chunk) in enumerate(self._keys(tokens, (len(tokens) - 1) // self.page_size)):
             entry = self._pages.get(key)
             if entry is None or entry[1] != parent or entry[2] != chunk:
                 break
             self._pages.move_to_end(key)
+            self._use(key, i)
             found.append(entry[0])
         self.hit_tokens += len(found) * self.page_size
         return found
@@ -58,7 +71,8 @@ class PrefixCache:
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
         """Registers the full pages of a sequence whose KV holds `tokens` in `pages` (in order)."""
         full = min(len(tokens) // self.page_size, len(pages))
-        for (key, parent, chunk), page in zip(self._keys(tokens, full), pages, strict=False):
+        for i, ((key, parent, chunk), page) in enumerate(zip(self._keys(tokens, full), pages, strict=False)):
+            self._use(key, i)
             if key in self._pages:
                 self._pages.move_to_end(key)
                 continue
@@ -71,12 +85,13 @@ class PrefixCache:
             self.evict(len(self._pages) - self.max_pages)
 
     def evict(self, n: int) -> int:
-        """Drops the index's reference to the `n` least recently used pages (fewer if it holds fewer); a page
-        no sequence shares goes back to the pool. Returns how many were dropped."""
+        """Drops the index's reference to `n` pages (fewer if it holds fewer), leaves with the least credit
+        first; a page no sequence shares goes back to the pool. Returns how many were dropped."""
         dropped = []
         while self._pages and len(dropped) < n:
-            key = next(k for k in self._pages if not self._children.get(k))  # a chain always ends in a leaf
+            key = min((k for k in self._pages if not self._children.get(k)), key=self._credit.__getitem__)
             page, parent, _ = self._pages.pop(key)
+            self._level = self._credit.pop(key)
             if parent in self._children:
                 self._children[parent] -= 1
                 if not self._children[parent]:

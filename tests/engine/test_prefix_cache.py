@@ -131,3 +131,27 @@ def test_a_full_pool_takes_pages_back_from_the_prefix_cache_instead_of_failing_r
     assert scheduler.prefix.evicted > 0
     scheduler.prefix.clear()
     assert scheduler.cache.allocator.num_free == scheduler.cache.allocator.num_pages
+
+
+def test_eviction_weighs_recompute_cost_against_age():
+    """A page deep into a long conversation costs more to recompute than the first page of a short one: with
+    both unused since, the cheap one goes first; once the expensive one has sat unused while others were used
+    and evicted, it goes too."""
+    alloc, index = _index(pages=256, page_size=16)
+    deep = list(range(1000, 1000 + 16 * 120))  # 120 pages: its leaf sits at token 1,900
+    shallow = list(range(5000, 5016))
+    pd, ps = alloc.allocate(120), alloc.allocate(1)
+    index.insert(deep, pd)
+    index.insert(shallow, ps)  # used after the deep one
+    assert index.evict(1) == 1 and index.match(shallow + [0]) == []  # the cheap leaf went despite being newer
+    assert index.match(deep + [0]) == pd
+    for i in range(40):  # a stream of other short conversations, used and evicted while the deep one idles
+        other = list(range(10_000 + 16 * i, 10_016 + 16 * i))
+        page = alloc.allocate(1)
+        index.insert(other, page)
+        alloc.free(page)
+        index.evict(1)
+    assert len(index.match(deep + [0])) < 120  # its tail went after all
+    alloc.free(pd + ps)
+    index.clear()
+    assert alloc.num_free == 256
