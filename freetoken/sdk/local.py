@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from freetoken.engine.generator import Generator, run_settings
+from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
 from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
@@ -73,6 +74,15 @@ class Engine(Worker):
         self.generator = Generator(lm, max_seq_len=max_seq_len, pool_tokens=kv_tokens or (
             2 * run_settings(lm, None, max_seq_len, None)[2] if graphs else None))
         self.cache = self.generator.cache()
+        # whole pages of every session's history, so a new session (a subagent with the same system prompt and
+        # tools) starts on them; not for recurrent models, whose state cannot start from shared pages
+        self.prefix = None
+        if not lm.has_recurrent_state:
+            self.prefix = PrefixCache(self.cache.page_size, self.cache.allocator.retain, self.cache.allocator.free,
+                                      max_pages=None if self.cache.max_pages else 4 * -(-self.generator.capacity
+                                                                                       // self.cache.page_size))
+            self.cache.reclaim = self.prefix.evict
+            self.cache.remap_hooks.append(self.prefix.renumber)
         super().__init__("ft-sdk")
 
     @classmethod
@@ -136,6 +146,7 @@ class Session(Conversation):
                 self._snapshots[end] = cache.fork(self._seq)
             common_reused, common = common, self._seq.length
         else:
+            common = self._adopt_longer_prefix(prompt, common)
             cache.truncate(self._seq, common)  # history past an edit, or the end of the last reply, recomputed
             common_reused = common
         self._tokens = prompt[:common]
@@ -152,12 +163,28 @@ class Session(Conversation):
             self._tokens = (prompt + generated)[:self._seq.length]
             reply.generated_ids = generated
         self._messages = messages + [assistant_message(parts)]
+        if self.engine.prefix is not None:
+            self.engine.prefix.insert(self._tokens, self._seq.pages)
         calls = any(p.kind == "tool_call" for p in parts)
         t = last.timings
         decode = (last.completion_tokens - 1) / t.decode_s if t and t.decode_s > 0 and last.completion_tokens > 1 \
             else None
         return ReplyStats(last.prompt_tokens, common_reused, last.completion_tokens,
                           t.first_token_s if t else None, decode, "tool_calls" if calls else last.finish_reason)
+
+    def _adopt_longer_prefix(self, prompt: list[int], common: int) -> int:
+        """Another session's pages when they hold a longer start of `prompt` than this session's own history."""
+        prefix = self.engine.prefix
+        if prefix is None:
+            return common
+        shared = prefix.match(prompt)
+        if len(shared) * self.engine.cache.page_size <= common:
+            return common
+        cache = self.engine.cache
+        cache.release(self._seq)
+        self._seq = cache.new_sequence()
+        cache.adopt(self._seq, shared)
+        return self._seq.length
 
     def _restore_before(self, common: int) -> int:
         """Recurrent models: where this send starts. The sequence as it is when the prompt continues it

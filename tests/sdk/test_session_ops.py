@@ -32,6 +32,8 @@ def _holders(engine, sessions) -> dict[int, int]:
         for seq in [s._seq] + [ck[2] for ck in s._checkpoints.values()]:
             for p in seq.pages:
                 counts[p] = counts.get(p, 0) + 1
+    for page, _, _ in engine.prefix._pages.values():  # the engine-wide index of whole pages
+        counts[page] = counts.get(page, 0) + 1
     return counts
 
 
@@ -77,5 +79,6 @@ def test_random_operations_keep_pages_exact_and_replies_fresh(engine):
     assert sends > 300 and checked >= 10
     for s in sessions:
         s.close()
+    engine.prefix.clear()
     allocator = engine.cache.allocator
     assert allocator.num_free == allocator.num_pages and not allocator.refs

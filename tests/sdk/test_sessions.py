@@ -43,6 +43,20 @@ def test_a_session_answers_and_reuses_its_history_on_the_next_turn(engine):
     session.close()
 
 
+def test_a_new_session_starts_on_another_sessions_pages_of_the_same_start(engine):
+    """A subagent with the same system prompt as its parent reuses the parent's K/V from the first send."""
+    system = "You are a coding agent with many tools. " * 25
+    parent = engine.session(system=system)
+    parent.send(QUESTION, max_tokens=8).wait()
+    child = engine.session(system=system)
+    reply = child.send("Summarise the repository.", max_tokens=8)
+    assert reply.stats.cached_tokens > 200 and reply.token_ids == fresh_ids(engine, child.messages[:-1], 8)
+    parent.close()
+    child.close()
+    engine.prefix.clear()
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_pages
+
+
 def test_a_fork_shares_the_history_and_continues_like_a_fresh_run(engine):
     session = engine.session(system="You are a helpful assistant. " * 30)  # a few hundred tokens of history
     session.send(QUESTION, max_tokens=16).wait()
@@ -59,6 +73,7 @@ def test_a_fork_shares_the_history_and_continues_like_a_fresh_run(engine):
     assert branch.messages[:3] == session.messages[:3] and branch.messages[3] != session.messages[3]
     branch.close()
     session.close()
+    engine.prefix.clear()  # (the engine-wide prefix index keeps whole pages for later sessions)
     assert allocator.num_free == allocator.num_pages  # every page back once the last owner is gone
 
 
@@ -143,5 +158,6 @@ def test_on_cuda_sessions_fork_and_reuse_through_graphs(tmp_path):
         assert reply.token_ids == fresh_ids(engine, s.messages[:-1], 8) and reply.stats.cached_tokens > 20
     session.close()
     branch.close()
+    engine.prefix.clear()
     assert engine.cache.allocator.num_free == engine.cache.allocator.num_pages
     engine.close()
