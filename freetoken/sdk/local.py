@@ -200,10 +200,14 @@ class Session(Conversation):
         self._seq = cache.fork(self._snapshots[best]) if best else cache.new_sequence()
         return best
 
+    SNAPSHOT_EVERY = 4096  # tokens between snapshots inside one long message (a coarse fallback)
+
     def _boundaries(self, messages: list[dict], prompt: list[int], after: int) -> list[int]:
         """Token offsets in `prompt` where a message ends (where its rendering alone is a prefix of the prompt),
-        past `after` and before the prompt's last token."""
-        tok, ends = self.engine.lm.tokenizer, []
+        plus every SNAPSHOT_EVERY tokens, past `after` and before the prompt's last token."""
+        tok = self.engine.lm.tokenizer
+        every = self.SNAPSHOT_EVERY
+        ends = [at for at in range(every, len(prompt), every) if at > after]
         for i in range(1, len(messages) + 1):
             try:
                 ids = tok.encode(tok.apply_chat_template(messages[:i], tools=self.tools, add_generation_prompt=False))

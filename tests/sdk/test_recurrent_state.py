@@ -79,8 +79,10 @@ def test_sessions_restart_from_message_boundaries_and_match_fresh_runs(lm):
                                           SamplingParams(temperature=0, max_tokens=n))
 
     session = engine.session(system="You are a tiny recurrent test model.")
+    session.SNAPSHOT_EVERY = 16  # the coarse fallback inside long messages, at this tiny scale
     one = session.send("first question", max_tokens=4)
     assert one.token_ids == fresh(session.messages[:-1], 4)
+    assert any(at % 16 == 0 for at in session._snapshots)
     two = session.send("second question", max_tokens=4)
     assert two.token_ids == fresh(session.messages[:-1], 4)
     assert two.stats.cached_tokens > 0  # restarted from the snapshot at the end of the last message it kept
