@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
+from freetoken.engine.kv_cache import PagedKVCache, RecurrentStateError, SequenceKV
 
 
 class SequenceAttention:
@@ -68,8 +68,10 @@ class BatchAttention:
         return torch.cat(outs)
 
     def recurrent_state(self, layer: int):
-        raise NotImplementedError("continuous batching of layers with recurrent state is not supported yet; "
-                                  "such models generate one sequence at a time")
+        """Refused: the batch scheduler runs models with recurrent layers one sequence at a time (their state
+        is per sequence; batching it comes with the first hybrid family)."""
+        raise RecurrentStateError("layers with recurrent state run one sequence at a time; this forward batched "
+                                  f"{len(self.seqs)}")
 
     set_recurrent_state = recurrent_state
 

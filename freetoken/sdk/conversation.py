@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ class Sampling:
     seed: int | None = None
 
 
-class Conversation:
+class Conversation(ABC):
     """Subclasses set `engine` (a `Worker`), `_messages` and `tools`, and implement `_produce`."""
 
     engine: Any
@@ -53,8 +54,9 @@ class Conversation:
         else:
             reply.close(stats)
 
+    @abstractmethod
     def _produce(self, msg: dict, sampling: Sampling, reply: Reply) -> ReplyStats:
-        raise NotImplementedError
+        """On the worker: generates the reply to `msg` into `reply`, updates the history, returns the stats."""
 
     def edit(self, index: int, message: str | Mapping[str, Any]) -> None:
         """Replaces message `index` (a string keeps the role); the next send recomputes from the first token
