@@ -1,12 +1,13 @@
 """`ft bench prefill`: time to first token of long prompts on a synthetic real-shape MoE model, per strategy.
 
 Strategies: `resident` (every expert on the device: the upper bound), `copy` (experts streamed over PCIe into the
-expert cache of each --budgets size, through staging when it is full), `auto` (the product's executor: the
-same, with the miss planner free to compute experts on the CPU). Each prompt is prefilled in chunks of
---chunk tokens; a long chunk routes to nearly every expert of a layer, so each chunk streams the experts the
-cache lacks once. The PCIe streaming bound is that: chunks × uncached expert bytes over the pinned host→device
-bandwidth measured at the start of the run. Streaming overlaps compute, so a row's true floor is the larger of
-that bound and the `resident` row's TTFT (the compute alone); both ratios are reported.
+expert cache of each --budgets size, through staging when it is full), `auto` (the product's executor: the same,
+with the miss planner free to compute experts on the CPU); `copy-ahead` / `auto-ahead` also stream the next layer's
+predicted experts behind each layer's copies, so the link works through the next layer's attention. Each prompt is
+prefilled in chunks of --chunk tokens; a long chunk routes to nearly every expert of a layer, so each chunk streams
+the experts the cache lacks once. The PCIe streaming bound is that: chunks × uncached expert bytes over the pinned
+host→device bandwidth measured at the start of the run. Streaming overlaps compute, so a row's true floor is the
+larger of that bound and the `resident` row's TTFT (the compute alone); both ratios are reported.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
             if strategy == "resident":
                 executor = ResidentExpertExecutor({layer: _on_device(le, device, dtype) for layer, le in host.items()})
             else:
-                executor = build_executor(host, spec, dtype, device, parse_bytes(budget), "freq", strategy)
+                executor = build_executor(host, spec, dtype, device, parse_bytes(budget), "freq",
+                                          strategy.removesuffix("-ahead"))
+                executor.prefill_ahead = strategy.endswith("-ahead")
             attach_experts(lm.model, executor)
             lm.experts = executor
             # warm-up at full chunk length: the allocator's blocks and kernel choices of the timed runs
@@ -132,7 +135,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompts", default="4096,16384,32768", help="comma-separated prompt lengths")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens")
     p.add_argument("--budgets", default="0,8GiB", help="comma-separated expert-cache sizes")
-    p.add_argument("--strategies", default="resident,copy,auto", help="comma-separated: resident, copy, auto")
+    p.add_argument("--strategies", default="resident,copy,auto",
+                   help="comma-separated: resident, copy, auto, copy-ahead, auto-ahead (-ahead: each layer's copies "
+                        "are followed by the next layer's predicted experts, streamed during its attention)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="prefills per row (the median TTFT is reported)")
     p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"])

@@ -18,3 +18,15 @@ def test_bench_prefill_reports_every_row(tmp_path):
         ("auto", "1MiB", 96), ("auto", "1MiB", 300)]
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)  # TTFT and prefill tok/s
     assert all(float(r[5]) > 0 for r in rows if r[0].strip() != "resident")  # offloaded rows stream experts
+
+
+def test_the_ahead_strategies_stream_more_than_they_need_and_report_it(tmp_path):
+    """`-ahead` rows copy the next layer's predicted experts too: at least as many bytes as the plain row."""
+    out = tmp_path / "p1.md"
+    argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--prompts", "200", "--chunk", "64",
+            "--budgets", "0", "--strategies", "copy,copy-ahead", "--out", str(out)]
+    assert main(argv) == 0
+    rows = {r[0].strip(): r for r in (line.split("|")[1:-1] for line in out.read_text().splitlines()
+                                      if line.startswith("| ") and "---" not in line) if r[0].strip() != "strategy"}
+    assert set(rows) == {"copy", "copy-ahead"}
+    assert float(rows["copy-ahead"][5]) >= float(rows["copy"][5]) > 0

@@ -120,6 +120,10 @@ class OffloadedExpertExecutor:
         self._prefetch_done: list = []  # completion of the last prefetch's copies (the link's backlog)
         self._prefetch_seconds = 0.0  # their predicted copy time
         self._deferred_prefetch: tuple | None = None  # (layer, experts, room, event): queued at the next boundary
+        # Prefill: once a chunk's copies for a layer are queued, start on the next layer's experts (predicted by
+        # its router from this layer's input), so the link keeps streaming through the next layer's attention.
+        # Off until the H200 A/B (`ft bench prefill --strategies auto,auto-ahead`) says it wins.
+        self.prefill_ahead = False
         self._graph_io: _GraphIO | None = None  # allocated by prepare_graph_io for captured decode
         self.slots_version = 0  # bumped when the slot tensors are reallocated (captured graphs read them)
 
@@ -411,14 +415,16 @@ class OffloadedExpertExecutor:
         else:
             dst.copy_(src, non_blocking=True)
 
-    def _prefetch(self, layer: int, experts: set[int], room: int, after: torch.cuda.Event | None = None) -> None:
+    def _prefetch(self, layer: int, experts: set[int], room: int, after: torch.cuda.Event | None = None,
+                  plan: bool = True) -> None:
         """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
         this layer's compute (a victim's slot may still be read by it). Only the share the planner would copy
         if they were misses: the rest would go to the CPU anyway, and extra copies would crowd the link.
         Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs. `after`: an
-        event on the compute stream past the last reader of the slots (instead of all the compute queued)."""
+        event on the compute stream past the last reader of the slots (instead of all the compute queued).
+        `plan=False`: copy them all (prefill: the CPU never takes a chunk's large token groups)."""
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
-        if self.miss_path == "auto":
+        if self.miss_path == "auto" and plan:
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
         if not missing:
             return
@@ -494,18 +500,40 @@ class OffloadedExpertExecutor:
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
-        self._take_staged_ahead(layer)
+        ahead = self._take_staged_ahead(layer)
+        self._count_prefetch_use(layer, [g.expert for g in groups])
         self.cache.begin_step((layer, g.expert) for g in groups)
-        hits, misses = [], []
+        hits, misses, staged = [], [], []
         for g in groups:
             slot = self.cache.lookup((layer, g.expert))
-            (misses if slot is None else hits).append((g, slot))
+            if slot is not None:
+                hits.append((g, slot))
+            elif g.expert in ahead:  # a miss of the cache already in a staging slot (streamed ahead)
+                staged.append((g, ahead.pop(g.expert)))
+            else:
+                misses.append((g, slot))
+        self.copier.release(*ahead.values())  # streamed ahead for nothing: the slots are free again
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
         to_copy, to_cpu = self._plan([g for g, _ in misses if len(g.tokens) <= limit], lambda g: len(g.tokens))
         to_copy += [g for g, _ in misses if len(g.tokens) > limit]
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
-        out = self._copy_and_compute(layer, hidden, hits, to_copy)
+        out = self._copy_and_compute(layer, hidden, hits, to_copy, staged)
+        if self.prefill_ahead and self.miss_path != "cpu":
+            self._stream_ahead(layer, hidden)
         return self._add_cpu(out, on_cpu, len(to_cpu))
+
+    def _stream_ahead(self, layer: int, hidden: torch.Tensor) -> None:
+        """Queues copies of the next layer's experts its router picks for this chunk (as this layer's input
+        predicts them, most tokens first), behind this layer's copies; staging slots wait for their last reader."""
+        next_layer = self._next_layer.get(layer)
+        if next_layer is None or next_layer not in self._routers:
+            return
+        weight, k = self._routers[next_layer]
+        counts = torch.bincount(torch.topk(hidden @ weight.t(), k, dim=-1).indices.flatten(),
+                                minlength=self.num_experts)
+        order = [e for e in torch.argsort(counts, descending=True, stable=True).tolist() if counts[e] > 0]
+        room = self.copier.staging_slots - 1
+        self._prefetch(next_layer, set(order[:room] if not self.cache.capacity else order), room, plan=False)
 
     def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0) -> tuple[list, list]:
         if not misses or self.miss_path == "copy":
@@ -516,10 +544,21 @@ class OffloadedExpertExecutor:
                                    min_copy=len(self.cache.free_slots), copy_busy_s=copy_busy_s)
         return split.copy, split.cpu
 
-    def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup]):
+    def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup],
+                          ahead: list | None = None):
         """Issues the copies first (side stream), computes the hits meanwhile, then each copied expert once its
-        bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns."""
+        bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns. `ahead`:
+        (group, ring index) of experts streamed into staging slots before this layer ran: computed first, each
+        slot released at once for this layer's own streaming."""
         copier = self.copier
+        out = None
+        if ahead:
+            if self._prefetch_done:
+                copier.wait(self._prefetch_done[0])
+            for g, index in ahead:
+                y = run_groups(hidden, [g], lambda e, s=self.staging_first + index: self.slots.weights_of(s))
+                out = y if out is None else out + y
+                copier.release(index)
         copier.begin(sample=False)  # staged copies wait for compute to free their slots: no sample of the link
         cached, staged = [], []
         for g in to_copy:
@@ -531,7 +570,8 @@ class OffloadedExpertExecutor:
         ring = copier.staging_slots
         in_flight = [copier.to_staging(layer, g.expert, self.slots, self.staging_first) for g in staged[:ring]]
         slot_of = {g.expert: slot for g, slot in hits}
-        out = run_groups(hidden, [g for g, _ in hits], lambda e: self.slots.weights_of(slot_of[e]))
+        y = run_groups(hidden, [g for g, _ in hits], lambda e: self.slots.weights_of(slot_of[e]))
+        out = y if out is None else out + y
         for g, slot, done in cached:
             copier.wait(done)
             out += run_groups(hidden, [g], lambda e, s=slot: self.slots.weights_of(s))

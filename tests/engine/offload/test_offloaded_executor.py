@@ -193,3 +193,27 @@ def test_without_the_native_kernel_the_cpu_path_falls_back_to_torch(checkpoint, 
     assert not lm.experts.cpu.uses_kernel
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     assert lm.experts.counters.cpu_experts == lm.experts.counters.misses > 0
+
+
+@pytest.mark.parametrize("slots", [0, 16])  # (a cache of a few slots is all protected by the current layer)
+@pytest.mark.parametrize("miss_path", ["copy", "auto"])
+def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(checkpoint, slots, miss_path):
+    """With `prefill_ahead`, a chunk's next-layer experts are copied before that layer routes (into staging slots,
+    or admitted into the cache); those it then routes to are computed from there, the rest released. Chunks of a
+    few tokens keep each layer's expert set small, so predictions both hit and miss."""
+    path, resident, _ = checkpoint
+    per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(path, progress=False, expert_cache=slots * per_expert)
+    ex = lm.experts
+    ex.miss_path, ex.planner, ex.prefill_ahead = miss_path, EVEN_SPLIT(), True
+    ids = prompt_ids("A prompt long enough to take several prefill chunks through every layer of the model")
+    expected = resident.prefill_logits(ids)
+    cache = lm.new_cache(page_size=4)
+    seq = cache.new_sequence()
+    got = []
+    with torch.inference_mode():
+        for start in range(0, len(ids), 5):
+            got.append(lm.forward(torch.tensor(ids[start:start + 5]), cache, seq))
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-5, rtol=1e-5)
+    c = ex.counters
+    assert c.prefetched > 0 and 0 < c.prefetch_used <= c.prefetched
