@@ -306,6 +306,24 @@ def _gb(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f} GB/s"
 
 
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The options of every synthetic-model `ft bench` run besides the model: seed, expert format, result."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"],
+                   help="host-memory format of the experts (dense = --dtype)")
+    p.add_argument("--commit", default="unknown", help="commit hash to record in the result")
+    p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
+
+
+def emit(table: str, out: Path | None) -> int:
+    """Prints the result table and writes it to `out` if given."""
+    print(table)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table)
+    return 0
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The options every `ft bench` shares: which synthetic model, how many layers, where, in which dtype."""
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
@@ -324,22 +342,13 @@ def main(argv: list[str]) -> int:
                    help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto, auto-noprefetch, "
                         "hf-accelerate (transformers + accelerate offload of the same weights; writes them to disk)")
     p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"],
-                   help="host-memory format of the experts (dense = --dtype)")
+    add_run_args(p)
     p.add_argument("--skew", type=float, default=0.0,
                    help="Zipf exponent of expert popularity (0: near-uniform routing, the pessimistic case)")
     p.add_argument("--probe-mib", type=int, default=1024,
                    help="MiB each bandwidth probe reads (far past the last-level cache)")
-    p.add_argument("--commit", default="unknown", help="commit hash to record in the result")
-    p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
     a = p.parse_args(argv)
     a.argv, a.budgets, a.strategies = argv, a.budgets.split(","), a.strategies.split(",")
     a.policies = a.policies.split(",")
     rows, ceilings = bench(a)
-    table = render(rows, a, ceilings)
-    print(table)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(table)
-    return 0
+    return emit(render(rows, a, ceilings), a.out)

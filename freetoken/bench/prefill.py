@@ -21,7 +21,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from freetoken.bench.decode import _on_device, _routing, _sync, add_model_args, h2d_bandwidth, result_header
+from freetoken.bench.decode import (
+    _on_device,
+    _routing,
+    _sync,
+    add_model_args,
+    add_run_args,
+    emit,
+    h2d_bandwidth,
+    result_header,
+)
 from freetoken.bench.synthetic import build_synthetic
 from freetoken.engine.experts import ResidentExpertExecutor
 from freetoken.engine.loader import attach_experts, build_executor
@@ -138,19 +147,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--strategies", default="resident,copy,auto",
                    help="comma-separated: resident, copy, auto, copy-ahead, auto-ahead (-ahead: each layer's copies "
                         "are followed by the next layer's predicted experts, streamed during its attention)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="prefills per row (the median TTFT is reported)")
-    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"])
     p.add_argument("--skew", type=float, default=0.0)
-    p.add_argument("--commit", default="unknown")
-    p.add_argument("--out", default=None, help="write the Markdown table here")
+    add_run_args(p)
     a = p.parse_args(argv)
     a.argv, a.budgets, a.strategies = argv, a.budgets.split(","), a.strategies.split(",")
     a.prompts = [int(x) for x in a.prompts.split(",")]
     rows, h2d = bench(a)
-    table = render(rows, a, h2d)
-    print(table)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(table)
-    return 0
+    return emit(render(rows, a, h2d), a.out)

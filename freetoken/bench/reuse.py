@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from freetoken.bench.decode import _sync, add_model_args, result_header
+from freetoken.bench.decode import _sync, add_model_args, add_run_args, emit, result_header
 from freetoken.bench.synthetic import build_synthetic
 from freetoken.engine.generator import Generator
 from freetoken.engine.sampling import SamplingParams
@@ -115,17 +115,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--turn", type=int, default=500, help="tokens of the new turn")
     p.add_argument("--edits", default="1000,4000,16000", help="comma-separated distances of an edit from the end")
     p.add_argument("--expert-cache", default="all", help="expert cache size, or 'all' for every expert resident")
-    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--commit", default="unknown")
-    p.add_argument("--out", default=None, help="write the Markdown table here")
+    add_run_args(p)
     a = p.parse_args(argv)
     a.argv, a.edits = argv, [int(x) for x in a.edits.split(",") if x]
-    rows = bench(a)
-    table = render(rows, a)
-    print(table)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(table)
-    return 0
+    return emit(render(bench(a), a), a.out)
