@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | batching-cuda | reuse | serve-bench | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
-# (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py). Results land in $OUT.
+# (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
+# machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
+# ones it has). Results land in $OUT.
 set -uo pipefail
 commit=$1; shift
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .carry/whl/*.whl . \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .carry/whl/*.whl \
+  $(ls .carry/srv/*.whl 2>/dev/null) . \
   >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH FREETOKEN_HOME=/tmp/ft
 for part in "$@"; do
@@ -19,6 +22,10 @@ for part in "$@"; do
              -k test_on_cuda_pinned "$OLDPWD/tests/engine/offload/test_offloaded_executor.py" 2>&1 | tail -3) ;;
     reuse) ft bench reuse --shape qwen3-30b-a3b --history 20000 --turn 500 --edits 1000,4000,16000 \
              --expert-cache 16GiB --commit "$commit" --out "$OUT/reuse-qwen3-30b-a3b-20k.md" ;;
+    reuse-resident) ft bench reuse --shape qwen3-30b-a3b --history 20000 --turn 500 --edits 1000,4000,16000 \
+             --commit "$commit" --out "$OUT/reuse-qwen3-30b-a3b-20k-resident.md" ;;
+    kernel-prefill) (cd /tmp && FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench \
+             --batches 1 8 16 32 64 | tee "$OUT/cpu-kernel-prefill-batches.txt") ;;
     serve-bench) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf  # tokenizer-only GGUF
              ft bench export --shape qwen3-30b-a3b --layers 8 --format gguf-q8_0 --out /tmp/q3-8l.gguf | tail -1
              ft bench serve --model /tmp/q3-8l.gguf --sessions 1,4,16 --tokens 64 --commit "$commit" \

@@ -11,7 +11,9 @@ starts from the same state and nothing leaks between rows. Rows:
 - `reuse`: the new turn after the cached history (an agent's follow-up);
 - `edit at -d`: the history cut `d` tokens before its end (an edit there), those `d` tokens recomputed, then the
   new turn.
-TTFT is from the first new token handed to the model to the first sampled token on the host; medians.
+TTFT is from the first new token handed to the model to the first sampled token on the host; medians. With
+offloaded experts each row also shows, per run, the expert cache's hit rate, the GB copied over PCIe and the
+experts computed on the CPU (a turn's cost there is mostly expert traffic, not its tokens).
 """
 
 from __future__ import annotations
@@ -40,8 +42,15 @@ def _ttft(gen: Generator, seq, new_ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def bench(a: argparse.Namespace) -> list[tuple[str, int, int, float]]:
-    """(case, distance from the end, tokens computed, median TTFT s) rows."""
+def _traffic(lm):
+    """A snapshot of the offloaded executor's counters (hits, misses, bytes copied, CPU experts), or None."""
+    c = getattr(lm.experts, "counters", None)
+    return None if c is None else (c.hits, c.misses, c.bytes_copied, c.cpu_experts)
+
+
+def bench(a: argparse.Namespace) -> list[tuple]:
+    """(case, distance from the end, tokens computed, median TTFT s, traffic per run or None) rows; traffic is
+    (hit rate, GB copied, CPU experts)."""
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     budget = None if a.expert_cache == "all" else parse_bytes(a.expert_cache)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=budget, layers=a.layers, seed=a.seed,
@@ -58,10 +67,16 @@ def bench(a: argparse.Namespace) -> list[tuple[str, int, int, float]]:
 
     def measure(case: str, distance: int, run) -> None:
         times = []
-        for _ in range(a.repeats + 1):  # the first run warms up (kernels, allocator blocks)
+        run()  # warms up (kernels, allocator blocks)
+        before = _traffic(lm)
+        for _ in range(a.repeats):
             times.append(run())
+        after, traffic = _traffic(lm), None
+        if before is not None:
+            hits, misses, copied, cpu = (y - x for x, y in zip(before, after, strict=True))
+            traffic = (hits / max(1, hits + misses), copied / a.repeats / 1e9, cpu / a.repeats)
         rows.append((case, distance, len(turn) + (a.history if case == "cold" else distance),
-                     statistics.median(times[1:])))
+                     statistics.median(times), traffic))
         print(_format(rows[-1], rows[0][3]), file=sys.stderr, flush=True)
 
     def cold() -> float:
@@ -90,9 +105,12 @@ def bench(a: argparse.Namespace) -> list[tuple[str, int, int, float]]:
     return rows
 
 
-def _format(row: tuple[str, int, int, float], cold_s: float) -> str:
-    case, distance, computed, ttft = row
-    return f"| {case} | {distance} | {computed} | {ttft:.3f} | {cold_s / ttft:.1f}× |"
+def _format(row: tuple, cold_s: float) -> str:
+    case, distance, computed, ttft, traffic = row
+    line = f"| {case} | {distance} | {computed} | {ttft:.3f} | {cold_s / ttft:.1f}× |"
+    if traffic is not None:
+        line += f" {traffic[0]:.0%} | {traffic[1]:.2f} | {traffic[2]:.0f} |"
+    return line
 
 
 def render(rows, a: argparse.Namespace) -> str:
@@ -101,8 +119,9 @@ def render(rows, a: argparse.Namespace) -> str:
         f"- history {a.history} tokens (random ids), new turn {a.turn} tokens, expert cache {a.expert_cache}, "
         f"median of {a.repeats} runs after one warm-up; every run on a fork of the prefilled history",
         "",
-        "| case | distance from the end (tokens) | tokens computed | TTFT s | faster than cold |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| case | distance from the end (tokens) | tokens computed | TTFT s | faster than cold |"
+        + (" expert hit rate | GB copied | CPU experts |" if rows[0][4] is not None else ""),
+        "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if rows[0][4] is not None else ""),
         *(_format(r, rows[0][3]) for r in rows),
     ]
     return "\n".join(lines) + "\n"

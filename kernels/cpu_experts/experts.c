@@ -444,9 +444,12 @@ static void phase_down(void *ctx, int task) {
 }
 
 /* ---- AMX (Sapphire Rapids and later): 16 rows x 32 weights x 16 tokens per tile instruction ----
-   With tiles the arithmetic is free even at 8-16 tokens, so the kernel stays bound by DRAM reads at any decode
-   batch. Activations are packed per expert into the VNNI layout a B tile wants ([K/2][16 tokens][2], unused token
-   columns zero): phase 0 packs x, phase 1 writes act packed. Used for bf16 weights of bf16 models. */
+   With tiles the arithmetic is nearly free, so the kernel stays bound by DRAM reads at any decode batch and
+   stays far ahead of the vector path for the 20-100 tokens per expert of a short prefill chunk. An expert's
+   tokens are packed in tiles of 16 into the VNNI layout a B tile wants ([K/2][16 tokens][2], unused token columns
+   zero), the tiles of all experts back to back (`tile_base[e]` is expert e's first): phase 0 packs x, phase 1
+   writes act packed. Each 16-row weight block is read from DRAM once; further token tiles find it in L2 (Q8_0
+   blocks are then dequantized once per block into a bf16 copy). Used for bf16 activations of bf16 models. */
 #if HAVE_AMX
 enum { AMX_TOKENS = 16, AMX_Q8_MIN_TOKENS = 6 };
 static int amx_min_tokens = 2, amx_disabled;  /* tuning: fewest tokens worth tiles; a switch to measure without */
@@ -479,37 +482,57 @@ static uint16_t *amx_scratch(size_t elements) {  /* one job at a time: a growing
         free(buf);
         capacity = elements + elements / 2;
         buf = aligned_alloc(64, (capacity * 2 + 63) / 64 * 64);
+        if (!buf) capacity = 0;
     }
     return buf;
 }
 
-/* Expert e's tokens as a B-tile stream: xp[e][k/2][t][k%2] = x[token t][k]. */
-static void amx_pack_x(const moe_job *j, const uint16_t *xb, uint16_t *xp, int e) {
+/* Expert e's tokens as B tiles: tile i of e holds its tokens 16i..16i+15 as [k/2][t][k%2] = x[token][k]. */
+static void amx_pack_x(const moe_job *j, const uint16_t *xb, uint16_t *xp, const int32_t *tile_base, int e) {
     int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
-    uint16_t *dst = xp + (size_t)e * j->hidden * AMX_TOKENS;
-    memset(dst, 0, (size_t)j->hidden * AMX_TOKENS * 2);
+    size_t tile_elems = (size_t)j->hidden * AMX_TOKENS;
+    uint16_t *dst = xp + tile_base[e] * tile_elems;
+    memset(dst, 0, (tile_base[e + 1] - tile_base[e]) * tile_elems * 2);
     for (int t = 0; t < n; t++) {
         const uint16_t *src = xb + (size_t)j->pair_tokens[p0 + t] * j->hidden;
-        for (int k = 0; k < j->hidden; k++) dst[(size_t)(k / 2) * AMX_TOKENS * 2 + t * 2 + (k & 1)] = src[k];
+        uint16_t *tile = dst + (t / AMX_TOKENS) * tile_elems + (t % AMX_TOKENS) * 2;
+        for (int k = 0; k < j->hidden; k++) tile[(size_t)(k / 2) * AMX_TOKENS * 2 + (k & 1)] = src[k];
     }
 }
 
-/* Q8_0 rows r..r+15, block kc, as a bf16 tile in `tile` (16 x 32): q * d rounded to bf16, exactly the weights a
-   bf16 GPU expert computes with after dequantization. One Q8_0 block is one tile row. */
-static void amx_q8_tile(const uint8_t *w, size_t stride, int kc, uint16_t *tile) {
+/* Q8_0 rows r..r+15, block kc, as bf16 at `tile` (16 rows, `pitch` elements apart): q * d rounded to bf16,
+   exactly the weights a bf16 GPU expert computes with after dequantization. One Q8_0 block is one tile row. */
+static void amx_q8_tile(const uint8_t *w, size_t stride, int kc, uint16_t *tile, size_t pitch) {
     for (int r = 0; r < 16; r++) {
         const uint8_t *blk = w + r * stride + (size_t)kc * Q8_BYTES;
         __m512 d = _mm512_set1_ps(f16_scalar(blk));
         __m512bh b = _mm512_cvtne2ps_pbh((__m512)(load_q8((const int8_t *)blk + 2 + LANES) * (vf)d),
                                          (__m512)(load_q8((const int8_t *)blk + 2) * (vf)d));
-        _mm512_storeu_si512(tile + r * 32, (__m512i)b);
+        _mm512_storeu_si512(tile + r * pitch, (__m512i)b);
     }
+}
+
+/* A 16-row block of Q8_0 weights over k columns as bf16 rows (a per-thread buffer, `which` of two), for blocks
+   used by several token tiles: each Q8_0 block is then dequantized once, not once per tile. Returns the rows;
+   their stride is k * 2 bytes. */
+static const uint8_t *amx_dequant_rows(const uint8_t *w, size_t stride, int k, int which) {
+    static __thread uint16_t *buf[2];
+    static __thread size_t capacity[2];
+    size_t need = (size_t)16 * k;
+    if (need > capacity[which]) {
+        free(buf[which]);
+        buf[which] = aligned_alloc(64, (need * 2 + 63) / 64 * 64);
+        capacity[which] = buf[which] ? need : 0;
+        if (!buf[which]) return NULL;
+    }
+    for (int kc = 0; kc < k / 32; kc++) amx_q8_tile(w, stride, kc, buf[which] + (size_t)kc * 32, k);
+    return (const uint8_t *)buf[which];
 }
 
 /* Loads weight tile `t` for rows at w (stride bytes per row), k-chunk kc of 32, from bf16 or Q8_0 rows. */
 static inline void amx_load_weights(int t, int type, const uint8_t *w, size_t stride, int kc, uint16_t *scratch) {
     if (type == FT_Q8_0) {
-        amx_q8_tile(w, stride, kc, scratch);
+        amx_q8_tile(w, stride, kc, scratch, 32);
         if (t == 2) _tile_loadd(2, scratch, 64); else _tile_loadd(3, scratch, 64);
     } else if (t == 2) {
         _tile_loadd(2, w + (size_t)kc * 64, stride);
@@ -550,45 +573,67 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
     _tile_release();
 }
 
-static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, int task) {
-    int blocks = j->inter / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK, expert = j->experts[e];
-    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
-    size_t gb = row_bytes(j->gate_type, j->hidden), ub = row_bytes(j->up_type, j->hidden);
-    float g[16][16], u[16][16];
-    amx_rows_x_tokens2(j->gate_type, j->gate + expert * j->gate_stride + r0 * gb, gb,
-                       j->up_type, j->up + expert * j->up_stride + r0 * ub, ub,
-                       xp + (size_t)e * j->hidden * AMX_TOKENS, j->hidden, &g[0][0], &u[0][0]);
-    uint16_t *dst = actp + (size_t)e * j->inter * AMX_TOKENS;
-    for (int r = 0; r < ROW_BLOCK; r++)
-        for (int t = 0; t < AMX_TOKENS; t++) {
-            int row = r0 + r;
-            float a = 0.0f;
-            if (t < n) {
-                float gv = round_bf16(g[r][t]);
-                a = round_bf16(round_bf16(gv / (1.0f + expf(-gv))) * round_bf16(u[r][t]));
-                j->act[(size_t)(p0 + t) * j->inter + row] = a;
-            }
-            uint32_t bits;
-            memcpy(&bits, &a, 4);
-            dst[(size_t)(row / 2) * AMX_TOKENS * 2 + t * 2 + (row & 1)] = (uint16_t)(bits >> 16);
-        }
+/* A 16-row weight block for `tiles` token tiles: Q8_0 rows dequantized once when several tiles share them.
+   Sets *type/*stride to how the returned rows are read. */
+static const uint8_t *amx_block_rows(const uint8_t *w, int *type, size_t *stride, int k, int tiles, int which) {
+    if (*type != FT_Q8_0 || tiles < 2) return w;
+    const uint8_t *rows = amx_dequant_rows(w, *stride, k, which);
+    if (!rows) return w;
+    *type = FT_BF16;
+    *stride = (size_t)k * 2;
+    return rows;
 }
 
-static void amx_down(const moe_job *j, const uint16_t *actp, int task) {
+static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, const int32_t *tile_base, int task) {
+    int blocks = j->inter / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK, expert = j->experts[e];
+    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
+    int gt = j->gate_type, ut = j->up_type;
+    size_t gb = row_bytes(gt, j->hidden), ub = row_bytes(ut, j->hidden);
+    const uint8_t *gate = amx_block_rows(j->gate + expert * j->gate_stride + r0 * gb, &gt, &gb, j->hidden, tiles, 0);
+    const uint8_t *up = amx_block_rows(j->up + expert * j->up_stride + r0 * ub, &ut, &ub, j->hidden, tiles, 1);
+    float g[16][16], u[16][16];
+    for (int tile = 0; tile < tiles; tile++) {
+        size_t base = (size_t)(tile_base[e] + tile);
+        amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, j->hidden,
+                           &g[0][0], &u[0][0]);
+        uint16_t *dst = actp + base * j->inter * AMX_TOKENS;
+        for (int r = 0; r < ROW_BLOCK; r++)
+            for (int c = 0; c < AMX_TOKENS; c++) {
+                int row = r0 + r, t = tile * AMX_TOKENS + c;
+                float a = 0.0f;
+                if (t < n) {
+                    float gv = round_bf16(g[r][c]);
+                    a = round_bf16(round_bf16(gv / (1.0f + expf(-gv))) * round_bf16(u[r][c]));
+                    j->act[(size_t)(p0 + t) * j->inter + row] = a;
+                }
+                uint32_t bits;
+                memcpy(&bits, &a, 4);
+                dst[(size_t)(row / 2) * AMX_TOKENS * 2 + c * 2 + (row & 1)] = (uint16_t)(bits >> 16);
+            }
+    }
+}
+
+static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile_base, int task) {
     int h0 = task * ROW_BLOCK;
-    size_t db = row_bytes(j->down_type, j->inter);
     float d[16][16];
     for (int h = h0; h < h0 + ROW_BLOCK; h++)
         for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
     for (int e = 0; e < j->n_experts; e++) {
-        int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
-        amx_rows_x_tokens(j->down_type, j->down + j->experts[e] * j->down_stride + h0 * db, db,
-                          actp + (size_t)e * j->inter * AMX_TOKENS, j->inter, &d[0][0]);
-        for (int r = 0; r < ROW_BLOCK; r++)
-            for (int t = 0; t < n; t++) {
-                float v = round_bf16(round_bf16(d[r][t]) * round_bf16(j->pair_weights[p0 + t]));
-                j->y[(size_t)j->pair_tokens[p0 + t] * j->hidden + h0 + r] += v;
-            }
+        int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
+        int dt = j->down_type;
+        size_t db = row_bytes(dt, j->inter);
+        const uint8_t *down = amx_block_rows(j->down + j->experts[e] * j->down_stride + h0 * db, &dt, &db,
+                                             j->inter, tiles, 0);
+        for (int tile = 0; tile < tiles; tile++) {
+            amx_rows_x_tokens(dt, down, db, actp + (size_t)(tile_base[e] + tile) * j->inter * AMX_TOKENS,
+                              j->inter, &d[0][0]);
+            for (int r = 0; r < ROW_BLOCK; r++)
+                for (int c = 0; c < AMX_TOKENS && tile * AMX_TOKENS + c < n; c++) {
+                    int p = p0 + tile * AMX_TOKENS + c;
+                    float v = round_bf16(round_bf16(d[r][c]) * round_bf16(j->pair_weights[p]));
+                    j->y[(size_t)j->pair_tokens[p] * j->hidden + h0 + r] += v;
+                }
+        }
     }
 }
 #endif
@@ -601,6 +646,7 @@ typedef struct {
     atomic_int phase0_done, phase1_done, phase2_done;
     long start_ns, end_ns;  /* when the job was posted and when its last task finished */
     uint16_t *xp, *actp;    /* AMX: packed activations per expert, or NULL */
+    int32_t *tile_base;     /* AMX: [n_experts + 1] first token tile of each expert in xp/actp */
     const uint16_t *xb_amx; /* bf16 x the AMX path packs (bf16 or Q8_0 weights), or NULL */
 } moe_run;
 
@@ -610,7 +656,7 @@ static void moe_task(void *ctx, int task) {
     moe_run *run = ctx;
     if (task < run->phase0_tasks) {
 #if HAVE_AMX
-        amx_pack_x(&run->job, run->xb_amx, run->xp, task);
+        amx_pack_x(&run->job, run->xb_amx, run->xp, run->tile_base, task);
 #endif
         atomic_fetch_add(&run->phase0_done, 1);
         return;
@@ -619,7 +665,7 @@ static void moe_task(void *ctx, int task) {
     if (task < run->phase1_tasks) {
         while (atomic_load(&run->phase0_done) < run->phase0_tasks) CPU_RELAX();
 #if HAVE_AMX
-        if (run->xp) amx_gate_up(&run->job, run->xp, run->actp, task); else
+        if (run->xp) amx_gate_up(&run->job, run->xp, run->actp, run->tile_base, task); else
 #endif
         phase_gate_up(&run->job, task);
         atomic_fetch_add(&run->phase1_done, 1);
@@ -627,14 +673,14 @@ static void moe_task(void *ctx, int task) {
     }
     while (atomic_load(&run->phase1_done) < run->phase1_tasks) CPU_RELAX();
 #if HAVE_AMX
-    if (run->xp) amx_down(&run->job, run->actp, task - run->phase1_tasks); else
+    if (run->xp) amx_down(&run->job, run->actp, run->tile_base, task - run->phase1_tasks); else
 #endif
     phase_down(&run->job, task - run->phase1_tasks);
     if (atomic_fetch_add(&run->phase2_done, 1) + 1 == run->phase2_tasks) run->end_ns = now_ns();
 }
 
-/* Whether this job can run on AMX tiles: bf16 path on, shapes in whole tiles, at most 16 tokens per expert, and
-   at least AMX_MIN tokens on some expert (below that the AVX-512 path is as fast and needs no packing). */
+/* Whether this job can run on AMX tiles: bf16 path on, shapes in whole tiles, and at least AMX_MIN tokens on
+   some expert (below that the AVX-512 path is as fast and needs no packing). */
 static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
 #if HAVE_AMX
     if (!xb_amx || j->hidden % 32 || j->inter % 32 || amx_disabled) return 0;
@@ -647,7 +693,7 @@ static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
        tokens: tiles pay for them only from about 6 tokens on (measured on a Sapphire Rapids-class core). */
     int q8 = j->gate_type == FT_Q8_0 || j->up_type == FT_Q8_0 || j->down_type == FT_Q8_0;
     int least = q8 && amx_min_tokens < AMX_Q8_MIN_TOKENS ? AMX_Q8_MIN_TOKENS : amx_min_tokens;
-    return most <= AMX_TOKENS && most >= least && amx_permitted();
+    return most >= least && amx_permitted();
 #else
     (void)j, (void)xb_amx;
     return 0;
@@ -684,11 +730,25 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
                          ? xb : NULL;
 #if HAVE_AMX
     if (use_amx(&current.job, current.xb_amx)) {
-        uint16_t *scratch = amx_scratch((size_t)n_experts * (hidden + inter) * AMX_TOKENS);
-        if (scratch) {
-            current.xp = scratch;
-            current.actp = scratch + (size_t)n_experts * hidden * AMX_TOKENS;
-            current.phase0_tasks = n_experts;
+        static int32_t *tile_base;
+        static int tile_base_capacity;
+        if (n_experts + 1 > tile_base_capacity) {
+            free(tile_base);
+            tile_base = malloc(sizeof(int32_t) * (n_experts + 1));
+            tile_base_capacity = tile_base ? n_experts + 1 : 0;
+        }
+        if (tile_base) {
+            tile_base[0] = 0;
+            for (int e = 0; e < n_experts; e++)
+                tile_base[e + 1] = tile_base[e] + (pair_offsets[e + 1] - pair_offsets[e] + AMX_TOKENS - 1) / AMX_TOKENS;
+            size_t tiles = (size_t)tile_base[n_experts];
+            uint16_t *scratch = amx_scratch(tiles * (hidden + inter) * AMX_TOKENS);
+            if (scratch) {
+                current.xp = scratch;
+                current.actp = scratch + tiles * hidden * AMX_TOKENS;
+                current.tile_base = tile_base;
+                current.phase0_tasks = n_experts;
+            }
         }
     }
 #endif

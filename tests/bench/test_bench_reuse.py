@@ -17,3 +17,5 @@ def test_reuse_bench_writes_every_row(tmp_path, capsys):
     computed = [int(r.split(" | ")[2]) for r in rows]
     assert computed == [104, 8, 24, 56]  # the edit past the history's start (500) is skipped
     assert "history 96 tokens" in table and "ft bench reuse" in table
+    assert "expert hit rate | GB copied | CPU experts" in table  # offloaded: each row shows its expert traffic
+    assert all(len(r.split(" | ")) == 8 for r in rows)

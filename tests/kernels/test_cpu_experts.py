@@ -125,19 +125,21 @@ def test_concurrent_callers_are_serialised(kernel):
     assert all(torch.allclose(g, want[i % 8], atol=1e-5, rtol=1e-5) for i, g in enumerate(got))
 
 
-@pytest.mark.parametrize("tokens", [2, 7, 16])
+@pytest.mark.parametrize("tokens", [2, 7, 16, 17, 40])
 def test_amx_tiles_match_the_reference(kernel, tokens):
-    """Where the CPU has AMX (Sapphire Rapids and later), 2-16 tokens per expert of a bf16 model run on tiles;
-    the result must equal the reference's as closely as the AVX-512 path does."""
+    """Where the CPU has AMX (Sapphire Rapids and later), a bf16 model's experts from 2 tokens on run on tiles
+    (several token tiles per expert above 16, experts with different tile counts in one call); the result must
+    equal the reference's as closely as the AVX-512 path does."""
     if not kernel.amx:
         pytest.skip("no AMX on this CPU")
     gen = torch.Generator().manual_seed(tokens)
     gate, up = (_matrix("BF16", 4, 64, 96, gen) for _ in range(2))
     down = _matrix("BF16", 4, 96, 64, gen)
     x = torch.randn(tokens, 96, generator=gen).bfloat16().float()
-    every = list(range(tokens))
-    routing = (torch.tensor([1, 3], dtype=torch.int32), torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32),
-               torch.tensor(every + every, dtype=torch.int32), torch.rand(2 * tokens, generator=gen))
+    every, some = list(range(tokens)), list(range(0, tokens, 3))  # expert 3 takes every third token
+    routing = (torch.tensor([1, 3], dtype=torch.int32),
+               torch.tensor([0, tokens, tokens + len(some)], dtype=torch.int32),
+               torch.tensor(every + some, dtype=torch.int32), torch.rand(tokens + len(some), generator=gen))
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     tiles = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     kernel.lib.ft_set_amx(2, 1)
@@ -149,19 +151,21 @@ def test_amx_tiles_match_the_reference(kernel, tokens):
     assert (tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
 
 
-def test_amx_q8_0_computes_what_a_bf16_gpu_expert_computes(kernel):
-    """On tiles, Q8_0 weights are dequantized to bf16 in the tile (as the GPU path dequantizes them for a bf16
-    model), so the result equals the reference run on bf16-dequantized weights."""
+@pytest.mark.parametrize("tokens", [8, 40])
+def test_amx_q8_0_computes_what_a_bf16_gpu_expert_computes(kernel, tokens):
+    """On tiles, Q8_0 weights are dequantized to bf16 (in the tile, or once per row block when several token
+    tiles share it), as the GPU path dequantizes them for a bf16 model, so the result equals the reference run on
+    bf16-dequantized weights."""
     if not kernel.amx:
         pytest.skip("no AMX on this CPU")
     gen = torch.Generator().manual_seed(3)
     gate, up = (_matrix("Q8_0", 4, 64, 96, gen) for _ in range(2))
     down = _matrix("Q8_0", 4, 96, 64, gen)
     as_bf16 = [ExpertMatrix.of(torch.stack([m.expert(e) for e in range(4)]).bfloat16()) for m in (gate, up, down)]
-    x = torch.randn(8, 96, generator=gen).bfloat16().float()  # Q8_0 takes tiles from 6 tokens per expert
-    every = list(range(8))
-    routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32),
-               torch.tensor(every + every, dtype=torch.int32), torch.rand(16, generator=gen))
+    x = torch.randn(tokens, 96, generator=gen).bfloat16().float()  # Q8_0 takes tiles from 6 tokens per expert
+    every = list(range(tokens))
+    routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32),
+               torch.tensor(every + every, dtype=torch.int32), torch.rand(2 * tokens, generator=gen))
     want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
     got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert (got - want).norm() / want.norm() < 2e-3

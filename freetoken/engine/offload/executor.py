@@ -476,25 +476,33 @@ class OffloadedExpertExecutor(PrefillPath):
             self.counters.prefetch_used += sum((layer, e) in self._prefetched for e in routed)
             self._prefetched = {key for key in self._prefetched if key[0] != layer}
 
-    def _count_cpu(self, count: int, seconds: float) -> None:
-        self.planner.observe_cpu(count * self.expert_bytes, seconds)
+    def _count_cpu(self, count: int, seconds: float, planner: MissPlanner | None = None,
+                   weighed_bytes: float | None = None) -> None:
+        """`weighed_bytes`: the work as the planner weighs it (default: `count` experts of one token)."""
+        (planner or self.planner).observe_cpu(count * self.expert_bytes if weighed_bytes is None else weighed_bytes,
+                                              seconds)
         self.counters.cpu_experts += count
         self.counters.cpu_seconds += seconds
 
-    def _add_cpu(self, out: torch.Tensor, on_cpu, count: int) -> torch.Tensor:
+    def _add_cpu(self, out: torch.Tensor, on_cpu, count: int, planner: MissPlanner | None = None,
+                 weighed_bytes: float | None = None) -> torch.Tensor:
         if on_cpu is None:
             return out
         y, seconds = on_cpu.result()
-        self._count_cpu(count, seconds)
+        self._count_cpu(count, seconds, planner, weighed_bytes)
         return out + y.to(out.device, out.dtype, non_blocking=True)
 
-    def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0) -> tuple[list, list]:
+    def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0, planner: MissPlanner | None = None,
+              min_copy: int | None = None) -> tuple[list, list]:
+        """(to copy, to compute on the CPU). `min_copy`: at least this many copied (default: the cache's free
+        slots, worth filling)."""
         if not misses or self.miss_path == "copy":
             return misses, []
         if self.miss_path == "cpu":
             return [], misses
-        split = self.planner.split(misses, self.expert_bytes, tokens_of=tokens_of,
-                                   min_copy=len(self.cache.free_slots), copy_busy_s=copy_busy_s)
+        split = (planner or self.planner).split(
+            misses, self.expert_bytes, tokens_of=tokens_of,
+            min_copy=len(self.cache.free_slots) if min_copy is None else min_copy, copy_busy_s=copy_busy_s)
         return split.copy, split.cpu
 
     def resize(self, num_slots: int) -> None:

@@ -66,15 +66,17 @@ class MissPlanner:
     PROBE_EVERY = 256  # layer-steps a path may go unused before one miss is sent down it to re-measure it
 
     ISSUE_DECAY = 0.9  # forgetting of the per-copy issue time's running mean
+    TOKEN_WEIGHT = 0.1  # CPU cost of each token beyond an expert's first, in units of the expert's bytes
 
     def __init__(self, copy_gb_s: float, cpu_gb_s: float, copy_fixed_s: float = 20e-6, cpu_fixed_s: float = 100e-6,
-                 learn: bool = True, issue_s: float = 0.0):
+                 learn: bool = True, issue_s: float = 0.0, probe_every: int = PROBE_EVERY):
         """`learn=False` keeps the given costs (a fixed split, for reproducible runs) and never probes.
         `issue_s`: host seconds to queue one copy, until measured."""
         self.copy = LinearCost(copy_fixed_s, 1e-9 / copy_gb_s)
         self.cpu = LinearCost(cpu_fixed_s, 1e-9 / cpu_gb_s)
         self.issue_s = issue_s
         self.learn = learn
+        self.probe_every = probe_every
         self._idle = {"copy": 0, "cpu": 0}
         self.steps = 0
         # the latest raw samples (GB/s of copy and CPU batches, µs to queue one copy), for diagnostics
@@ -95,8 +97,8 @@ class MissPlanner:
         ordered = [misses[i] for _, i in tokens]
         best_cpu, best_t, cpu_bytes = 0, float("inf"), 0.0
         for on_cpu in range(n - min(min_copy, n) + 1):
-            if on_cpu:  # the CPU takes the next-cheapest miss; its cost grows lightly with tokens beyond the first
-                cpu_bytes += expert_bytes * (1 + 0.1 * (tokens[n - on_cpu][0] - 1))
+            if on_cpu:  # the CPU takes the next-cheapest miss
+                cpu_bytes += self.cpu_bytes(expert_bytes, tokens[n - on_cpu][0])
             issue = self.issue_s * (n - on_cpu)  # the host queues the copies first, then starts the CPU
             copy_t = copy_busy_s + max(issue, self.copy.predict(expert_bytes * (n - on_cpu))) if on_cpu < n else 0.0
             t = max(copy_t, issue + self.cpu.predict(cpu_bytes) if on_cpu else 0.0)
@@ -105,13 +107,19 @@ class MissPlanner:
         best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe and self.learn else best_cpu
         return Split(ordered[:n - best_cpu], ordered[n - best_cpu:], best_t)
 
+    def cpu_bytes(self, expert_bytes: int, tokens: int) -> float:
+        """What one expert with `tokens` tokens weighs in the CPU model: its bytes, plus the arithmetic of every
+        token beyond the first (light: the CPU cost model is bytes over a bandwidth, the weight only ranks and
+        scales; the fitted bandwidth absorbs its error where token counts are alike, as in one prefill chunk)."""
+        return expert_bytes * (1 + self.TOKEN_WEIGHT * (tokens - 1))
+
     def _probe(self, on_cpu: int, n: int) -> int:
         for path, used in (("cpu", on_cpu > 0), ("copy", on_cpu < n)):
             self._idle[path] = 0 if used else self._idle[path] + 1
-        if n >= 2 and self._idle["cpu"] >= self.PROBE_EVERY:
+        if n >= 2 and self._idle["cpu"] >= self.probe_every:
             self._idle["cpu"] = 0
             return 1
-        if n >= 2 and self._idle["copy"] >= self.PROBE_EVERY:  # half the misses: one copy alone would be
+        if n >= 2 and self._idle["copy"] >= self.probe_every:  # half the misses: one copy alone would be
             self._idle["copy"] = 0  # timed with a batch's fixed costs and make the link look slower than it is
             return n - n // 2
         return on_cpu

@@ -10,10 +10,17 @@ from __future__ import annotations
 import torch
 
 from freetoken.engine.experts import ExpertGroup, group_by_expert, run_groups
+from freetoken.engine.offload.planner import MissPlanner
 
 
 class PrefillPath:
-    CPU_MAX_TOKENS = 16  # a miss with more tokens than this is a matrix product: the GPU's, whatever the link costs
+    # A miss with more tokens than this is a large matrix product: the GPU's, whatever the link costs. Below it
+    # (a short chunk: an agent's next turn, an edit's suffix) the CPU's tiles can take part of a layer's misses
+    # while the link streams the rest; the prefill planner learns what that costs here.
+    CPU_MAX_TOKENS = 128
+    # A batch of at least this many tokens is a prefill chunk: it fills free cache slots but evicts nothing
+    PREFILL_TOKENS = 64
+    PREFILL_PROBE_EVERY = 8  # a prefill is a few hundred layer-steps: re-probe an unused path sooner than decode
 
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
@@ -32,13 +39,29 @@ class PrefillPath:
                 misses.append((g, slot))
         self.copier.release(*ahead.values())  # streamed ahead for nothing: the slots are free again
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
-        to_copy, to_cpu = self._plan([g for g, _ in misses if len(g.tokens) <= limit], lambda g: len(g.tokens))
+        planner = self._prefill_planner()
+        to_copy, to_cpu = self._plan([g for g, _ in misses if len(g.tokens) <= limit], lambda g: len(g.tokens),
+                                     planner=planner)
         to_copy += [g for g, _ in misses if len(g.tokens) > limit]
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
-        out = self._copy_and_compute(layer, hidden, hits, to_copy, staged)
+        out = self._copy_and_compute(layer, hidden, hits, to_copy, staged,
+                                     evict=hidden.shape[0] < self.PREFILL_TOKENS)
         if self.prefill_ahead and self.miss_path != "cpu":
             self._stream_ahead(layer, hidden)
-        return self._add_cpu(out, on_cpu, len(to_cpu))
+        weighed = sum(planner.cpu_bytes(self.expert_bytes, len(g.tokens)) for g in to_cpu)
+        return self._add_cpu(out, on_cpu, len(to_cpu), planner=planner, weighed_bytes=weighed)
+
+    def _prefill_planner(self) -> MissPlanner:
+        """The planner of prefill splits: its own CPU model (tens of tokens per expert cost the CPU arithmetic as
+        well as reads, so decode's per-expert timings do not carry over), the decode planner's model of the link
+        (a copy costs the same for any number of tokens). Rebuilt when the decode planner is replaced."""
+        base = self.planner
+        if getattr(self, "_prefill_planner_of", None) is not base:
+            planner = MissPlanner(base.copy.gb_s, base.cpu.gb_s, cpu_fixed_s=base.cpu.fixed, learn=base.learn,
+                                  issue_s=base.issue_s, probe_every=self.PREFILL_PROBE_EVERY)
+            planner.copy = base.copy  # shared: decode's copy timings keep it current
+            self._prefill_planner_obj, self._prefill_planner_of = planner, base
+        return self._prefill_planner_obj
 
     def _stream_ahead(self, layer: int, hidden: torch.Tensor) -> None:
         """Queues copies of the next layer's experts its router picks for this chunk (as this layer's input
@@ -54,11 +77,11 @@ class PrefillPath:
         self._prefetch(next_layer, set(order[:room] if not self.cache.capacity else order), room, plan=False)
 
     def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup],
-                          ahead: list | None = None):
+                          ahead: list | None = None, evict: bool = True):
         """Issues the copies first (side stream), computes the hits meanwhile, then each copied expert once its
         bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns. `ahead`:
         (group, ring index) of experts streamed into staging slots before this layer ran: computed first, each
-        slot released at once for this layer's own streaming."""
+        slot released at once for this layer's own streaming. `evict=False`: copies only fill free cache slots."""
         copier = self.copier
         out = None
         if ahead:
@@ -71,7 +94,10 @@ class PrefillPath:
         copier.begin(sample=False)  # staged copies wait for compute to free their slots: no sample of the link
         cached, staged = [], []
         for g in to_copy:
-            admitted = self.cache.admit((layer, g.expert))
+            # a prefill chunk takes free slots only: it touches nearly every expert once, so evicting for it would
+            # churn the cache (the next chunk, turn or decode step would find none of what it held); the rest
+            # streams through staging, and the policy has still counted every use (lookup) for decode's admissions
+            admitted = self.cache.admit((layer, g.expert)) if evict or self.cache.free_slots else None
             if admitted is None:
                 staged.append(g)
             else:

@@ -217,3 +217,31 @@ def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(c
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-5, rtol=1e-5)
     c = ex.counters
     assert c.prefetched > 0 and 0 < c.prefetch_used <= c.prefetched
+
+
+@pytest.mark.parametrize("miss_path", ["copy", "auto"])
+def test_prefill_chunks_fill_free_slots_but_evict_nothing(checkpoint, miss_path):
+    """A prefill chunk (≥ PREFILL_TOKENS tokens) touches nearly every expert once: it takes free cache slots,
+    streams the rest, and leaves what the cache held in place, so the next chunk hits it. In `auto`, misses of a
+    chunk are split between copies and the CPU (tens of tokens per expert) with the resident logits."""
+    path, resident, _ = checkpoint
+    per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(path, progress=False, expert_cache=4 * per_expert)
+    ex = lm.experts
+    ex.miss_path, ex.planner = miss_path, EVEN_SPLIT()
+    chunk = ex.PREFILL_TOKENS
+    ids = torch.randint(0, resident.args.decoder.vocab_size, (2 * chunk,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    expected = resident.prefill_logits(ids)
+    cache = lm.new_cache(page_size=4)
+    seq = cache.new_sequence()
+    with torch.inference_mode():
+        first = lm.forward(torch.tensor(ids[:chunk]), cache, seq)
+        held, hits = dict(ex.cache.slot_of), ex.counters.hits
+        second = lm.forward(torch.tensor(ids[chunk:]), cache, seq)
+    torch.testing.assert_close(torch.cat([first, second]), expected, atol=1e-5, rtol=1e-5)
+    c = ex.counters
+    assert len(held) == 4 and c.evictions == 0 and ex.cache.slot_of == held
+    assert c.hits - hits >= 4  # the second chunk found every expert the first one left in the cache
+    if miss_path == "auto":
+        assert c.cpu_experts > 0 and c.bytes_copied > 0
