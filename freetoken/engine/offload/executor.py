@@ -99,6 +99,7 @@ class OffloadedExpertExecutor(PrefillPath):
         self.cache = ExpertCache(num_slots, make_policy(policy))
         self.slots = self._allocate_slots(num_slots)
         self.planner = planner or MissPlanner(DEFAULT_COPY_GB_S, DEFAULT_CPU_GB_S)
+        self._link_known = planner is not None or self.device.type != "cuda"  # else timed on first use
         # Small batches (decode) gather their experts' slots into one batched matmul: a few launches per layer
         # instead of several per expert. On the CPU the gather would copy weights for nothing.
         self.gather_small_batches = self.device.type == "cuda"
@@ -156,10 +157,32 @@ class OffloadedExpertExecutor(PrefillPath):
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        if not self._link_known and not torch.cuda.is_current_stream_capturing():
+            self._measure_link(layer)
         self._collect_copy_timings()
         if self.gather_small_batches and topk_ids.numel() <= self.gather_pairs:
             return self._forward_gathered(layer, hidden, topk_ids, topk_weights)
         return self._forward_grouped(layer, hidden, topk_ids, topk_weights)
+
+    def _measure_link(self, layer: int) -> None:
+        """Without a calibration profile the planner's link speed is a guess (DEFAULT_COPY_GB_S; PCIe 5 x16 moves
+        ~54): a prefill never samples the link (its copies are paced by compute), so a wrong guess would skew
+        every split of a prefill chunk. A few experts copied into the staging slots on first use replace it (the
+        fastest of three rounds: the first may pay for lazy setup)."""
+        self._link_known = True
+        n = min(4, self.copier.staging_slots, self.num_experts)
+        rounds = []
+        for _ in range(3):
+            torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            self.copier.begin(sample=False)
+            for e in range(n):
+                self.copier.to_slot(layer, e, self.slots, self.staging_first + e)
+            self.copier.end()
+            torch.cuda.synchronize(self.device)
+            rounds.append(time.perf_counter() - t0)
+        self.planner.copy.per_byte = min(rounds) / (n * self.expert_bytes)
+        log.debug("expert link measured: %.1f GB/s", self.planner.copy.gb_s)
 
     def _collect_copy_timings(self) -> None:
         for nbytes, seconds, sample in self.copier.finished_timings():
