@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -26,6 +26,11 @@ for part in "$@"; do
              --commit "$commit" --out "$OUT/reuse-qwen3-30b-a3b-20k-resident.md" ;;
     kernel-prefill) (cd /tmp && FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench \
              --batches 1 8 16 32 64 | tee "$OUT/cpu-kernel-prefill-batches.txt") ;;
+    serve-profile) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf
+             [ -f /tmp/q3-8l.gguf ] || ft bench export --shape qwen3-30b-a3b --layers 8 --format gguf-q8_0 \
+               --out /tmp/q3-8l.gguf | tail -1
+             for b in 4 16; do (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_batch.py" --model /tmp/q3-8l.gguf \
+               --batch $b 2>&1 | tee "$OUT/profile-batch-$b.txt" | head -40); done ;;
     serve-bench) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf  # tokenizer-only GGUF
              ft bench export --shape qwen3-30b-a3b --layers 8 --format gguf-q8_0 --out /tmp/q3-8l.gguf | tail -1
              ft bench serve --model /tmp/q3-8l.gguf --sessions 1,4,16 --tokens 64 --commit "$commit" \
