@@ -47,7 +47,7 @@ def batch_costs(host, n: int, reps: int, graphs: bool) -> tuple[float, float]:
         timings = copier.finished_timings()
         if rep >= 3:  # the first ones compile and capture
             host_s.append(t1 - t0)
-            gpu_s.extend(s for _, s, sample in timings if sample)
+            gpu_s.extend(s for _, s, sample, _ in timings if sample)
     return _median_us(host_s), _median_us(gpu_s)
 
 

@@ -185,8 +185,10 @@ class OffloadedExpertExecutor(PrefillPath):
         log.debug("expert link measured: %.1f GB/s", self.planner.copy.gb_s)
 
     def _collect_copy_timings(self) -> None:
-        for nbytes, seconds, sample in self.copier.finished_timings():
-            if sample:
+        for nbytes, seconds, sample, prefill in self.copier.finished_timings():
+            if sample and prefill:
+                self._prefill_planner().observe_copy(nbytes, seconds)
+            elif sample:
                 self.planner.observe_copy(nbytes, seconds)
             self.counters.copy_seconds += seconds
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.experts import ExpertGroup, group_by_expert, run_groups
+from freetoken.engine.experts import ExpertGroup, expert_mlp, group_by_expert, run_groups_padded
 from freetoken.engine.offload.planner import MissPlanner
 
 
@@ -20,7 +20,12 @@ class PrefillPath:
     CPU_MAX_TOKENS = 128
     # A batch of at least this many tokens is a prefill chunk: it fills free cache slots but evicts nothing
     PREFILL_TOKENS = 64
-    PREFILL_PROBE_EVERY = 8  # a prefill is a few hundred layer-steps: re-probe an unused path sooner than decode
+    PREFILL_PROBE_EVERY = 8
+    # A chunk whose experts have at most this many tokens each computes them in padded groups of up to
+    # PADDED_GROUP experts (and PADDED_GROUP_BYTES of gathered weights): its cost is the host's launches.
+    PADDED_MAX_TOKENS = 128
+    PADDED_GROUP = 8
+    PADDED_GROUP_BYTES = 256 * 2**20  # a prefill is a few hundred layer-steps: re-probe an unused path sooner than decode
 
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
@@ -52,14 +57,15 @@ class PrefillPath:
         return self._add_cpu(out, on_cpu, len(to_cpu), planner=planner, weighed_bytes=weighed)
 
     def _prefill_planner(self) -> MissPlanner:
-        """The planner of prefill splits: its own CPU model (tens of tokens per expert cost the CPU arithmetic as
-        well as reads, so decode's per-expert timings do not carry over), the decode planner's model of the link
-        (a copy costs the same for any number of tokens). Rebuilt when the decode planner is replaced."""
+        """The planner of prefill splits, with cost models of its own, seeded from the decode planner's: tens of
+        tokens per expert cost the CPU arithmetic as well as reads, and a chunk's copies are paced by its staging
+        ring and by the host launching their compute, so neither path costs what decode measured. It learns from
+        the chunks' CPU work and copy batches. Rebuilt when the decode planner is replaced."""
         base = self.planner
         if getattr(self, "_prefill_planner_of", None) is not base:
-            planner = MissPlanner(base.copy.gb_s, base.cpu.gb_s, cpu_fixed_s=base.cpu.fixed, learn=base.learn,
-                                  issue_s=base.issue_s, probe_every=self.PREFILL_PROBE_EVERY)
-            planner.copy = base.copy  # shared: decode's copy timings keep it current
+            planner = MissPlanner(base.copy.gb_s, base.cpu.gb_s, copy_fixed_s=base.copy.fixed,
+                                  cpu_fixed_s=base.cpu.fixed, learn=base.learn, issue_s=base.issue_s,
+                                  probe_every=self.PREFILL_PROBE_EVERY)
             self._prefill_planner_obj, self._prefill_planner_of = planner, base
         return self._prefill_planner_obj
 
@@ -81,17 +87,19 @@ class PrefillPath:
         """Issues the copies first (side stream), computes the hits meanwhile, then each copied expert once its
         bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns. `ahead`:
         (group, ring index) of experts streamed into staging slots before this layer ran: computed first, each
-        slot released at once for this layer's own streaming. `evict=False`: copies only fill free cache slots."""
+        slot released at once for this layer's own streaming. `evict=False`: copies only fill free cache slots.
+        A short chunk's experts are computed `group` at a time (one padded batched matmul each); staged ones
+        then in halves of the ring, so one half streams while the other computes."""
         copier = self.copier
-        out = None
+        out = torch.zeros_like(hidden)
+        group = self._compute_group([g for g, _ in hits] + to_copy + [g for g, _ in ahead or ()])
         if ahead:
             if self._prefetch_done:
                 copier.wait(self._prefetch_done[0])
             for g, index in ahead:
-                y = run_groups(hidden, [g], lambda e, s=self.staging_first + index: self.slots.weights_of(s))
-                out = y if out is None else out + y
+                self._compute(hidden, [(g, self.staging_first + index)], out, 1)
                 copier.release(index)
-        copier.begin(sample=False)  # staged copies wait for compute to free their slots: no sample of the link
+        copier.begin(prefill=True)  # paced by compute freeing staging slots: the prefill planner's copy sample
         cached, staged = [], []
         for g in to_copy:
             # a prefill chunk takes free slots only: it touches nearly every expert once, so evicting for it would
@@ -104,19 +112,41 @@ class PrefillPath:
                 cached.append((g, admitted[0], copier.to_slot(layer, g.expert, self.slots, admitted[0])))
         ring = copier.staging_slots
         in_flight = [copier.to_staging(layer, g.expert, self.slots, self.staging_first) for g in staged[:ring]]
-        slot_of = {g.expert: slot for g, slot in hits}
-        y = run_groups(hidden, [g for g, _ in hits], lambda e: self.slots.weights_of(slot_of[e]))
-        out = y if out is None else out + y
-        for g, slot, done in cached:
-            copier.wait(done)
-            out += run_groups(hidden, [g], lambda e, s=slot: self.slots.weights_of(s))
-        for i, g in enumerate(staged):
-            index, done = in_flight[i]
-            copier.wait(done)
-            out += run_groups(hidden, [g], lambda e, s=self.staging_first + index: self.slots.weights_of(s))
-            copier.release(index)
-            if i + ring < len(staged):
-                in_flight.append(copier.to_staging(layer, staged[i + ring].expert, self.slots, self.staging_first))
+        self._compute(hidden, hits, out, group)
+        for i in range(0, len(cached), group):
+            for _, _, done in cached[i:i + group]:
+                copier.wait(done)
+            self._compute(hidden, [(g, slot) for g, slot, _ in cached[i:i + group]], out, group)
+        step = max(1, min(group, ring // 2))
+        for i in range(0, len(staged), step):
+            indices = []
+            for index, done in in_flight[i:i + step]:
+                copier.wait(done)
+                indices.append(index)
+            self._compute(hidden, [(g, self.staging_first + index) for g, index in
+                                   zip(staged[i:i + step], indices, strict=True)], out, step)
+            copier.release(*indices)
+            in_flight += [copier.to_staging(layer, g.expert, self.slots, self.staging_first)
+                          for g in staged[i + ring:i + ring + step]]
         copier.end()  # the copy stream holds only copies, so this marks the last one's completion
         self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         return out
+
+    def _compute_group(self, groups: list[ExpertGroup]) -> int:
+        """Experts per padded batched matmul for this chunk: 1 (one by one) once an expert has more than
+        PADDED_MAX_TOKENS tokens (its matmuls are large enough to hide their launches, and padding would waste
+        work), else as many as PADDED_GROUP_BYTES of gathered weights allow, at most PADDED_GROUP."""
+        if not groups or max(len(g.tokens) for g in groups) > self.PADDED_MAX_TOKENS:
+            return 1
+        return max(1, min(self.PADDED_GROUP, self.PADDED_GROUP_BYTES // self.expert_bytes))
+
+    def _compute(self, hidden: torch.Tensor, pairs: list, out: torch.Tensor, group: int) -> None:
+        """Adds to `out` the (expert group, slot) pairs' outputs, `group` experts per batched matmul."""
+        for i in range(0, len(pairs), group):
+            part = pairs[i:i + group]
+            if len(part) > 1:
+                run_groups_padded(hidden, [g for g, _ in part], self.slots, [slot for _, slot in part], out)
+            else:
+                for g, slot in part:
+                    y = expert_mlp(hidden[g.tokens], *self.slots.weights_of(slot))
+                    out.index_add_(0, g.tokens, y * g.weights[:, None])

@@ -45,6 +45,7 @@ class _Batch:
     end: object = None
     seconds: float | None = None  # CPU copies: known at once
     sample: bool = True  # False: paced by something else (compute, a kernel compiled or captured on the way)
+    prefill: bool = False  # a prefill chunk's copies: paced by its staging ring and compute (its own sample kind)
 
 
 class ExpertCopier:
@@ -96,12 +97,13 @@ class ExpertCopier:
 
     # -- one layer-step: begin, any number of copies, end --
 
-    def begin(self, wait_compute: bool = True, sample: bool = True) -> None:
+    def begin(self, wait_compute: bool = True, sample: bool = True, prefill: bool = False) -> None:
         """Before the step's copies: slots about to be overwritten may still be read by queued compute.
         `wait_compute=False` when every copy goes to staging slots (their release events order them) or the
-        caller orders them itself. `sample=False`: copies paced by compute (prefill's staging ring), whose
-        timing says nothing about the link."""
-        self._batch = _Batch(sample=sample)
+        caller orders them itself. `sample=False`: copies whose timing says nothing about the link.
+        `prefill=True`: a prefill chunk's copies, paced by its staging ring and compute — what the copy path
+        costs a prefill, not the link's speed; reported apart (see `finished_timings`)."""
+        self._batch = _Batch(sample=sample, prefill=prefill)
         if self.stream is None or not wait_compute:
             return
         if self._direct:
@@ -305,15 +307,15 @@ class ExpertCopier:
         """False when the open batch compiled or captured a kernel: the host's time to queue it is no sample."""
         return self._batch is not None and self._batch.sample
 
-    def finished_timings(self) -> list[tuple[int, float, bool]]:
-        """(bytes, seconds, sample) of the steps whose copies have completed since the last call; never blocks.
-        `sample` is False for batches paced by something other than the link (see `begin`)."""
+    def finished_timings(self) -> list[tuple[int, float, bool, bool]]:
+        """(bytes, seconds, sample, prefill) of the steps whose copies have completed since the last call; never
+        blocks. `sample` is False for batches whose timing is no sample (see `begin`)."""
         done, pending = [], []
         for b in self._timed:
             if b.seconds is not None:
-                done.append((b.nbytes, b.seconds, b.sample))
+                done.append((b.nbytes, b.seconds, b.sample, b.prefill))
             elif b.end.query():
-                done.append((b.nbytes, b.start.elapsed_time(b.end) / 1e3, b.sample))
+                done.append((b.nbytes, b.start.elapsed_time(b.end) / 1e3, b.sample, b.prefill))
                 if self._direct:
                     self._timing_pairs.append((b.start, b.end))
             else:

@@ -245,3 +245,22 @@ def test_prefill_chunks_fill_free_slots_but_evict_nothing(checkpoint, miss_path)
     assert c.hits - hits >= 4  # the second chunk found every expert the first one left in the cache
     if miss_path == "auto":
         assert c.cpu_experts > 0 and c.bytes_copied > 0
+
+
+def test_prefill_chunks_teach_the_prefill_planner_not_the_decode_one(checkpoint):
+    """A chunk's copies are paced by its staging ring and compute: their timings (and its CPU work) feed the
+    prefill planner's models; the decode planner's link model only learns from decode-sized steps."""
+    path, resident, _ = checkpoint
+    lm = load_model(path, progress=False, expert_cache=0)
+    ex = lm.experts
+    ex.planner = MissPlanner(20, 20)  # learning
+    ids = torch.randint(0, resident.args.decoder.vocab_size, (ex.PREFILL_TOKENS,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    cache = lm.new_cache(page_size=4)
+    with torch.inference_mode():
+        lm.forward(torch.tensor(ids), cache, cache.new_sequence())
+        ex.forward(0, torch.zeros(1, resident.args.decoder.hidden_size), torch.zeros(1, 1, dtype=torch.long),
+                   torch.ones(1, 1))  # collects the last layer's copy timings
+    prefill = ex._prefill_planner()
+    assert prefill is not ex.planner and prefill.copy is not ex.planner.copy
+    assert prefill.copy.samples > 0 and ex.planner.copy.samples == 0
