@@ -56,6 +56,9 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 KEPT_MARKERS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]",
                           "[CALL_ID]", "<|python_tag|>"})
+# Tokens that close a block inside a message — a reasoning block, a tool call (Hermes/Qwen JSON, Qwen3-Coder XML),
+# a tool result rendered inline: semantic boundaries for checkpoints where the vocabulary has them as one token.
+BLOCK_END_MARKERS = ("</think>", "</tool_call>", "</function>", "</tool_response>")
 
 
 @dataclass(slots=True, eq=False)
@@ -194,6 +197,10 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def block_end_ids(self) -> frozenset[int]:
+        """Ids of the BLOCK_END_MARKERS this vocabulary holds as single tokens."""
+        return frozenset(i for i in map(self.backend.token_to_id, BLOCK_END_MARKERS) if i is not None)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(int(token_id))

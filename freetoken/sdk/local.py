@@ -9,7 +9,10 @@ branch writes into a shared page); a checkpoint holds a fork of the sequence, so
 
 A model with recurrent layers cannot drop tokens from its state, so its sessions snapshot the sequence (a fork:
 shared pages, a copy of the small state) at semantic boundaries while prefilling: the end of each message in
-the rendered prompt. A send then restarts from the last snapshot at or before the first changed token.
+the rendered prompt (tool results are messages), the end of each reasoning block and tool call inside one (where
+the vocabulary has their closing markers as tokens), and every SNAPSHOT_EVERY tokens inside long stretches. A
+send then restarts from the last snapshot at or before the first changed token: an agent that drops old
+reasoning or rewrites a tool result recomputes from there, not from the message's start.
 
 One worker thread runs every operation of an engine's sessions in order (generation, fork, rollback, ...), so
 replies can be read from any thread or event loop and sessions never race; a reply is generated whether or not
@@ -204,10 +207,13 @@ class Session(Conversation):
 
     def _boundaries(self, messages: list[dict], prompt: list[int], after: int) -> list[int]:
         """Token offsets in `prompt` where a message ends (where its rendering alone is a prefix of the prompt),
-        plus every SNAPSHOT_EVERY tokens, past `after` and before the prompt's last token."""
+        where a reasoning block or tool call ends (after its closing marker), plus every SNAPSHOT_EVERY tokens,
+        past `after` and before the prompt's last token."""
         tok = self.engine.lm.tokenizer
         every = self.SNAPSHOT_EVERY
         ends = [at for at in range(every, len(prompt), every) if at > after]
+        closing = tok.block_end_ids()
+        ends += [i + 1 for i in range(after, len(prompt) - 1) if prompt[i] in closing]
         for i in range(1, len(messages) + 1):
             try:
                 ids = tok.encode(tok.apply_chat_template(messages[:i], tools=self.tools, add_generation_prompt=False))

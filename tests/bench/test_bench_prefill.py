@@ -17,7 +17,9 @@ def test_bench_prefill_reports_every_row(tmp_path):
         ("copy", "1MiB", 96), ("copy", "1MiB", 300), ("auto", "0", 96), ("auto", "0", 300),
         ("auto", "1MiB", 96), ("auto", "1MiB", 300)]
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)  # TTFT and prefill tok/s
-    assert all(float(r[5]) > 0 for r in rows if r[0].strip() != "resident")  # offloaded rows stream experts
+    assert all(float(r[5]) > 0 for r in rows if r[0].strip() == "copy")  # the naive path streams every miss
+    # auto splits misses between copies and the CPU as its planner learns this machine: either way it handles them
+    assert all(float(r[5]) > 0 or int(r[6]) > 0 for r in rows if r[0].strip() == "auto")
 
 
 def test_the_ahead_strategies_stream_more_than_they_need_and_report_it(tmp_path):

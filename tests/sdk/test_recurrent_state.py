@@ -103,3 +103,29 @@ def test_sessions_restart_from_message_boundaries_and_match_fresh_runs(lm):
     allocator = engine.cache.allocator
     assert allocator.num_free == allocator.num_pages
     engine.close()
+
+
+def test_an_edit_after_a_reasoning_block_restarts_from_the_block_end(lm, monkeypatch):
+    """Snapshots are also taken after each block-closing marker (`</think>`, `</tool_call>`, ...) inside a message:
+    an agent rewriting the text after a reasoning block recomputes from the block's end, not the message's start.
+    The tiny vocabulary has no `</think>`, so one of its ordinary tokens plays the closing marker here."""
+    tok = lm.tokenizer
+    marker = tok.encode(" the")[-1]
+    monkeypatch.setattr(type(tok), "block_end_ids", lambda self: frozenset({marker}))
+    answer = "thinking about the question the answer is"
+    engine = freetoken.Engine(lm)
+    session = engine.session(system="s", messages=[{"role": "user", "content": "q"},
+                                                    {"role": "assistant", "content": answer}])
+    session.send("next", max_tokens=2).wait()
+    prompt = tok.encode(tok.apply_chat_template(session.messages[:-1]))
+    closes = [i + 1 for i, t in enumerate(prompt) if t == marker]
+    assert closes and set(closes) <= set(session._snapshots)
+    session.edit(2, answer.replace("answer is", "reply was"))  # after the last marker only
+    edited = session.send("next", max_tokens=2)
+    messages = session.messages[:-1]
+    fresh = Generator(lm).generate_ids(tok.encode(tok.apply_chat_template(messages)),
+                                       SamplingParams(temperature=0, max_tokens=2))
+    assert edited.token_ids == fresh
+    assert edited.stats.cached_tokens == max(closes)  # the last block end before the edit
+    session.close()
+    engine.close()
