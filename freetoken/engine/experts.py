@@ -115,11 +115,24 @@ def run_groups_padded(hidden: torch.Tensor, groups: list[ExpertGroup], experts: 
     out.index_add_(0, tokens.view(-1), y.view(-1, y.shape[-1]))
 
 
+PADDED_MAX_TOKENS = 128  # experts with at most this many tokens each are computed in padded groups (see below)
+PADDED_GROUP_BYTES = 256 * 2**20  # gathered weights per padded group
+
+
 def grouped_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                           topk_weights: torch.Tensor) -> torch.Tensor:
-    """Groups the (token, expert) pairs by expert and runs each expert once on its tokens."""
+                           topk_weights: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    """Groups the (token, expert) pairs by expert and runs each expert once on its tokens. `padded`: where no
+    expert has more than PADDED_MAX_TOKENS tokens (batched decode, short chunks), several experts per batched
+    matmul (`run_groups_padded`): the launches, not the arithmetic, are then what costs."""
     groups = group_by_expert(topk_ids, topk_weights, experts.num_experts, hidden.dtype)
-    return run_groups(hidden, groups, experts.weights_of)
+    if not padded or not groups or max(len(g.tokens) for g in groups) > PADDED_MAX_TOKENS:
+        return run_groups(hidden, groups, experts.weights_of)
+    per_group = max(1, PADDED_GROUP_BYTES // (experts.nbytes() // experts.num_experts))
+    out = torch.zeros_like(hidden)
+    for i in range(0, len(groups), per_group):
+        part = groups[i:i + per_group]
+        run_groups_padded(hidden, part, experts, [g.expert for g in part], out)
+    return out
 
 
 def gathered_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
@@ -157,7 +170,7 @@ class ResidentExpertExecutor:
                 from freetoken.engine.offload.cpu_experts import kernel_expert_forward
 
                 return kernel_expert_forward(kernel, matrices[layer], hidden, topk_ids, topk_weights)
-        return grouped_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
+        return grouped_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights, padded=hidden.is_cuda)
 
     def _cpu_kernel(self):
         if self._cpu is None:

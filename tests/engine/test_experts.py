@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.experts import LayerExperts, group_by_expert, run_groups, run_groups_padded
+from freetoken.engine.experts import (
+    LayerExperts,
+    group_by_expert,
+    grouped_expert_forward,
+    run_groups,
+    run_groups_padded,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -28,3 +34,15 @@ def test_padded_groups_equal_one_expert_at_a_time(dtype):
         run_groups_padded(hidden, part, slots, [5 - g.expert for g in part], got)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_grouped_forward_padded_equals_unpadded():
+    """What the resident executor runs for batched decode on CUDA (`padded=True`), checked on the CPU."""
+    gen = torch.Generator().manual_seed(1)
+    experts = LayerExperts(*(torch.randn(shape, generator=gen) * 0.1 for shape in ((8, 24, 16), (8, 24, 16),
+                                                                                    (8, 16, 24))))
+    hidden = torch.randn(9, 16, generator=gen)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=gen)
+    torch.testing.assert_close(grouped_expert_forward(experts, hidden, ids, weights, padded=True),
+                               grouped_expert_forward(experts, hidden, ids, weights), atol=1e-5, rtol=1e-5)

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.experts import ExpertGroup, expert_mlp, group_by_expert, run_groups_padded
+from freetoken.engine.experts import (
+    PADDED_GROUP_BYTES,
+    PADDED_MAX_TOKENS,
+    ExpertGroup,
+    expert_mlp,
+    group_by_expert,
+    run_groups_padded,
+)
 from freetoken.engine.offload.planner import MissPlanner
 
 
@@ -20,12 +27,12 @@ class PrefillPath:
     CPU_MAX_TOKENS = 128
     # A batch of at least this many tokens is a prefill chunk: it fills free cache slots but evicts nothing
     PREFILL_TOKENS = 64
-    PREFILL_PROBE_EVERY = 8
-    # A chunk whose experts have at most this many tokens each computes them in padded groups of up to
+    PREFILL_PROBE_EVERY = 8  # a prefill is a few hundred layer-steps: re-probe an unused path sooner than decode
+    # A chunk whose experts have at most PADDED_MAX_TOKENS tokens each computes them in padded groups of up to
     # PADDED_GROUP experts (and PADDED_GROUP_BYTES of gathered weights): its cost is the host's launches.
-    PADDED_MAX_TOKENS = 128
+    PADDED_MAX_TOKENS = PADDED_MAX_TOKENS
     PADDED_GROUP = 8
-    PADDED_GROUP_BYTES = 256 * 2**20  # a prefill is a few hundred layer-steps: re-probe an unused path sooner than decode
+    PADDED_GROUP_BYTES = PADDED_GROUP_BYTES
 
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
