@@ -4,9 +4,10 @@ throughput of 1, 4, 16 concurrent streaming sessions (continuous batching), on o
     ft bench serve [--model M] [--device D] [--expert-cache SIZE] [--sessions 1,4,16] [--tokens 128]
 
 The server is the real app on a loopback uvicorn in this process; sessions are OpenAI streaming chat requests
-(greedy, EOS ignored so every session generates exactly `--tokens`). Overhead compares the single-session
-server's time per token (first token to last) with the in-process generator's decode time per token for the
-same prompt, both medians of `--repeats` runs.
+(greedy, EOS ignored so every session generates exactly `--tokens`), each concurrent one from a process of its
+own, as agents are (client threads in the server's process would contend with its engine thread for the GIL).
+Overhead compares the single-session server's time per token (first token to last) with a warm in-process
+generator's decode time per token for the same prompt, both medians of `--repeats` runs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime as dt
-import json
+import multiprocessing
 import shlex
 import statistics
 import sys
@@ -22,11 +23,10 @@ import time
 
 import torch
 
+from freetoken.bench.serve_client import PROMPT, session
 from freetoken.engine.commands import _load, _model_args
 from freetoken.engine.generator import Generator
 from freetoken.engine.sampling import SamplingParams
-
-PROMPT = "Write a detailed story about a lighthouse keeper."
 
 
 def main(argv: list[str]) -> int:
@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
     lm = _load(a)
     ids = lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
-    local = [_in_process(lm, ids, params) for _ in range(a.repeats + 1)][1:]  # the first run warms up
+    gen = Generator(lm)  # one generator, as the server keeps one: its KV pool and CUDA graphs stay warm
+    local = [_in_process(gen, ids, params) for _ in range(a.repeats + 1)][1:]  # the first run warms up
     per_token = statistics.median(local)
 
     from freetoken.server.app import create_app
@@ -52,14 +53,17 @@ def main(argv: list[str]) -> int:
     engine = ServingEngine(lm, "bench", max_batch=max(sessions))
     url, server, thread = serve_in_thread(create_app(engine))
     try:
-        _session(url, a.tokens)  # warm-up (graphs, allocator)
-        single = statistics.median(_session(url, a.tokens)[1] for _ in range(a.repeats))
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as client:
+            client.submit(session, url, a.tokens).result()  # warm-up (graphs, allocator)
+            single = statistics.median(client.submit(session, url, a.tokens).result()[1] for _ in range(a.repeats))
         rows = []
         for n in sessions:
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(n) as pool:
-                results = list(pool.map(lambda _: _session(url, a.tokens), range(n)))
-            wall = time.perf_counter() - t0
+            with concurrent.futures.ProcessPoolExecutor(n, mp_context=spawn) as pool:
+                list(pool.map(_ready, range(n)))  # the clients' interpreters are up before the clock starts
+                t0 = time.perf_counter()
+                results = list(pool.map(session, [url] * n, [a.tokens] * n))
+                wall = time.perf_counter() - t0
             tokens = sum(r[0] for r in results)
             rows.append((n, tokens / wall, statistics.median(r[1] for r in results), wall))
     finally:
@@ -74,37 +78,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _in_process(lm, ids: list[int], params: SamplingParams) -> float:
+def _ready(_: int) -> None:
+    """A no-op each client process runs once, so the pool has started them all."""
+
+
+def _in_process(gen: Generator, ids: list[int], params: SamplingParams) -> float:
     """Seconds per decoded token of the in-process generator (first token to last)."""
     last = None
-    for ev in Generator(lm).stream(ids, params, decode_text=True):
+    for ev in gen.stream(ids, params, decode_text=True):
         last = ev
     t = last.timings
     return (t.prefill_s + t.decode_s - t.first_token_s) / max(last.completion_tokens - 1, 1)
-
-
-def _session(url: str, tokens: int) -> tuple[int, float]:
-    """One streaming chat session: (tokens generated, seconds per token from the first to the last)."""
-    import urllib.request
-
-    body = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    first = last = None
-    usage = None
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        for line in r:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                last = time.perf_counter()
-                first = first or last
-    n = usage["completion_tokens"]
-    return n, (last - first) / max(n - 1, 1)
 
 
 def _render(a, argv, lm, per_token: float, single: float, rows: list[tuple]) -> str:

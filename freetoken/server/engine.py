@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -87,6 +88,10 @@ class _Job:
 
 
 _WAKE = object()  # put on the job queue to wake an idle worker for a control
+# The engine thread gives up the GIL at every device sync (a batched step has several per layer) and must get it
+# back while the event loop formats other streams' chunks: at CPython's default 5 ms switch interval each such
+# handoff can cost a whole interval. A shorter one bounds that wait (process-wide; the server is the process).
+SWITCH_INTERVAL_S = 0.0005
 
 
 class ServingEngine:
@@ -97,6 +102,7 @@ class ServingEngine:
         self.counters = Counters()
         self._jobs: queue.Queue = queue.Queue()  # _Job, _WAKE, or None to stop
         self._controls: queue.Queue = queue.Queue()
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._worker = threading.Thread(target=self._work, name="ft-engine", daemon=True)
         self._worker.start()
 
