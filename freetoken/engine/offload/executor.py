@@ -166,9 +166,9 @@ class OffloadedExpertExecutor(PrefillPath):
 
     def _measure_link(self, layer: int) -> None:
         """Without a calibration profile the planner's link speed is a guess (DEFAULT_COPY_GB_S; PCIe 5 x16 moves
-        ~54): a prefill never samples the link (its copies are paced by compute), so a wrong guess would skew
-        every split of a prefill chunk. A few experts copied into the staging slots on first use replace it (the
-        fastest of three rounds: the first may pay for lazy setup)."""
+        ~54), and it seeds the prefill planner, whose first chunk would split by it. A few experts copied into
+        the staging slots on first use replace it (the fastest of three rounds: the first may pay for lazy
+        setup)."""
         self._link_known = True
         n = min(4, self.copier.staging_slots, self.num_experts)
         rounds = []
@@ -517,17 +517,17 @@ class OffloadedExpertExecutor(PrefillPath):
         self._count_cpu(count, seconds, planner, weighed_bytes)
         return out + y.to(out.device, out.dtype, non_blocking=True)
 
-    def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0, planner: MissPlanner | None = None,
-              min_copy: int | None = None) -> tuple[list, list]:
-        """(to copy, to compute on the CPU). `min_copy`: at least this many copied (default: the cache's free
-        slots, worth filling)."""
+    def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0,
+              planner: MissPlanner | None = None) -> tuple[list, list]:
+        """(to copy, to compute on the CPU); at least as many copied as the cache has free slots (worth
+        filling). `planner`: the prefill planner for a chunk (default: decode's)."""
         if not misses or self.miss_path == "copy":
             return misses, []
         if self.miss_path == "cpu":
             return [], misses
         split = (planner or self.planner).split(
             misses, self.expert_bytes, tokens_of=tokens_of,
-            min_copy=len(self.cache.free_slots) if min_copy is None else min_copy, copy_busy_s=copy_busy_s)
+            min_copy=len(self.cache.free_slots), copy_busy_s=copy_busy_s)
         return split.copy, split.cpu
 
     def resize(self, num_slots: int) -> None:
