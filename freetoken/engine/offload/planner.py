@@ -34,7 +34,9 @@ class LinearCost:
     def predict(self, nbytes: float) -> float:
         return self.fixed + self.per_byte * nbytes if nbytes else 0.0
 
-    def observe(self, nbytes: float, seconds: float) -> None:
+    def observe(self, nbytes: float, seconds: float) -> bool:
+        """Adds a sample; True when the sizes seen so far varied enough to fit both terms (else only the slope
+        moved)."""
         d = self.decay
         self._n, self._sx, self._sy = d * self._n + 1, d * self._sx + nbytes, d * self._sy + seconds
         self._sxx, self._sxy = d * self._sxx + nbytes * nbytes, d * self._sxy + nbytes * seconds
@@ -46,13 +48,41 @@ class LinearCost:
             if slope > 0:
                 self.per_byte = slope
                 self.fixed = max(0.0, mean_y - slope * mean_x)
-                return
+                return True
         if mean_x > 0:  # one size only: keep the fixed part, attribute the rest to bandwidth
             self.per_byte = max(mean_y - self.fixed, 0.1 * mean_y) / mean_x
+        return False
 
     @property
     def gb_s(self) -> float:
         return 1e-9 / self.per_byte if self.per_byte > 0 else float("inf")
+
+
+class IssueCost:
+    """Host seconds to queue a batch of n copies: fixed + per_copy * n. Starting a batch (events, a graph launch)
+    costs several times one more copy in it (~35 µs against ~9 on the H200 host for fused Q8_0 copies), so a
+    per-copy mean alone would charge a small batch as if every copy paid the batch's start. Until the batch sizes
+    seen have varied enough to separate the two, the per-copy part is a running mean from the seed (the fixed part
+    stays at its seed); then a forgetting least-squares fit sets both."""
+
+    DECAY = 0.9  # forgetting of the running mean
+
+    def __init__(self, per_copy_s: float, fixed_s: float = 0.0):
+        self.per_copy, self.fixed = per_copy_s, fixed_s
+        self._fit = LinearCost(fixed_s, per_copy_s, decay=self.DECAY)
+
+    def predict(self, copies: int) -> float:
+        return self.fixed + self.per_copy * copies if copies else 0.0
+
+    def observe(self, copies: int, seconds: float) -> None:
+        # one stalled step (a page fault, a collection) must not lock the copy path out: a sample counts for at
+        # most a few times the current estimate, so a lasting change still shows within a few steps
+        sample = min(seconds, 4 * self.predict(copies) + 20e-6 * copies)
+        if self._fit.observe(copies, sample):
+            self.per_copy, self.fixed = self._fit.per_byte, self._fit.fixed
+        else:
+            d = self.DECAY
+            self.per_copy = d * self.per_copy + (1 - d) * max(sample - self.fixed, 0.0) / copies
 
 
 @dataclass(slots=True)
@@ -65,16 +95,16 @@ class Split:
 class MissPlanner:
     PROBE_EVERY = 256  # layer-steps a path may go unused before one miss is sent down it to re-measure it
 
-    ISSUE_DECAY = 0.9  # forgetting of the per-copy issue time's running mean
     TOKEN_WEIGHT = 0.1  # CPU cost of each token beyond an expert's first, in units of the expert's bytes
 
     def __init__(self, copy_gb_s: float, cpu_gb_s: float, copy_fixed_s: float = 20e-6, cpu_fixed_s: float = 100e-6,
-                 learn: bool = True, issue_s: float = 0.0, probe_every: int = PROBE_EVERY):
+                 learn: bool = True, issue_s: float = 0.0, probe_every: int = PROBE_EVERY,
+                 issue_fixed_s: float = 0.0):
         """`learn=False` keeps the given costs (a fixed split, for reproducible runs) and never probes.
-        `issue_s`: host seconds to queue one copy, until measured."""
+        `issue_s` / `issue_fixed_s`: host seconds to queue one more copy / to start a batch, until measured."""
         self.copy = LinearCost(copy_fixed_s, 1e-9 / copy_gb_s)
         self.cpu = LinearCost(cpu_fixed_s, 1e-9 / cpu_gb_s)
-        self.issue_s = issue_s
+        self.issue = IssueCost(issue_s, issue_fixed_s)
         self.learn = learn
         self.probe_every = probe_every
         self._idle = {"copy": 0, "cpu": 0}
@@ -99,7 +129,7 @@ class MissPlanner:
         for on_cpu in range(n - min(min_copy, n) + 1):
             if on_cpu:  # the CPU takes the next-cheapest miss
                 cpu_bytes += self.cpu_bytes(expert_bytes, tokens[n - on_cpu][0])
-            issue = self.issue_s * (n - on_cpu)  # the host queues the copies first, then starts the CPU
+            issue = self.issue.predict(n - on_cpu)  # the host queues the copies first, then starts the CPU
             copy_t = copy_busy_s + max(issue, self.copy.predict(expert_bytes * (n - on_cpu))) if on_cpu < n else 0.0
             t = max(copy_t, issue + self.cpu.predict(cpu_bytes) if on_cpu else 0.0)
             if t < best_t - 1e-12:
@@ -132,22 +162,24 @@ class MissPlanner:
 
         return (f"copy {self.copy.gb_s:.1f} GB/s + {self.copy.fixed * 1e6:.0f} µs{seen('copy', 'GB/s')}, "
                 f"CPU {self.cpu.gb_s:.1f} GB/s + {self.cpu.fixed * 1e6:.0f} µs{seen('cpu', 'GB/s')}, "
-                f"{self.issue_s * 1e6:.1f} µs to queue a copy{seen('issue', 'µs')}")
+                f"queueing {self.issue.fixed * 1e6:.0f} µs + {self.issue.per_copy * 1e6:.1f} µs a copy"
+                f"{seen('issue', 'µs a copy')}")
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if self.learn:
             self.copy.observe(nbytes, seconds)
             self.recent["copy"].append(nbytes / seconds / 1e9 if seconds > 0 else 0.0)
 
+    @property
+    def issue_s(self) -> float:
+        """Host seconds to queue one more copy (the per-copy part of the issue model)."""
+        return self.issue.per_copy
+
     def observe_issue(self, copies: int, seconds: float) -> None:
         """The host took `seconds` to queue `copies` copies."""
         if self.learn and copies:
-            d = self.ISSUE_DECAY
-            # one stalled step (a page fault, a collection) must not lock the copy path out: a sample counts for
-            # at most a few times the current estimate, so a lasting change still shows within a few steps
             self.recent["issue"].append(seconds / copies * 1e6)
-            sample = min(seconds / copies, 4 * self.issue_s + 20e-6)
-            self.issue_s = d * self.issue_s + (1 - d) * sample
+            self.issue.observe(copies, seconds)
 
     def observe_cpu(self, nbytes: int, seconds: float) -> None:
         if self.learn:

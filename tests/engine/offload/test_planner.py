@@ -117,6 +117,19 @@ def test_the_time_to_queue_copies_delays_the_cpu_and_is_learned():
 
 def test_the_planner_describes_its_current_model():
     planner = MissPlanner(40, 20, copy_fixed_s=20e-6, cpu_fixed_s=150e-6, issue_s=3e-6)
-    assert planner.describe() == "copy 40.0 GB/s + 20 µs, CPU 20.0 GB/s + 150 µs, 3.0 µs to queue a copy"
+    assert planner.describe() == ("copy 40.0 GB/s + 20 µs, CPU 20.0 GB/s + 150 µs, "
+                                  "queueing 0 µs + 3.0 µs a copy")
     planner.observe_issue(2, 10e-6)
-    assert planner.describe().endswith("µs to queue a copy (latest 1: median 5.0 µs)")
+    assert planner.describe().endswith("µs a copy (latest 1: median 5.0 µs a copy)")
+
+
+def test_queueing_a_batch_is_learned_as_a_start_plus_a_cost_per_copy():
+    """Starting a batch of copies (events, a graph launch) costs several copies' worth: once batch sizes have
+    varied, the model separates the two, so a batch of one is not charged like a copy inside a batch of 16."""
+    planner = MissPlanner(30, 30, issue_s=3e-6)
+    for i in range(80):
+        n = 1 + i % 16
+        planner.observe_issue(n, 35e-6 + 9e-6 * n)
+    assert planner.issue.fixed == pytest.approx(35e-6, rel=0.05)
+    assert planner.issue.per_copy == pytest.approx(9e-6, rel=0.05)
+    assert planner.issue.predict(2) == pytest.approx(53e-6, rel=0.05) and planner.issue.predict(0) == 0.0
