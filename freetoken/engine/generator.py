@@ -178,6 +178,10 @@ class Reply:
         self.prompt_tokens, self.budget = prompt_tokens, budget
         self.sampler = Sampler(params, lm.device)
         self.eos = frozenset() if params.ignore_eos else frozenset(lm.tokenizer.eos_token_ids if lm.tokenizer else ())
+        if params.json_object:
+            from freetoken.engine.json_sampler import JsonSampler, token_texts
+
+            self.sampler = JsonSampler(self.sampler, token_texts(lm.tokenizer), self.eos)
         self.detok = _text_pipeline(lm, params) if decode_text else None
         self.timings = Timings()
         self.produced = 0

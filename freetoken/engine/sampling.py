@@ -25,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    json_object: bool = False  # the reply must be one JSON object (constrained: see json_sampler.py)
 
     def __post_init__(self) -> None:
         checks = [

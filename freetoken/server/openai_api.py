@@ -25,6 +25,7 @@ from freetoken.server.output import OutputParser
 from freetoken.server.requests import (
     admit,
     body_doc,
+    check_json_prompt,
     check_model,
     check_tool_schemas,
     collect,
@@ -34,6 +35,7 @@ from freetoken.server.requests import (
     sampling_params,
     sse,
     text_content,
+    wants_json,
     while_connected,
 )
 from freetoken.server.tool_choice import openai_choice
@@ -73,6 +75,7 @@ class ChatRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -100,15 +103,19 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []])
         messages = [_message(m, i) for i, m in enumerate(req.messages)]
         thinking = None if req.reasoning_effort is None else req.reasoning_effort not in ("none", "minimal")
+        json_object = wants_json(req.response_format, "response_format")
         try:
-            chat = engine.chat_prompt(messages, tools, enable_thinking=thinking, choice=choice)
+            chat = engine.chat_prompt(messages, tools, enable_thinking=False if json_object else thinking,
+                                      choice=choice)
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
+        if json_object:
+            check_json_prompt(chat, "response_format")
         admit(engine, chat.ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_completion_tokens or req.max_tokens,
                                  prompt_tokens=len(chat.ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                 seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
+                                 seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos, json_object=json_object)
         parser = chat.parser()
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         events = engine.stream(chat.ids, params)

@@ -100,9 +100,29 @@ def check_model(model: str, served: set[str], engine: ServingEngine) -> None:
                        param="model", code="model_not_found")
 
 
+def wants_json(response_format: Any, param: str) -> bool:
+    """Whether an OpenAI `response_format` (chat) or `text.format` (Responses) asks for a JSON object: `text` or
+    absent → no; `json_object` or `json_schema` → yes (the reply is constrained to JSON syntax with an object at
+    the top; a schema's own structure is not enforced); anything else → 400."""
+    if response_format is None:
+        return False
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"{param} must be an object with type text, json_object or json_schema", param=param)
+    return kind != "text"
+
+
+def check_json_prompt(chat: Any, param: str) -> None:
+    """A JSON reply cannot start inside a reasoning block the template opened whatever was asked."""
+    if chat.in_reasoning:
+        raise APIError(400, "this model's chat template opens a reasoning block the reply must close first, so it "
+                            f"cannot be constrained to a JSON object; drop {param}", param=param)
+
+
 def sampling_params(*, max_tokens: int | None, prompt_tokens: int, context: int, temperature: float | None,
                     top_p: float | None, top_k: int | None, min_p: float | None, seed: int | None,
-                    stop: list[str], default_temperature: float = 1.0, ignore_eos: bool = False) -> SamplingParams:
+                    stop: list[str], default_temperature: float = 1.0, ignore_eos: bool = False,
+                    json_object: bool = False) -> SamplingParams:
     """A reply may use what the prompt leaves of the context; a larger `max_tokens` is cut to that."""
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -112,7 +132,7 @@ def sampling_params(*, max_tokens: int | None, prompt_tokens: int, context: int,
         return SamplingParams(max_tokens=max(1, min(wanted, room)),
                               temperature=default_temperature if temperature is None else temperature,
                               top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, min_p=min_p or 0.0,
-                              seed=seed, stop=tuple(stop), ignore_eos=ignore_eos)
+                              seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, json_object=json_object)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 

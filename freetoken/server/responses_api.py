@@ -26,6 +26,7 @@ from freetoken.server.output import OutputParser, Part
 from freetoken.server.requests import (
     admit,
     body_doc,
+    check_json_prompt,
     check_model,
     check_tool_schemas,
     paced,
@@ -33,6 +34,7 @@ from freetoken.server.requests import (
     sampling_params,
     sse,
     text_content,
+    wants_json,
     while_connected,
 )
 from freetoken.server.tool_choice import openai_choice
@@ -56,6 +58,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
 
 
 class ResponseStore:
@@ -92,15 +95,21 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []], responses=True)
         effort = (req.reasoning or {}).get("effort")
         thinking = None if effort is None else effort not in ("none", "minimal")
+        if req.text is not None and not isinstance(req.text, dict):
+            raise APIError(400, "text must be an object", param="text")
+        json_object = wants_json((req.text or {}).get("format"), "text.format")
         try:
-            chat = engine.chat_prompt(system + conversation, tools, enable_thinking=thinking, choice=choice)
+            chat = engine.chat_prompt(system + conversation, tools, enable_thinking=False if json_object else thinking,
+                                      choice=choice)
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render this input: {e}", param="input") from None
+        if json_object:
+            check_json_prompt(chat, "text.format")
         ids = chat.ids
         admit(engine, ids, context_exceeded_openai)
         params = sampling_params(max_tokens=req.max_output_tokens, prompt_tokens=len(ids),
                                  context=engine.context_length, temperature=req.temperature, top_p=req.top_p,
-                                 top_k=None, min_p=None, seed=None, stop=[])
+                                 top_k=None, min_p=None, seed=None, stop=[], json_object=json_object)
         reply = _Reply(engine, req, f"resp_{uuid.uuid4().hex}", store if req.store else None, conversation)
         parser = chat.parser()
         events = engine.stream(ids, params)

@@ -301,3 +301,28 @@ def test_a_resent_history_is_reused_and_reported_as_cached_in_each_protocol(oai,
         final = s.get_final_message()
     assert final.usage.cache_read_input_tokens == m.usage.cache_read_input_tokens
     assert final.usage.input_tokens == m.usage.input_tokens
+
+
+def test_response_format_json_constrains_the_reply_to_a_json_object(oai):
+    ask = [{"role": "user", "content": "Give the capital of France as JSON with keys country and capital."}]
+    reply = oai.chat.completions.create(model="smollm2", messages=ask, temperature=0, max_tokens=64,
+                                        response_format={"type": "json_object"})
+    answer = json.loads(reply.choices[0].message.content)
+    assert isinstance(answer, dict) and "Paris" in answer.values()
+    # a question that does not invite JSON still gets a JSON object, and nothing after it
+    free = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Describe a cat."}],
+                                       temperature=0, max_tokens=64, response_format={"type": "json_object"})
+    assert isinstance(json.loads(free.choices[0].message.content), dict)
+    assert free.choices[0].finish_reason == "stop"
+    schema = {"type": "json_schema", "json_schema": {"name": "capital", "schema": {"type": "object"}}}
+    response = oai.responses.create(model="smollm2", input=ask[0]["content"], temperature=0, max_output_tokens=64,
+                                    text={"format": {"type": "json_schema", "name": "capital",
+                                                     "schema": {"type": "object"}}})
+    assert isinstance(json.loads(response.output_text), dict)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in oai.chat.completions.create(
+        model="smollm2", messages=ask, temperature=0, max_tokens=64, response_format=schema, stream=True)
+        if chunk.choices)
+    assert json.loads(streamed) == answer
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.chat.completions.create(model="smollm2", messages=ask, response_format={"type": "yaml"})
+    assert bad.value.body["param"] == "response_format"
