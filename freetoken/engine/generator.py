@@ -178,10 +178,11 @@ class Reply:
         self.prompt_tokens, self.budget = prompt_tokens, budget
         self.sampler = Sampler(params, lm.device)
         self.eos = frozenset() if params.ignore_eos else frozenset(lm.tokenizer.eos_token_ids if lm.tokenizer else ())
-        if params.json_object:
-            from freetoken.engine.json_sampler import JsonSampler, token_texts
+        if params.json_object or params.constrain_calls:
+            from freetoken.engine.json_sampler import ConstrainedSampler, HermesCalls, JsonObject, token_texts
 
-            self.sampler = JsonSampler(self.sampler, token_texts(lm.tokenizer), self.eos)
+            language = JsonObject() if params.json_object else HermesCalls(params.call_opening, params.call_names)
+            self.sampler = ConstrainedSampler(self.sampler, token_texts(lm.tokenizer), self.eos, language)
         self.detok = _text_pipeline(lm, params) if decode_text else None
         self.timings = Timings()
         self.produced = 0

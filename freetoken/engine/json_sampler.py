@@ -1,22 +1,31 @@
-"""JSON-constrained sampling (`response_format` json_object / json_schema): every sampled token keeps the output
-the start of a JSON object, and once the object closes only end-of-sequence (or whitespace) follows.
+"""Constrained sampling: every sampled token keeps the output inside a small language, checked on the token's text.
 
-Rejection sampling over the unconstrained sampler: draw a token; if its text cannot continue the JSON, mask it
-out and draw again — a draw from the same filtered distribution renormalised over the tokens that remain, so
-greedy stays greedy and sampling keeps its temperature. A model asked for JSON mostly proposes valid tokens,
-so a step costs one draw; after MAX_DRAWS refusals the best-scoring valid token among the top FALLBACK_RANKS is
-taken. A json_schema's structure is not enforced, only JSON syntax with an object at the top.
+- `JsonObject` (`response_format` json_object / json_schema): the reply is one JSON object, then it ends.
+- `HermesCalls` (tools offered to a model that calls them in the Hermes/Qwen format): text is free, but after
+  `<tool_call>` the call's body must be `{"name": "<an offered tool>", "arguments": ` then a JSON object closing
+  the call's object, followed by `</tool_call>`. A small model's call then always parses and names a real tool;
+  nothing outside a call is touched. A forced call (`tool_choice`) starts inside one.
+
+Rejection sampling over the unconstrained sampler: draw a token; if its text cannot continue the language, mask
+it out and draw again — a draw from the same filtered distribution renormalised over the tokens that remain, so
+greedy stays greedy and sampling keeps its temperature. A model mostly proposes valid tokens, so a step costs one
+draw; after MAX_DRAWS refusals the best-scoring valid token among the top FALLBACK_RANKS is taken. A
+json_schema's own structure is not enforced, only JSON syntax with an object at the top.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from typing import Protocol
 
 import torch
 
-from freetoken.engine.json_prefix import JsonPrefix
+from freetoken.engine.json_prefix import WHITESPACE, JsonPrefix
 from freetoken.engine.sampling import Sampler
 from freetoken.engine.tokenizer import Tokenizer
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 class TokenTexts:
@@ -44,17 +53,122 @@ def token_texts(tokenizer: Tokenizer) -> TokenTexts:
     return TokenTexts(tokenizer)
 
 
-class JsonSampler:
+class Language(Protocol):
+    def copy(self) -> Language: ...
+    def feed(self, text: str) -> bool: ...  # False: no valid output continues with `text`
+    @property
+    def can_end(self) -> bool: ...  # the output may stop here
+    @property
+    def must_end(self) -> bool: ...  # the output is finished: only end-of-sequence follows
+
+
+class JsonObject:
+    """One JSON object (leading whitespace allowed), then the end."""
+
+    def __init__(self) -> None:
+        self.json = JsonPrefix()
+
+    def copy(self) -> JsonObject:
+        other = JsonObject.__new__(JsonObject)
+        other.json = self.json.copy()
+        return other
+
+    def feed(self, text: str) -> bool:
+        return self.json.feed(text)
+
+    @property
+    def can_end(self) -> bool:
+        return self.json.complete
+
+    must_end = can_end
+
+
+def call_head(name: str) -> str:
+    """How a Hermes call of `name` starts, as the chat templates write it (and `tool_choice` openings too)."""
+    return f'{{"name": {json.dumps(name)}, "arguments": '
+
+
+class HermesCalls:
+    """Free text in which each `<tool_call>` … `</tool_call>` holds one call object: the head of a call of one
+    of `names` (any name if none given), then JSON to the object's end (whitespace around it)."""
+
+    FREE, CALL, CLOSE = range(3)
+
+    def __init__(self, opened: str | None = None, names: tuple[str, ...] = ()) -> None:
+        """`opened`: the reply starts inside a call whose opening (the text after `<tool_call>`, e.g. a forced
+        call's name) the prompt already wrote."""
+        self.heads = frozenset(call_head(n) for n in names)
+        self.mode, self.tail, self.json, self.matched, self.head = self.FREE, "", JsonPrefix(), 0, None
+        if opened is not None:
+            self._open()
+            if not self.feed(opened) or self.mode != self.CALL:
+                raise ValueError(f"a call opening that starts no call of {sorted(names)}: {opened!r}")
+
+    def copy(self) -> HermesCalls:
+        other = HermesCalls.__new__(HermesCalls)
+        other.heads, other.mode, other.tail, other.matched = self.heads, self.mode, self.tail, self.matched
+        other.json, other.head = self.json.copy(), self.head
+        return other
+
+    def _open(self) -> None:
+        self.mode, self.json = self.CALL, JsonPrefix()
+        self.head = "" if self.heads else None  # the head is matched against the offered tools' first
+
+    def _head_char(self, c: str) -> bool:
+        if not self.head and c in WHITESPACE:
+            return True
+        head = self.head + c
+        if not any(h.startswith(head) for h in self.heads):
+            return False
+        self.head = head
+        if head in self.heads:  # a whole head: the arguments (and the call's object) go on as JSON
+            self.json.feed(head)
+            self.head = None
+        return True
+
+    def feed(self, text: str) -> bool:
+        return all(self._char(c) for c in text)
+
+    def _char(self, c: str) -> bool:
+        if self.mode == self.FREE:
+            self.tail = (self.tail + c)[-len(CALL_OPEN):]
+            if self.tail == CALL_OPEN:
+                self._open()
+            return True
+        if self.mode == self.CALL:
+            if self.head is not None:
+                return self._head_char(c)
+            if not self.json.feed(c):
+                return False
+            if self.json.complete:
+                self.mode, self.matched = self.CLOSE, 0
+            return True
+        if self.matched == 0 and c in WHITESPACE:
+            return True
+        if c != CALL_CLOSE[self.matched]:
+            return False
+        self.matched += 1
+        if self.matched == len(CALL_CLOSE):
+            self.mode, self.tail = self.FREE, ""
+        return True
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode == self.FREE
+
+    must_end = False
+
+
+class ConstrainedSampler:
     MAX_DRAWS = 16
     FALLBACK_RANKS = 8192
 
-    def __init__(self, sampler: Sampler, texts: TokenTexts, eos: frozenset[int]):
-        self.sampler, self.texts, self.eos = sampler, texts, eos
-        self.state = JsonPrefix()
+    def __init__(self, sampler: Sampler, texts: TokenTexts, eos: frozenset[int], language: Language):
+        self.sampler, self.texts, self.eos, self.language = sampler, texts, eos, language
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits [V] → a token id that keeps the output valid (advancing the JSON state)."""
-        if self.state.complete and self.eos:  # the object is closed: the reply ends here
+        """logits [V] → a token id that keeps the output in the language (advancing its state)."""
+        if self.language.must_end and self.eos:
             return max(self.eos, key=lambda t: float(logits[t]))
         masked = None
         for _ in range(self.MAX_DRAWS):
@@ -68,15 +182,18 @@ class JsonSampler:
         for token in ranked:
             if self._take(token):
                 return token
-        # nothing among the likeliest tokens continues the JSON (a vocabulary without the characters needed):
-        # end the reply rather than emit invalid text
+        # nothing among the likeliest tokens continues (a vocabulary without the characters needed): end the
+        # reply rather than emit text outside the language
         return min(self.eos) if self.eos else ranked[0]
 
     def _take(self, token: int) -> bool:
         if token in self.eos:
-            return self.state.complete
+            return self.language.can_end
         text = self.texts(token)
-        if not text or not self.state.accepts(text):
+        if not text:  # no progress: fine in free text, never inside a constrained stretch (it could loop)
+            return self.language.can_end and not self.language.must_end
+        trial = self.language.copy()
+        if not trial.feed(text):
             return False
-        self.state.feed(text)
+        self.language = trial
         return True

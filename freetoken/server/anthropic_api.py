@@ -95,9 +95,10 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         chat = prompt(req)
         ids = chat.ids
         admit(engine, ids, context_exceeded_anthropic)
-        params = sampling_params(max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
-                                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,
-                                 seed=None, stop=list(req.stop_sequences or []))
+        params = chat.constrain(sampling_params(
+            max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None, seed=None,
+            stop=list(req.stop_sequences or [])))
         parser = chat.parser()
         ident = f"msg_{uuid.uuid4().hex[:24]}"
         events = engine.stream(ids, params)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 
 from freetoken.engine.batching import BatchRequest, BatchScheduler
 from freetoken.engine.generator import GenerationEvent
+from freetoken.engine.json_sampler import CALL_OPEN
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.sampling import SamplingParams
@@ -40,9 +42,20 @@ class ChatPrompt:
     opener: str  # written on the model's behalf (a forced tool call's opening), or ""
     in_reasoning: bool  # the template left a reasoning block open
     tools: bool  # tools were offered (the parser looks for calls)
+    # the offered tools' names where the model calls them as <tool_call>{JSON}</tool_call> (Hermes/Qwen, or
+    # described), else empty
+    hermes_calls: tuple[str, ...] = ()
 
     def parser(self) -> OutputParser:
         return OutputParser(in_reasoning=self.in_reasoning, tools=self.tools, prefix=self.opener)
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the reply's tool calls constrained to JSON where the model writes them in the Hermes
+        format (a forced call starts inside one); a reply already constrained to a JSON object stays so."""
+        if not self.hermes_calls or params.json_object:
+            return params
+        opening = self.opener.split(CALL_OPEN, 1)[1] if CALL_OPEN in self.opener else None
+        return dataclasses.replace(params, constrain_calls=True, call_opening=opening, call_names=self.hermes_calls)
 
 
 class ContextLengthExceeded(FreeTokenError):
@@ -130,7 +143,9 @@ class ServingEngine:
         text = tok.apply_chat_template(messages, tools=tools or None, enable_thinking=enable_thinking)
         in_reasoning = text.rstrip().endswith("<think>")
         opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
-        return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools))
+        return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),
+                          hermes_calls=tuple(t["function"]["name"] for t in tools or ())
+                          if syntax in ("hermes", "none") else ())
 
     def check_fits(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.context_length:

@@ -112,10 +112,11 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         if json_object:
             check_json_prompt(chat, "response_format")
         admit(engine, chat.ids, context_exceeded_openai)
-        params = sampling_params(max_tokens=req.max_completion_tokens or req.max_tokens,
+        params = chat.constrain(sampling_params(max_tokens=req.max_completion_tokens or req.max_tokens,
                                  prompt_tokens=len(chat.ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                 seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos, json_object=json_object)
+                                 seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos,
+                                 json_object=json_object))
         parser = chat.parser()
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         events = engine.stream(chat.ids, params)

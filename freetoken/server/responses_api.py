@@ -107,9 +107,9 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
             check_json_prompt(chat, "text.format")
         ids = chat.ids
         admit(engine, ids, context_exceeded_openai)
-        params = sampling_params(max_tokens=req.max_output_tokens, prompt_tokens=len(ids),
+        params = chat.constrain(sampling_params(max_tokens=req.max_output_tokens, prompt_tokens=len(ids),
                                  context=engine.context_length, temperature=req.temperature, top_p=req.top_p,
-                                 top_k=None, min_p=None, seed=None, stop=[], json_object=json_object)
+                                 top_k=None, min_p=None, seed=None, stop=[], json_object=json_object))
         reply = _Reply(engine, req, f"resp_{uuid.uuid4().hex}", store if req.store else None, conversation)
         parser = chat.parser()
         events = engine.stream(ids, params)

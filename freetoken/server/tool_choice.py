@@ -5,7 +5,8 @@ generation prompt, in the syntax the model's chat template teaches it (Hermes/Qw
 Qwen3-Coder XML, Mistral `[TOOL_CALLS]`, Llama 3 JSON): the model continues from inside the call, and the output
 parser is fed the same opening so it reads the whole call. A named choice writes the name too, so only the
 arguments are the model's. The rendered prompt before the opening stays what `auto` renders, so a forced turn
-reuses the same cached prefix. This steers the reply; it does not constrain the arguments to the schema.
+reuses the same cached prefix. This steers the reply; where calls are Hermes-format JSON the sampler also keeps
+each call's body a JSON call of an offered tool (engine/json_sampler.py), though not the arguments' schema.
 
 A template that ignores tools (it never mentions them) gets them described in the system message with the
 Hermes format, so a model without tool training can still be asked for calls the parser reads.

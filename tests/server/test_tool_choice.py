@@ -3,6 +3,8 @@ own syntax (the parser reads the opening too), and tools described for templates
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pytest
@@ -149,3 +151,16 @@ def test_malformed_openai_choices_are_400s(value):
     assert e.value.status == 400
     with pytest.raises(APIError):
         anthropic_choice(value, NAMES)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_of_a_small_model_comes_back_as_a_call_with_json_arguments(smollm2_server, tool_choice):
+    """Hermes-format calls are constrained token by token: the call's body must be one JSON object and then
+    `</tool_call>`, so even a 135M model's forced call parses into `tool_calls` with JSON arguments."""
+    oai = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    reply = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                        tools=[WEATHER], tool_choice=tool_choice, temperature=0, max_tokens=96)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    call = choice.message.tool_calls[0]
+    assert call.function.name and isinstance(json.loads(call.function.arguments), dict)

@@ -1,0 +1,86 @@
+"""Constrained sampling on a toy vocabulary: the sampler draws what the logits prefer unless its text leaves the
+language, and then takes the best token that stays in it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from freetoken.engine.json_sampler import ConstrainedSampler, HermesCalls, JsonObject
+from freetoken.engine.sampling import Sampler, SamplingParams
+
+VOCAB = ["<eos>", "<tool_call>", "</tool_call>", "{", "}", '"a"', ":", "1", " ", "hello", "x", "\n", "</", "tool_call>",
+         ", ", '"b"']
+EOS = frozenset({0})
+GREEDY = SamplingParams(temperature=0)
+
+
+def _run(language, preferences: list[list[str]], params: SamplingParams = GREEDY) -> str:
+    """Each step's logits rank `preferences[step]` first (in order), every other token far below."""
+    sampler = ConstrainedSampler(Sampler(params, torch.device("cpu")), VOCAB.__getitem__, EOS, language)
+    out = []
+    for ranked in preferences:
+        logits = torch.full((len(VOCAB),), -10.0)
+        for rank, text in enumerate(ranked):
+            logits[VOCAB.index(text)] = 10.0 - rank
+        token = sampler(logits)
+        if token in EOS:
+            break
+        out.append(VOCAB[token])
+    return "".join(out)
+
+
+def test_a_json_object_reply_refuses_what_breaks_it_and_ends_when_closed():
+    steps = [["x", "{"], ['"a"'], ["}", ":"], ["x", "1"], ["1", "}"], ["hello", "}"], ["hello", " "]]
+    text = _run(JsonObject(), steps)
+    assert json.loads(text) == {"a": 11}
+
+
+def test_free_text_is_untouched_but_a_call_body_must_be_json_then_closed():
+    steps = [["hello"], [" "], ["<tool_call>"], ["x", "\n"], ["hello", "{"], ['"a"'], [":"], ["1"],
+             ["x", "}"], ["hello", "\n"], ["x", "</tool_call>"], ["hello"], ["<eos>"]]
+    text = _run(HermesCalls(), steps)
+    assert text == 'hello <tool_call>\n{"a":1}\n</tool_call>hello'
+
+
+def test_the_closing_marker_may_come_in_pieces_and_eos_waits_for_it():
+    steps = [["{"], ["}"], ["<eos>", "</"], ["<eos>", "tool_call>"], ["<eos>"]]
+    assert _run(HermesCalls(opened="\n"), steps) == "{}</tool_call>"
+
+
+def test_a_call_must_name_an_offered_tool():
+    vocab_calls = HermesCalls(names=("f", "g"))
+    assert vocab_calls.feed('<tool_call>\n{"name": "')
+    assert not vocab_calls.copy().feed('h"') and vocab_calls.copy().feed('g", "arguments": {}}</tool_call>')
+    assert HermesCalls(opened='\n{"name": "f", "arguments": ', names=("f",)).feed('{"x": 1}}\n</tool_call>')
+    with pytest.raises(ValueError):
+        HermesCalls(opened='\n{"name": "h", "arguments": ', names=("f",))
+
+
+def test_a_forced_call_starts_inside_its_opening():
+    opening = '\n{"name": "f", "arguments": '
+    steps = [["hello", "{"], ['"b"'], [":"], ["1"], ["}"], ["x", "}"], ["</tool_call>"], ["<eos>"]]
+    text = _run(HermesCalls(opened=opening), steps)
+    assert json.loads(opening + text.removesuffix("</tool_call>")) == {"name": "f", "arguments": {"b": 1}}
+    with pytest.raises(ValueError):
+        HermesCalls(opened="not json")
+
+
+def test_sampling_stays_in_the_language():
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, seed=3)
+    sampler = ConstrainedSampler(Sampler(params, torch.device("cpu")), VOCAB.__getitem__, EOS, JsonObject())
+    out = []
+    for _ in range(40):
+        token = sampler(torch.randn(len(VOCAB), generator=gen))
+        if token in EOS:
+            break
+        out.append(VOCAB[token])
+    text = "".join(out)
+    if token in EOS:
+        assert isinstance(json.loads(text), dict)
+    else:  # ran out of steps: still a prefix of an object
+        from freetoken.engine.json_prefix import JsonPrefix
+        assert JsonPrefix().feed(text)
