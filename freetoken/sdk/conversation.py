@@ -22,6 +22,7 @@ class Sampling:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    json: bool = False  # the reply is one JSON object (constrained sampling)
 
 
 class Conversation(ABC):
@@ -37,11 +38,13 @@ class Conversation(ABC):
         return self.engine.run(lambda: copy.deepcopy(self._messages))
 
     def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None) -> Reply:
+             top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
+             json: bool = False) -> Reply:
         """Queues `message` (a string is a user message; a dict any OpenAI-style message, a tool result too)
-        and returns its reply at once; the reply completes whether or not it is read."""
+        and returns its reply at once; the reply completes whether or not it is read. `json=True`: the reply's
+        text is one JSON object (sampling is constrained to it)."""
         msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
-        sampling = Sampling(max_tokens, temperature, top_p, top_k, tuple(stop), seed)
+        sampling = Sampling(max_tokens, temperature, top_p, top_k, tuple(stop), seed, json)
         reply = Reply()
         self.engine.submit(lambda: self._run(msg, sampling, reply))
         return reply

@@ -34,6 +34,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.reply import Reply, ReplyStats
 from freetoken.server.output import OutputParser
+from freetoken.server.tool_choice import call_syntax
 
 
 class Worker:
@@ -135,11 +136,16 @@ class Session(Conversation):
         self._snapshots: dict[int, Any] = {}  # recurrent models: token offset → a fork of `_seq` taken there
 
     def _produce(self, msg: dict, sampling: Sampling, reply: Reply) -> ReplyStats:
-        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                max_tokens=sampling.max_tokens, stop=sampling.stop, seed=sampling.seed)
         lm, cache = self.engine.lm, self.engine.cache
         messages = self._messages + [msg]
-        text = lm.tokenizer.apply_chat_template(messages, tools=self.tools)
+        text = lm.tokenizer.apply_chat_template(messages, tools=self.tools,
+                                                **({"enable_thinking": False} if sampling.json else {}))
+        if sampling.json and text.rstrip().endswith("<think>"):
+            raise FreeTokenError("this model's chat template opens a reasoning block the reply must close first, "
+                                 "so it cannot be constrained to a JSON object; send without json=True")
+        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                max_tokens=sampling.max_tokens, stop=sampling.stop, seed=sampling.seed,
+                                json_object=sampling.json, **self._call_constraint(sampling))
         prompt = lm.tokenizer.encode(text)
         common = _common_prefix(self._tokens, prompt, limit=len(prompt) - 1)
         if lm.has_recurrent_state:
@@ -174,6 +180,14 @@ class Session(Conversation):
             else None
         return ReplyStats(last.prompt_tokens, common_reused, last.completion_tokens,
                           t.first_token_s if t else None, decode, "tool_calls" if calls else last.finish_reason)
+
+    def _call_constraint(self, sampling) -> dict:
+        """Where the model calls tools in the Hermes/Qwen format, its calls are constrained to JSON calls of the
+        offered tools (as the server does; see engine/json_sampler.py)."""
+        template = self.engine.lm.tokenizer.tool_use_template or self.engine.lm.tokenizer.chat_template
+        if not self.tools or sampling.json or template is None or call_syntax(template.source) != "hermes":
+            return {}
+        return {"constrain_calls": True, "call_names": tuple(t["function"]["name"] for t in self.tools)}
 
     def _adopt_longer_prefix(self, prompt: list[int], common: int) -> int:
         """Another session's pages when they hold a longer start of `prompt` than this session's own history."""

@@ -53,6 +53,7 @@ class RemoteSession(Conversation):
     def _produce(self, msg: dict, sampling: Sampling, reply: Reply) -> ReplyStats:
         body = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
                 "stop": list(sampling.stop) or None, "seed": sampling.seed,
+                **({"response_format": {"type": "json_object"}} if sampling.json else {}),
                 **({"extra_body": {"top_k": sampling.top_k}} if sampling.top_k else {})}
         messages = self._messages + [msg]
         started, first, parts, usage, finish = time.perf_counter(), None, [], None, None

@@ -4,11 +4,13 @@ exactly as a fresh run of the same history would (greedy, token for token) while
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 import freetoken
 from freetoken.engine.generator import Generator
+from freetoken.engine.json_prefix import JsonPrefix
 from freetoken.engine.sampling import SamplingParams
 from support.servers import start_server
 
@@ -131,6 +133,9 @@ def test_connect_gives_the_same_sessions_against_a_server(smollm2_gguf):
         assert session.messages[1]["content"] == "What is the capital of Spain?"
         session.rollback("two")
         assert session.messages[1]["content"] == QUESTION
+        shaped = session.send("Now give the capital of France as JSON with keys country and capital.", json=True,
+                              max_tokens=64)
+        assert isinstance(json.loads(shaped.text), dict)
         remote.close()
     finally:
         running.stop()
@@ -161,3 +166,17 @@ def test_on_cuda_sessions_fork_and_reuse_through_graphs(tmp_path):
     engine.prefix.clear()
     assert engine.cache.allocator.num_free == engine.cache.allocator.num_pages
     engine.close()
+
+
+def test_json_replies_are_one_json_object(engine):
+    session = engine.session()
+    reply = session.send("Give the capital of France as JSON with keys country and capital.", json=True,
+                         max_tokens=64)
+    assert json.loads(reply.text) == {"country": "FRANCE", "capital": "Paris"}  # greedy, so the same every time
+    assert reply.stats.finish_reason == "stop"
+    free = session.send("Describe a cat.", json=True, max_tokens=64)  # asked for nothing JSON-like: still JSON
+    if free.stats.finish_reason == "stop":
+        assert isinstance(json.loads(free.text), dict)
+    else:  # the budget ran out first: what there is, is the start of one object
+        assert free.stats.finish_reason == "length" and JsonPrefix().feed(free.text)
+    session.close()
