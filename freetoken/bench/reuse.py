@@ -10,7 +10,9 @@ starts from the same state and nothing leaks between rows. Rows:
 - `cold`: the whole history and the new turn from an empty cache (what a server without reuse pays per turn);
 - `reuse`: the new turn after the cached history (an agent's follow-up);
 - `edit at -d`: the history cut `d` tokens before its end (an edit there), those `d` tokens recomputed, then the
-  new turn.
+  new turn;
+- `reuse, copy only` / `reuse, cpu only` (`--turn-paths`, offloaded experts): the follow-up turn with every miss
+  copied to the GPU, or computed on the CPU, beside the planner's split (`reuse`).
 TTFT is from the first new token handed to the model to the first sampled token on the host; medians. With
 offloaded experts each row also shows, per run, the expert cache's hit rate, the GB copied over PCIe and the
 experts computed on the CPU (a turn's cost there is mostly expert traffic, not its tokens).
@@ -98,6 +100,13 @@ def bench(a: argparse.Namespace) -> list[tuple]:
 
     measure("cold", a.history, cold)
     measure("reuse", 0, from_history(0))
+    executor = lm.experts
+    for path in a.turn_paths if hasattr(executor, "miss_path") else ():
+        chosen, executor.miss_path = executor.miss_path, path  # the turn with its misses on one path only
+        try:
+            measure(f"reuse, {path} only", 0, from_history(0))
+        finally:
+            executor.miss_path = chosen
     for d in a.edits:
         if 0 < d < a.history:
             measure(f"edit at -{d}", d, from_history(d))
@@ -135,7 +144,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--edits", default="1000,4000,16000", help="comma-separated distances of an edit from the end")
     p.add_argument("--expert-cache", default="all", help="expert cache size, or 'all' for every expert resident")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--turn-paths", default="copy,cpu",
+                   help="miss paths to time the follow-up turn on alone, beside auto (offloaded experts; '' for none)")
     add_run_args(p)
     a = p.parse_args(argv)
     a.argv, a.edits = argv, [int(x) for x in a.edits.split(",") if x]
+    a.turn_paths = [x for x in a.turn_paths.split(",") if x]
+    if set(a.turn_paths) - {"copy", "cpu", "auto"}:
+        p.error(f"--turn-paths takes copy, cpu or auto, got {a.turn_paths}")
     return emit(render(bench(a), a), a.out)

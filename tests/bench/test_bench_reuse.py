@@ -13,9 +13,12 @@ def test_reuse_bench_writes_every_row(tmp_path, capsys):
     table = out.read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| case")
             and not line.startswith("| ---")]
-    assert [r.split(" | ")[0] for r in rows] == ["| cold", "| reuse", "| edit at -16", "| edit at -48"]
+    assert [r.split(" | ")[0] for r in rows] == ["| cold", "| reuse", "| reuse, copy only", "| reuse, cpu only",
+                                                 "| edit at -16", "| edit at -48"]
     computed = [int(r.split(" | ")[2]) for r in rows]
-    assert computed == [104, 8, 24, 56]  # the edit past the history's start (500) is skipped
+    assert computed == [104, 8, 8, 8, 24, 56]  # the edit past the history's start (500) is skipped
+    cpu_experts = [float(r.split(" | ")[7].strip(" |")) for r in rows]
+    assert cpu_experts[2] == 0 < cpu_experts[3]  # copy only computes nothing on the CPU, cpu only does
     assert "history 96 tokens" in table and "ft bench reuse" in table
     assert "expert hit rate | GB copied | CPU experts" in table  # offloaded: each row shows its expert traffic
     assert all(len(r.split(" | ")) == 8 for r in rows)
