@@ -178,11 +178,10 @@ class Reply:
         self.prompt_tokens, self.budget = prompt_tokens, budget
         self.sampler = Sampler(params, lm.device)
         self.eos = frozenset() if params.ignore_eos else frozenset(lm.tokenizer.eos_token_ids if lm.tokenizer else ())
-        if params.json_object or params.constrain_calls:
-            from freetoken.engine.json_sampler import ConstrainedSampler, HermesCalls, JsonObject, token_texts
+        if params.json_object or params.call_format:
+            from freetoken.engine.json_sampler import ConstrainedSampler, language_for, token_texts
 
-            language = JsonObject() if params.json_object else HermesCalls(params.call_opening, params.call_names)
-            self.sampler = ConstrainedSampler(self.sampler, token_texts(lm.tokenizer), self.eos, language)
+            self.sampler = ConstrainedSampler(self.sampler, token_texts(lm.tokenizer), self.eos, language_for(params))
         self.detok = _text_pipeline(lm, params) if decode_text else None
         self.timings = Timings()
         self.produced = 0

@@ -5,6 +5,9 @@
   `<tool_call>` the call's body must be `{"name": "<an offered tool>", "arguments": ` then a JSON object closing
   the call's object, followed by `</tool_call>`. A small model's call then always parses and names a real tool;
   nothing outside a call is touched. A forced call (`tool_choice`) starts inside one.
+- `QwenXmlCalls` (Qwen3-Coder's XML calls): after `<tool_call>`, `<function=NAME>` of an offered tool, then
+  `<parameter=P>` blocks (P among the tool's schema properties where it declares any; values are free text up
+  to `</parameter>`), `</function>`, `</tool_call>`.
 
 Rejection sampling over the unconstrained sampler: draw a token; if its text cannot continue the language, mask
 it out and draw again — a draw from the same filtered distribution renormalised over the tokens that remain, so
@@ -22,7 +25,7 @@ from typing import Protocol
 import torch
 
 from freetoken.engine.json_prefix import WHITESPACE, JsonPrefix
-from freetoken.engine.sampling import Sampler
+from freetoken.engine.sampling import Sampler, SamplingParams
 from freetoken.engine.tokenizer import Tokenizer
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -157,6 +160,95 @@ class HermesCalls:
         return self.mode == self.FREE
 
     must_end = False
+
+
+class QwenXmlCalls:
+    """Free text in which each `<tool_call>` … `</tool_call>` holds one XML call of an offered tool."""
+
+    FREE, FUNCTION, BODY, NAME, VALUE, CLOSE = range(6)
+
+    def __init__(self, opened: str | None = None, tools: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> None:
+        """`tools`: (name, parameter names) pairs; no parameter names: any. `opened`: the reply starts inside a
+        call, after this text the prompt wrote."""
+        self.params = {name: params for name, params in tools}
+        self.mode, self.tail, self.pending, self.function = self.FREE, "", "", ""
+        if opened is not None:
+            self.mode = self.FUNCTION
+            if not self.feed(opened) or self.mode == self.FREE:
+                raise ValueError(f"a call opening that starts no call of {sorted(self.params)}: {opened!r}")
+
+    def copy(self) -> QwenXmlCalls:
+        other = QwenXmlCalls.__new__(QwenXmlCalls)
+        other.params, other.mode, other.tail = self.params, self.mode, self.tail
+        other.pending, other.function = self.pending, self.function
+        return other
+
+    def feed(self, text: str) -> bool:
+        return all(self._char(c) for c in text)
+
+    def _options(self) -> list[str]:
+        """The literal texts the current stretch must be one of (`pending` holds what matched so far)."""
+        if self.mode == self.FUNCTION:
+            return [f"<function={name}>" for name in self.params]
+        if self.mode == self.BODY:
+            names = self.params.get(self.function) or ()
+            return [f"<parameter={p}>" for p in names] + ["</function>"] if names else ["<parameter=", "</function>"]
+        return [CALL_CLOSE]
+
+    def _char(self, c: str) -> bool:
+        if self.mode == self.FREE:
+            self.tail = (self.tail + c)[-len(CALL_OPEN):]
+            if self.tail == CALL_OPEN:
+                self.mode, self.pending = self.FUNCTION, ""
+            return True
+        if self.mode == self.VALUE:  # free text up to </parameter>
+            self.tail = (self.tail + c)[-len("</parameter>"):]
+            if self.tail == "</parameter>":
+                self.mode, self.pending = self.BODY, ""
+            return True
+        if self.mode == self.NAME:  # a tool that declares no parameters: any name up to '>', not empty
+            if c == ">" and self.pending:
+                self.mode, self.tail, self.pending = self.VALUE, "", ""
+                return True
+            self.pending += c
+            return c not in "\n>"
+        if not self.pending and c in WHITESPACE:
+            return True
+        pending = self.pending + c
+        options = self._options()
+        if not any(o.startswith(pending) for o in options):
+            return False
+        self.pending = pending
+        if pending in options:
+            self.pending = ""
+            if self.mode == self.FUNCTION:
+                self.mode, self.function = self.BODY, pending[len("<function="):-1]
+            elif pending == "</function>":
+                self.mode = self.CLOSE
+            elif pending == CALL_CLOSE:
+                self.mode, self.tail = self.FREE, ""
+            elif pending == "<parameter=":
+                self.mode = self.NAME
+            else:
+                self.mode, self.tail = self.VALUE, ""
+        return True
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode == self.FREE
+
+    must_end = False
+
+
+def language_for(params: SamplingParams) -> Language:
+    """The language a reply with these parameters is constrained to."""
+    if params.json_object:
+        return JsonObject()
+    if params.call_format == "hermes":
+        return HermesCalls(params.call_opening, tuple(name for name, _ in params.call_tools))
+    if params.call_format == "qwen-xml":
+        return QwenXmlCalls(params.call_opening, params.call_tools)
+    raise ValueError(f"no constrained language for call format {params.call_format!r}")
 
 
 class ConstrainedSampler:

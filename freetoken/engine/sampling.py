@@ -26,11 +26,12 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     json_object: bool = False  # the reply must be one JSON object (constrained: see json_sampler.py)
-    # Hermes/Qwen tool calls: each <tool_call> body constrained to one JSON object (see json_sampler.py);
-    # `call_opening`: the reply starts inside a call, after this text the prompt wrote (a forced call)
-    constrain_calls: bool = False
+    # tool calls constrained to the offered tools (see json_sampler.py): "hermes" (JSON in <tool_call>) or
+    # "qwen-xml" (Qwen3-Coder); `call_opening`: the reply starts inside a call, after this text the prompt wrote
+    # (a forced call); `call_tools`: (name, parameter names) of each offered tool
+    call_format: str = ""
     call_opening: str | None = None
-    call_names: tuple[str, ...] = ()  # the tools a constrained call may name (any, if empty)
+    call_tools: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [

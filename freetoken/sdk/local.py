@@ -33,6 +33,7 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
 from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.reply import Reply, ReplyStats
+from freetoken.server.engine import offered_tools
 from freetoken.server.output import OutputParser
 from freetoken.server.tool_choice import call_syntax
 
@@ -185,9 +186,10 @@ class Session(Conversation):
         """Where the model calls tools in the Hermes/Qwen format, its calls are constrained to JSON calls of the
         offered tools (as the server does; see engine/json_sampler.py)."""
         template = self.engine.lm.tokenizer.tool_use_template or self.engine.lm.tokenizer.chat_template
-        if not self.tools or sampling.json or template is None or call_syntax(template.source) != "hermes":
+        syntax = call_syntax(template.source) if self.tools and template is not None else "none"
+        if sampling.json or syntax not in ("hermes", "qwen-xml"):
             return {}
-        return {"constrain_calls": True, "call_names": tuple(t["function"]["name"] for t in self.tools)}
+        return {"call_format": syntax, "call_tools": offered_tools(self.tools)}
 
     def _adopt_longer_prefix(self, prompt: list[int], common: int) -> int:
         """Another session's pages when they hold a longer start of `prompt` than this session's own history."""

@@ -42,20 +42,33 @@ class ChatPrompt:
     opener: str  # written on the model's behalf (a forced tool call's opening), or ""
     in_reasoning: bool  # the template left a reasoning block open
     tools: bool  # tools were offered (the parser looks for calls)
-    # the offered tools' names where the model calls them as <tool_call>{JSON}</tool_call> (Hermes/Qwen, or
-    # described), else empty
-    hermes_calls: tuple[str, ...] = ()
+    # how the model writes calls where the sampler can constrain them ("hermes": <tool_call>{JSON}</tool_call>,
+    # also for described tools; "qwen-xml"), else ""; and the offered tools as (name, parameter names)
+    call_format: str = ""
+    call_tools: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def parser(self) -> OutputParser:
         return OutputParser(in_reasoning=self.in_reasoning, tools=self.tools, prefix=self.opener)
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
-        """`params` with the reply's tool calls constrained to JSON where the model writes them in the Hermes
-        format (a forced call starts inside one); a reply already constrained to a JSON object stays so."""
-        if not self.hermes_calls or params.json_object:
+        """`params` with the reply's tool calls constrained to calls of the offered tools where the model writes
+        them in a format the sampler knows (a forced call starts inside one); a reply already constrained to a
+        JSON object stays so."""
+        if not self.call_format or params.json_object:
             return params
         opening = self.opener.split(CALL_OPEN, 1)[1] if CALL_OPEN in self.opener else None
-        return dataclasses.replace(params, constrain_calls=True, call_opening=opening, call_names=self.hermes_calls)
+        return dataclasses.replace(params, call_format=self.call_format, call_opening=opening,
+                                   call_tools=self.call_tools)
+
+
+def offered_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(name, parameter names) of OpenAI-shaped tools, for constrained calls (no properties: any names)."""
+    out = []
+    for t in tools:
+        fn = t["function"]
+        properties = (fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
+        out.append((fn["name"], tuple(properties) if isinstance(properties, dict) else ()))
+    return tuple(out)
 
 
 class ContextLengthExceeded(FreeTokenError):
@@ -144,8 +157,8 @@ class ServingEngine:
         in_reasoning = text.rstrip().endswith("<think>")
         opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
         return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),
-                          hermes_calls=tuple(t["function"]["name"] for t in tools or ())
-                          if syntax in ("hermes", "none") else ())
+                          call_format={"hermes": "hermes", "none": "hermes", "qwen-xml": "qwen-xml"}.get(syntax, "")
+                          if tools else "", call_tools=offered_tools(tools or ()))
 
     def check_fits(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.context_length:

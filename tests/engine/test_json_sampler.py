@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from freetoken.engine.json_sampler import ConstrainedSampler, HermesCalls, JsonObject
+from freetoken.engine.json_sampler import ConstrainedSampler, HermesCalls, JsonObject, QwenXmlCalls
 from freetoken.engine.sampling import Sampler, SamplingParams
 
 VOCAB = ["<eos>", "<tool_call>", "</tool_call>", "{", "}", '"a"', ":", "1", " ", "hello", "x", "\n", "</", "tool_call>",
@@ -84,3 +84,21 @@ def test_sampling_stays_in_the_language():
     else:  # ran out of steps: still a prefix of an object
         from freetoken.engine.json_prefix import JsonPrefix
         assert JsonPrefix().feed(text)
+
+
+def test_qwen_xml_calls_name_an_offered_tool_and_its_parameters():
+    tools = (("read_file", ("path", "limit")), ("run", ()))
+    calls = QwenXmlCalls(tools=tools)
+    assert calls.feed("Let me look.\n<tool_call>\n<function=")
+    assert not calls.copy().feed("write_file>") and calls.copy().feed("run>")
+    assert calls.feed("read_file>\n<parameter=")
+    assert not calls.copy().feed("mode>") and not calls.copy().feed("</tool_call>")
+    assert calls.feed("path>\nsrc/a.py\n</parameter>\n") and not calls.can_end
+    assert calls.feed("</function>\n</tool_call>") and calls.can_end
+    anything = QwenXmlCalls(tools=tools)  # a tool without declared parameters takes any names
+    assert anything.feed("<tool_call><function=run><parameter=cmd>ls -la\n</parameter></function></tool_call>")
+    assert not anything.copy().feed("<tool_call><function=run><parameter=>")
+    forced = QwenXmlCalls(opened="\n<function=run>\n", tools=tools)
+    assert forced.feed("</function>\n</tool_call>") and forced.can_end
+    with pytest.raises(ValueError):
+        QwenXmlCalls(opened="\n<function=rm>", tools=tools)

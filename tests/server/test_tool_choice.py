@@ -164,3 +164,29 @@ def test_a_forced_call_of_a_small_model_comes_back_as_a_call_with_json_arguments
     assert choice.finish_reason == "tool_calls", choice.message
     call = choice.message.tool_calls[0]
     assert call.function.name and isinstance(json.loads(call.function.arguments), dict)
+
+
+@pytest.mark.parametrize("syntax, fmt", [("hermes", "hermes"), ("qwen-xml", "qwen-xml"), ("llama3", "")])
+@pytest.mark.parametrize("choice", [ToolChoice("auto"), ToolChoice("required"), ToolChoice("named", "get_weather")])
+def test_the_reply_is_constrained_to_calls_in_the_models_format(syntax, fmt, choice):
+    """ChatPrompt.constrain hands the sampler the call format, the offered tools and, for a forced call, the
+    opening the prompt wrote; the language built from them accepts that opening and a well-formed call."""
+    from freetoken.engine.json_sampler import language_for
+    from freetoken.engine.sampling import SamplingParams
+    from freetoken.server.engine import ChatPrompt, offered_tools
+
+    opener = call_opener(choice, syntax)
+    chat = ChatPrompt("…" + opener, [], opener, False, True, call_format=fmt, call_tools=offered_tools([WEATHER]))
+    params = chat.constrain(SamplingParams())
+    assert params.call_format == fmt and chat.constrain(SamplingParams(json_object=True)).call_format == ""
+    if not fmt:
+        return
+    assert params.call_tools == (("get_weather", ("city",)),)
+    language = language_for(params)
+    assert language.can_end == (not choice.forces_call)
+    written = opener.split("<tool_call>", 1)[1] if choice.forces_call else ""
+    full = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            "qwen-xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                        "</tool_call>"}[fmt]
+    rest = full[len("<tool_call>") + len(written):] if choice.forces_call else full
+    assert language.feed(rest) and language.can_end
