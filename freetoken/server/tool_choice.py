@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken.engine.json_sampler import call_head
 from freetoken.server.errors import APIError
 
 
@@ -92,13 +93,13 @@ def call_opener(choice: ToolChoice, syntax: str, in_reasoning: bool = False) -> 
     if syntax == "mistral-args":
         opener = "[TOOL_CALLS]" + (f"{name}[ARGS]" if name else "")
     elif syntax == "mistral-json":
-        opener = "[TOOL_CALLS][" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+        opener = "[TOOL_CALLS][" + (call_head(name) if name else "")
     elif syntax == "qwen-xml":
         opener = "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
     elif syntax == "llama3":
         opener = f'{{"name": {json.dumps(name)}, "parameters": ' if name else '{"name": "'
     else:  # hermes, and templates taught the Hermes format by `describe_tools`
-        opener = "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+        opener = "<tool_call>\n" + (call_head(name) if name else "")
     return ("</think>\n\n" if in_reasoning else "") + opener
 
 
