@@ -56,8 +56,8 @@ class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device):
         self.params = params
         self.generator = torch.Generator(device=device)
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+        if params.seed is not None:  # APIs take any integer; torch seeds are 64-bit
+            self.generator.manual_seed(params.seed % 2**64)
         else:
             self.generator.seed()
 

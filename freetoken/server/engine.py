@@ -274,6 +274,10 @@ class ServingEngine:
         except FreeTokenError as e:
             self.counters.failed += 1
             job.emit(e)
+        except Exception as e:  # noqa: BLE001 - a request the engine cannot take fails alone; the worker lives on
+            log.exception("a request could not be admitted")
+            self.counters.failed += 1
+            job.emit(e)
 
     def _emit(self, job: _Job, ev: GenerationEvent | BaseException) -> None:
         c = self.counters

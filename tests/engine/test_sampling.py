@@ -81,3 +81,11 @@ def test_the_matcher_says_which_stop_string_matched_first():
     m = StopMatcher(("world", "lo w"))
     assert m.feed("hel") == ("he", False) and m.matched is None  # "l" may begin "lo w": held
     assert m.feed("lo world") == ("l", True) and m.matched == "lo w"  # it starts before "world"
+
+
+def test_any_integer_seed_is_taken_and_reproduces():
+    """APIs pass any integer (negative, past 64 bits); torch seeds are 64-bit: the seed is taken modulo 2**64."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    for seed in (-1, 2**70, 2**64 + 5):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        assert Sampler(params, torch.device("cpu"))(logits) == Sampler(params, torch.device("cpu"))(logits)

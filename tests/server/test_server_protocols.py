@@ -326,3 +326,12 @@ def test_response_format_json_constrains_the_reply_to_a_json_object(oai):
     with pytest.raises(openai.BadRequestError) as bad:
         oai.chat.completions.create(model="smollm2", messages=ask, response_format={"type": "yaml"})
     assert bad.value.body["param"] == "response_format"
+
+
+def test_a_seed_past_64_bits_is_answered_and_the_server_lives_on(oai):
+    for seed in (2**70, -(2**70)):
+        reply = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                            temperature=0.7, max_tokens=4, seed=seed)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    assert "Paris" in oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                                  temperature=0, max_tokens=24).choices[0].message.content
