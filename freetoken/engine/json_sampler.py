@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
@@ -91,7 +92,39 @@ def call_head(name: str) -> str:
     return f'{{"name": {json.dumps(name)}, "arguments": '
 
 
-class HermesCalls:
+class CallsInText(ABC):
+    """Free text watched for `<tool_call>`; a subclass defines how a call goes on (`_open`, `_call_char`) and
+    returns to FREE (mode 0) once the call is closed. Only free text may end."""
+
+    FREE = 0
+
+    def feed(self, text: str) -> bool:
+        return all(self._char(c) for c in text)
+
+    def _char(self, c: str) -> bool:
+        if self.mode != self.FREE:
+            return self._call_char(c)
+        self.tail = (self.tail + c)[-len(CALL_OPEN):]
+        if self.tail == CALL_OPEN:
+            self._open()
+        return True
+
+    @abstractmethod
+    def _open(self) -> None:
+        """Enters a call: `<tool_call>` was just read."""
+
+    @abstractmethod
+    def _call_char(self, c: str) -> bool:
+        """Reads one character inside a call; False where no valid call continues with it."""
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode == self.FREE
+
+    must_end = False
+
+
+class HermesCalls(CallsInText):
     """Free text in which each `<tool_call>` … `</tool_call>` holds one call object: the head of a call of one
     of `names` (any name if none given), then JSON to the object's end (whitespace around it)."""
 
@@ -129,15 +162,7 @@ class HermesCalls:
             self.head = None
         return True
 
-    def feed(self, text: str) -> bool:
-        return all(self._char(c) for c in text)
-
-    def _char(self, c: str) -> bool:
-        if self.mode == self.FREE:
-            self.tail = (self.tail + c)[-len(CALL_OPEN):]
-            if self.tail == CALL_OPEN:
-                self._open()
-            return True
+    def _call_char(self, c: str) -> bool:
         if self.mode == self.CALL:
             if self.head is not None:
                 return self._head_char(c)
@@ -155,14 +180,8 @@ class HermesCalls:
             self.mode, self.tail = self.FREE, ""
         return True
 
-    @property
-    def can_end(self) -> bool:
-        return self.mode == self.FREE
 
-    must_end = False
-
-
-class QwenXmlCalls:
+class QwenXmlCalls(CallsInText):
     """Free text in which each `<tool_call>` … `</tool_call>` holds one XML call of an offered tool."""
 
     FREE, FUNCTION, BODY, NAME, VALUE, CLOSE = range(6)
@@ -183,8 +202,8 @@ class QwenXmlCalls:
         other.pending, other.function = self.pending, self.function
         return other
 
-    def feed(self, text: str) -> bool:
-        return all(self._char(c) for c in text)
+    def _open(self) -> None:
+        self.mode, self.pending = self.FUNCTION, ""
 
     def _options(self) -> list[str]:
         """The literal texts the current stretch must be one of (`pending` holds what matched so far)."""
@@ -195,12 +214,7 @@ class QwenXmlCalls:
             return [f"<parameter={p}>" for p in names] + ["</function>"] if names else ["<parameter=", "</function>"]
         return [CALL_CLOSE]
 
-    def _char(self, c: str) -> bool:
-        if self.mode == self.FREE:
-            self.tail = (self.tail + c)[-len(CALL_OPEN):]
-            if self.tail == CALL_OPEN:
-                self.mode, self.pending = self.FUNCTION, ""
-            return True
+    def _call_char(self, c: str) -> bool:
         if self.mode == self.VALUE:  # free text up to </parameter>
             self.tail = (self.tail + c)[-len("</parameter>"):]
             if self.tail == "</parameter>":
@@ -232,12 +246,6 @@ class QwenXmlCalls:
             else:
                 self.mode, self.tail = self.VALUE, ""
         return True
-
-    @property
-    def can_end(self) -> bool:
-        return self.mode == self.FREE
-
-    must_end = False
 
 
 def language_for(params: SamplingParams) -> Language:
