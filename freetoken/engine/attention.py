@@ -129,8 +129,21 @@ class StaticDecodeAttention:
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool.index_copy_(0, self.write_slot, k.to(k_pool.dtype))
         v_pool.index_copy_(0, self.write_slot, v.to(v_pool.dtype))
-        keys = k_pool.index_select(0, self.read_slots).to(q.dtype).transpose(0, 1)  # [Hkv, W, D]
-        values = v_pool.index_select(0, self.read_slots).to(q.dtype).transpose(0, 1)
-        mask = (self.key_positions <= self.positions)[None, :]  # [1, W]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+        keys = k_pool.index_select(0, self.read_slots).to(q.dtype)  # [W, Hkv, D]
+        values = v_pool.index_select(0, self.read_slots).to(q.dtype)
+        return static_decode_attention(q, keys, values, self.key_positions <= self.positions)
+
+
+def static_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            valid: torch.Tensor) -> torch.Tensor:
+    """q [1, H, D] of one token over keys, values [W, Hkv, D], `valid` [W] bool → [1, H, D].
+
+    The query heads that share a KV head are one position, so they attend as that KV head's G = H / Hkv query
+    rows: SDPA gets 4-D [1, Hkv, G, D] queries and the keys unexpanded. The 3-D, `enable_gqa` form it replaces ran
+    the math fallback (expanding K and V G-fold and materialising the scores): ~0.6 ms per layer at 16k keys."""
+    _, h, d = q.shape
+    hkv = keys.shape[1]
+    qg = q.reshape(1, hkv, h // hkv, d)
+    kh, vh = keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]  # [1, Hkv, W, D]
+    out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=valid[None, None, None, :])
+    return out.reshape(1, h, d)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.attention import StaticDecodeAttention
+from freetoken.engine.attention import StaticDecodeAttention, causal_attention, static_decode_attention
 from freetoken.engine.experts import LayerExperts, gathered_expert_forward, grouped_expert_forward
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
@@ -23,6 +23,18 @@ def test_gathered_experts_equal_grouped_experts():
     weights = torch.rand(n, k, generator=g)
     torch.testing.assert_close(gathered_expert_forward(experts, hidden, ids, weights),
                                grouped_expert_forward(experts, hidden, ids, weights), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 6), (4, 1)])
+def test_static_decode_attention_equals_causal_attention_over_the_valid_keys(heads, kv_heads):
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    window, n, d = 40, 29, 16
+    q = torch.randn(1, heads, d, generator=g)
+    keys, values = torch.randn(window, kv_heads, d, generator=g), torch.randn(window, kv_heads, d, generator=g)
+    keys[n:] = 1e4  # masked slots hold garbage: it must not leak into the result
+    valid = torch.arange(window) < n
+    expected = causal_attention(q, keys[:n], values[:n], past=n - 1)
+    torch.testing.assert_close(static_decode_attention(q, keys, values, valid), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3_moe", "qwen2_moe", "mixtral"])
