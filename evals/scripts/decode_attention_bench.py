@@ -40,7 +40,7 @@ def main() -> None:
         n = w * 3 // 4 + 1  # sequence shorter than the window, as after a window change
         valid = torch.arange(w, device=dev) < n
 
-        def run(form):
+        def run(form, q=q, pool_k=pool_k, pool_v=pool_v, slots=slots, valid=valid):
             return form(q, pool_k.index_select(0, slots), pool_v.index_select(0, slots), valid)
 
         diff = (run(old_form).float() - run(static_decode_attention).float()).abs().max().item()

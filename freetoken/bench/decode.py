@@ -48,6 +48,7 @@ class Row:
     miss_gb_per_token: float = 0.0
     prefetch: str = "—"  # used / prefetched
     same_tokens: bool | None = None  # greedy tokens equal the first strategy's (lossless check)
+    divergence: str | None = None  # where they first differ, and how close a tie it was
     layer_step_us: str = "—"  # per decode layer-step, µs: "GPU wait / host work / CPU wait" (host thread)
 
 
@@ -101,7 +102,7 @@ def measure_ceilings(device: torch.device, expert_format: str, dtype: torch.dtyp
 
 
 def run_decode(lm, context: int, tokens: int, miss_path: str,
-               graphs: bool = False) -> tuple[float, object, object, list[int]]:
+               graphs: bool = False) -> tuple[float, object, object, list[int], list[float]]:
     """Prefills `context` random tokens (copy path), then times `tokens` decode steps.
 
     Decode is teacher-forced with random tokens: a random model's own greedy output quickly repeats one token,
@@ -128,11 +129,34 @@ def run_decode(lm, context: int, tokens: int, miss_path: str,
         before = replace(executor.counters) if hasattr(executor, "counters") else None
         _sync(lm.device)
         t0 = time.perf_counter()
-        produced = [int(step(seq, token).argmax()) for token in feed]  # the host needs each token, as a server does
+        # the host needs each token, as a server does: .tolist() syncs every step; the gap to the runner-up says
+        # whether a differing token is a near tie (rounding) or a fault
+        top2 = [_top2(step(seq, token)) for token in feed]
         elapsed = time.perf_counter() - t0
+    produced, margins = [t for t, _ in top2], [m for _, m in top2]
     after = replace(executor.counters) if hasattr(executor, "counters") else None
     cache.release(seq)
-    return tokens / elapsed, before, after, produced
+    return tokens / elapsed, before, after, produced, margins
+
+
+def _divergence(produced: list[int], margins: list[float], reference: list[int],
+                reference_margins: list[float]) -> str | None:
+    """The first step whose token differs from the reference's, with both leads over the runner-up (a near tie
+    flips on rounding; a wide lead lost points at a fault). Later steps are teacher-forced, so each is judged
+    on its own: how many differ is reported too."""
+    differ = [i for i, (x, y) in enumerate(zip(produced, reference, strict=True)) if x != y]
+    if not differ:
+        return None
+    i = differ[0]
+    return (f"{len(differ)} of {len(produced)} steps differ; first at step {i}: lead over the runner-up "
+            f"{margins[i]:.4f} here, {reference_margins[i]:.4f} in the reference row")
+
+
+def _top2(logits: torch.Tensor) -> tuple[int, float]:
+    """(argmax, its lead over the runner-up), one host sync."""
+    values, indices = torch.topk(logits.float(), 2)
+    (v0, v1), (i0, _) = values.tolist(), indices.tolist()
+    return i0, v0 - v1
 
 
 def _eager_step(lm, cache):
@@ -155,7 +179,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
     host, spec = lm.experts.host, lm.moe_spec
-    rows, reference = [], None
+    rows, reference, reference_margins = [], None, []
     for strategy in a.strategies:
         # The cpu path never admits into the cache, so only its budget-0 form (CPU-only) is meaningful.
         budgets = {"resident": ["all"], "resident-graphs": ["all"], "cpu": ["0"]}.get(strategy, a.budgets)
@@ -167,7 +191,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
 
                 tok_s, produced = hf_decode(lm, host, a.context, a.tokens, parse_bytes(budget))
                 rows.append(Row(strategy, budget, tok_s, same_tokens=produced == reference if reference else None))
-                reference = reference or produced
+                if reference is None:
+                    reference, reference_margins = produced, [float("nan")] * len(produced)
                 print(_format_row(rows[-1]), file=sys.stderr, flush=True)
                 continue
             if strategy.startswith("resident"):
@@ -182,11 +207,13 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             # every strategy but the eager `resident` reference decodes through CUDA graphs (segmented when the
             # executor routes on the host), as the engine does
             graphs = device.type == "cuda" and strategy != "resident"
-            tok_s, before, after, produced = run_decode(lm, a.context, a.tokens, miss_path, graphs=graphs)
-            reference = reference or produced
+            tok_s, before, after, produced, margins = run_decode(lm, a.context, a.tokens, miss_path, graphs=graphs)
+            if reference is None:
+                reference, reference_margins = produced, margins
             label = f"{strategy} ({policy})" if strategy in ("copy", "auto") and len(policies) > 1 else strategy
             rows.append(_row(label, budget, tok_s, before, after, a.tokens, ceilings, executor))
             rows[-1].same_tokens = produced == reference
+            rows[-1].divergence = _divergence(produced, margins, reference, reference_margins)
             print(_format_row(rows[-1]), file=sys.stderr, flush=True)
             if miss_path == "auto":
                 print(f"  planner after the run: {executor.planner.describe()}", file=sys.stderr, flush=True)
@@ -299,6 +326,9 @@ def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
         *(_format_row(r) for r in rows),
     ]
+    diverged = [f"- {r.strategy}, budget {r.budget}: {r.divergence}" for r in rows if r.divergence]
+    if diverged:
+        lines += ["", "Rows whose greedy tokens differ from the first row's:", *diverged]
     return "\n".join(lines) + "\n"
 
 

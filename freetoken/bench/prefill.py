@@ -3,7 +3,8 @@
 Strategies: `resident` (every expert on the device: the upper bound), `copy` (experts streamed over PCIe into the
 expert cache of each --budgets size, through staging when it is full), `auto` (the product's executor: the same,
 with the miss planner free to compute experts on the CPU); `copy-ahead` / `auto-ahead` also stream the next layer's
-predicted experts behind each layer's copies, so the link works through the next layer's attention. Each prompt is
+experts (every one the cache lacks) while each layer computes, so the link works through the next layer's
+attention. Each prompt is
 prefilled in chunks of --chunk tokens; a long chunk routes to nearly every expert of a layer, so each chunk streams
 the experts the cache lacks once. The PCIe streaming bound is that: chunks × uncached expert bytes over the pinned
 host→device bandwidth measured at the start of the run. Streaming overlaps compute, so a row's true floor is the
@@ -145,8 +146,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens")
     p.add_argument("--budgets", default="0,8GiB", help="comma-separated expert-cache sizes")
     p.add_argument("--strategies", default="resident,copy,auto",
-                   help="comma-separated: resident, copy, auto, copy-ahead, auto-ahead (-ahead: each layer's copies "
-                        "are followed by the next layer's predicted experts, streamed during its attention)")
+                   help="comma-separated: resident, copy, auto, copy-ahead, auto-ahead (-ahead: while a layer "
+                        "computes, the next layer's experts stream, so the link works through its attention)")
     p.add_argument("--repeats", type=int, default=1, help="prefills per row (the median TTFT is reported)")
     p.add_argument("--skew", type=float, default=0.0)
     add_run_args(p)

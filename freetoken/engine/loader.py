@@ -24,7 +24,7 @@ from freetoken.engine.experts import ExpertExecutor, ResidentExpertExecutor
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.models import family_for
 from freetoken.engine.models.decoder import DecoderModel
-from freetoken.engine.offload.budget import resolve_auto
+from freetoken.engine.offload.budget import resolve_auto, staging_slots_for
 from freetoken.engine.offload.calibrate import load_profile
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.offload.planner import MissPlanner
@@ -207,15 +207,6 @@ def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: tor
              spec.total_routed_experts * per_expert / 2**20)
     return OffloadedExpertExecutor(layers, device, slots, policy, miss_path, dtype, planner_for(device),
                                    staging_slots_for(spec, per_expert))
-
-
-STAGING_BYTES = 512 << 20
-
-
-def staging_slots_for(spec: MoESpec, expert_bytes: int) -> int:
-    """Staging slots beyond the cache: two decode steps' worth of experts (2 × top-k: one step streaming while
-    the last computes), capped at STAGING_BYTES of device memory (Mixtral's 352 MB experts get 2), never < 2."""
-    return max(2, min(2 * spec.top_k, STAGING_BYTES // max(expert_bytes, 1)))
 
 
 def planner_for(device: torch.device) -> MissPlanner | None:

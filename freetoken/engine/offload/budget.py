@@ -16,6 +16,19 @@ log = logging.getLogger(__name__)
 
 ACTIVATION_RESERVE = 2 * 2**30  # prefill chunks of 2048 tokens, logits, allocator slack
 KV_RESERVE_TOKENS = 32768
+STAGING_BYTES = 512 << 20  # decode's share of the staging ring
+PREFILL_STAGING_BYTES = 3 << 30
+
+
+def staging_slots_for(spec: MoESpec, expert_bytes: int) -> int:
+    """Staging slots beyond the cache, never < 2. Decode wants two steps' worth of experts (2 × top-k: one step
+    streaming while the last computes, within STAGING_BYTES: Mixtral's 352 MB experts get 2); a long prefill chunk
+    streaming the next layer while this one computes wants two layers' worth (2 × experts per layer, within
+    PREFILL_STAGING_BYTES: 2.3 GiB for Qwen3-30B-A3B in bf16)."""
+    per = max(expert_bytes, 1)
+    decode = min(2 * spec.top_k, STAGING_BYTES // per)
+    prefill = min(2 * spec.num_experts, PREFILL_STAGING_BYTES // per)
+    return max(2, decode, prefill)
 
 
 def auto_expert_cache(free_bytes: int, dense_bytes: int, kv_bytes: int, expert_bytes: int,
@@ -39,12 +52,14 @@ def resolve_auto(device: torch.device, spec: MoESpec, args, dense_bytes: int, dt
     free, _ = torch.cuda.mem_get_info(device)
     tokens = min(KV_RESERVE_TOKENS, args.decoder.max_position_embeddings)
     kv = tokens * kv_bytes_per_token(args, dtype)
-    experts = spec.total_routed_experts * spec.bytes_per_expert(dtype)
-    cache = auto_expert_cache(free, dense_bytes, kv, experts)
+    per_expert = spec.bytes_per_expert(dtype)
+    experts = spec.total_routed_experts * per_expert
+    staging = staging_slots_for(spec, per_expert) * per_expert  # the executor's ring, beside the cache
+    cache = auto_expert_cache(free, dense_bytes, kv, experts, ACTIVATION_RESERVE + staging)
     if cache is None:
         log.info("expert cache auto: all %.1f GiB of experts fit on %s; keeping them resident", experts / 2**30, device)
     else:
         log.info("expert cache auto: %.1f GiB of %.1f GiB of experts on %s (free %.1f GiB, dense %.1f GiB, "
-                 "KV reserve %.1f GiB for %d tokens)", cache / 2**30, experts / 2**30, device, free / 2**30,
-                 dense_bytes / 2**30, kv / 2**30, tokens)
+                 "KV reserve %.1f GiB for %d tokens, staging %.1f GiB)", cache / 2**30, experts / 2**30, device,
+                 free / 2**30, dense_bytes / 2**30, kv / 2**30, tokens, staging / 2**30)
     return cache

@@ -1,11 +1,14 @@
 """The prefill path of `OffloadedExpertExecutor` (any batch too large to gather): experts one by one, copies
-pipelined against compute, and optionally the next layer's experts streamed ahead during its attention.
+pipelined against compute, and (`prefill_ahead`) the next layer's experts streamed while this layer computes and
+the next one runs its attention, so the link never waits for a layer's routing.
 
 A mixin over the executor's state (cache, copier, slots, planner, routers): the decode path and the graph
 boundaries live in executor.py, this file owns how a long chunk streams the experts it routes to.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +21,15 @@ from freetoken.engine.experts import (
     run_groups_padded,
 )
 from freetoken.engine.offload.planner import MissPlanner
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """An expert of the next layer copied while this layer computed: where it lands and when."""
+
+    slot: int  # absolute slot (a staging slot, or a free cache slot it was admitted into)
+    ring: int | None  # its staging ring index (released once computed), None for a cache slot
+    done: object  # what `copier.wait` needs before computing from it
 
 
 class PrefillPath:
@@ -33,33 +45,41 @@ class PrefillPath:
     PADDED_MAX_TOKENS = PADDED_MAX_TOKENS
     PADDED_GROUP = 8
     PADDED_GROUP_BYTES = PADDED_GROUP_BYTES
+    # Layer-ahead streaming needs no prediction once a chunk averages this many tokens per expert: its next layer
+    # then routes to (nearly) every expert, so all those the cache lacks are copied.
+    AHEAD_TOKENS_PER_EXPERT = 8
 
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
-        ahead = self._take_staged_ahead(layer)
+        staged_ahead = self._take_staged_ahead(layer)  # decode's budget-0 prefetch (a decode step cut short)
+        ahead = self._take_chunk_ahead(layer)
         self._count_prefetch_use(layer, [g.expert for g in groups])
         self.cache.begin_step((layer, g.expert) for g in groups)
-        hits, misses, staged = [], [], []
+        hits, misses, streamed = [], [], []
         for g in groups:
             slot = self.cache.lookup((layer, g.expert))
-            if slot is not None:
+            if g.expert in ahead:  # copied while the previous layer computed (into staging or a free slot)
+                streamed.append((g, ahead.pop(g.expert)))
+            elif slot is not None:
                 hits.append((g, slot))
-            elif g.expert in ahead:  # a miss of the cache already in a staging slot (streamed ahead)
-                staged.append((g, ahead.pop(g.expert)))
+            elif g.expert in staged_ahead:
+                streamed.append((g, _Ahead(self.staging_first + staged_ahead[g.expert], staged_ahead.pop(g.expert),
+                                           self._prefetch_done[0] if self._prefetch_done else None)))
             else:
-                misses.append((g, slot))
-        self.copier.release(*ahead.values())  # streamed ahead for nothing: the slots are free again
+                misses.append(g)
+        # streamed ahead for nothing: staging slots are free again (an admitted one stays cached, unused)
+        self.copier.release(*staged_ahead.values(), *(a.ring for a in ahead.values() if a.ring is not None))
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
         planner = self._prefill_planner()
-        to_copy, to_cpu = self._plan([g for g, _ in misses if len(g.tokens) <= limit], lambda g: len(g.tokens),
+        to_copy, to_cpu = self._plan([g for g in misses if len(g.tokens) <= limit], lambda g: len(g.tokens),
                                      planner=planner)
-        to_copy += [g for g, _ in misses if len(g.tokens) > limit]
+        to_copy += [g for g in misses if len(g.tokens) > limit]
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
-        out = self._copy_and_compute(layer, hidden, hits, to_copy, staged,
+        out = self._copy_and_compute(layer, hidden, hits, to_copy, streamed,
                                      evict=hidden.shape[0] < self.PREFILL_TOKENS)
-        if self.prefill_ahead and self.miss_path != "cpu":
-            self._stream_ahead(layer, hidden)
+        if self._streams_ahead(topk_ids):
+            self._stream_next_layer(layer)
         weighed = sum(planner.cpu_bytes(self.expert_bytes, len(g.tokens)) for g in to_cpu)
         return self._add_cpu(out, on_cpu, len(to_cpu), planner=planner, weighed_bytes=weighed)
 
@@ -76,37 +96,84 @@ class PrefillPath:
             self._prefill_planner_obj, self._prefill_planner_of = planner, base
         return self._prefill_planner_obj
 
-    def _stream_ahead(self, layer: int, hidden: torch.Tensor) -> None:
-        """Queues copies of the next layer's experts its router picks for this chunk (as this layer's input
-        predicts them, most tokens first), behind this layer's copies; staging slots wait for their last reader."""
+    # -- layer-ahead streaming: the link works through the next layer's attention --
+
+    def _streams_ahead(self, topk_ids: torch.Tensor) -> bool:
+        """Whether this chunk copies the next layer's experts before that layer routes: on when `prefill_ahead`,
+        for chunks long enough that the next layer uses nearly every expert, and whose misses would all be
+        copied anyway (in `auto`, the CPU takes experts of up to CPU_MAX_TOKENS tokens)."""
+        if not self.prefill_ahead or self.miss_path == "cpu":
+            return False
+        per_expert = topk_ids.numel() / self.num_experts
+        least = self.CPU_MAX_TOKENS if self.miss_path == "auto" else self.AHEAD_TOKENS_PER_EXPERT
+        return per_expert >= max(least, self.AHEAD_TOKENS_PER_EXPERT)
+
+    def _stream_next_layer(self, layer: int) -> None:
+        """Queues copies of every expert of the next MoE layer the cache lacks, behind this layer's copies: into
+        free cache slots while there are any (the chunk evicts nothing), else into the staging ring, whose slots
+        wait for their last reader (this layer's compute, already queued). No routing is predicted: a long chunk
+        routes to nearly all of them, and asking would cost a host sync per layer."""
         next_layer = self._next_layer.get(layer)
-        if next_layer is None or next_layer not in self._routers:
+        if next_layer is None:
             return
-        weight, k = self._routers[next_layer]
-        counts = torch.bincount(torch.topk(hidden @ weight.t(), k, dim=-1).indices.flatten(),
-                                minlength=self.num_experts)
-        order = [e for e in torch.argsort(counts, descending=True, stable=True).tolist() if counts[e] > 0]
-        room = self.copier.staging_slots - 1
-        self._prefetch(next_layer, set(order[:room] if not self.cache.capacity else order), room, plan=False)
+        missing = [e for e in range(self.num_experts) if (next_layer, e) not in self.cache.slot_of]
+        copier, ahead, ring_left = self.copier, {}, self.copier.staging_slots
+        # No wait for the queued compute: the cache slots taken are free ones, staging slots wait for their own
+        # last reader; waiting would hold these copies behind this layer's experts and idle the link.
+        copier.begin(wait_compute=False, prefill=True)
+        for e in missing:
+            admitted = self.cache.admit((next_layer, e)) if self.cache.free_slots else None
+            if admitted is not None:
+                ahead[e] = _Ahead(admitted[0], None, copier.to_slot(next_layer, e, self.slots, admitted[0]))
+            elif ring_left:  # never around the ring: a slot streamed ahead is held until the next layer reads it
+                ring_left -= 1
+                ring, done = copier.to_staging(next_layer, e, self.slots, self.staging_first)
+                ahead[e] = _Ahead(self.staging_first + ring, ring, done)
+            else:
+                break
+        copier.end()
+        self._chunk_ahead = (next_layer, ahead)
+        self._prefetched.update((next_layer, e) for e in ahead)
+        self.counters.prefetched += len(ahead)
+        self.counters.bytes_copied += len(ahead) * self.expert_bytes
+
+    def _take_chunk_ahead(self, layer: int) -> dict[int, _Ahead]:
+        """expert → where the previous layer streamed it, for `layer`; streamed for another layer (a forward cut
+        short), its staging slots are released: nothing will read them."""
+        pending, self._chunk_ahead = getattr(self, "_chunk_ahead", None), None
+        if pending is None:
+            return {}
+        at, ahead = pending
+        if at == layer:
+            return ahead
+        self.copier.release(*(a.ring for a in ahead.values() if a.ring is not None))
+        return {}
 
     def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup],
-                          ahead: list | None = None, evict: bool = True):
+                          streamed: list | None = None, evict: bool = True):
         """Issues the copies first (side stream), computes the hits meanwhile, then each copied expert once its
-        bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns. `ahead`:
-        (group, ring index) of experts streamed into staging slots before this layer ran: computed first, each
-        slot released at once for this layer's own streaming. `evict=False`: copies only fill free cache slots.
-        A short chunk's experts are computed `group` at a time (one padded batched matmul each); staged ones
-        then in halves of the ring, so one half streams while the other computes."""
+        bytes have landed. Staged experts are interleaved so the ring of staging slots never overruns.
+        `streamed`: (group, _Ahead) of experts copied before this layer ran: computed right after the hits, each
+        once its own copy has landed, its staging slot released at once for this layer's own streaming.
+        `evict=False`: copies only fill free cache slots. A short chunk's experts are computed `group` at a time
+        (one padded batched matmul each); staged ones then in halves of the ring, so one half streams while the
+        other computes."""
         copier = self.copier
         out = torch.zeros_like(hidden)
-        group = self._compute_group([g for g, _ in hits] + to_copy + [g for g, _ in ahead or ()])
-        if ahead:
-            if self._prefetch_done:
-                copier.wait(self._prefetch_done[0])
-            for g, index in ahead:
-                self._compute(hidden, [(g, self.staging_first + index)], out, 1)
-                copier.release(index)
-        copier.begin(prefill=True)  # paced by compute freeing staging slots: the prefill planner's copy sample
+        group = self._compute_group([g for g, _ in hits] + to_copy + [g for g, _ in streamed or ()])
+        if streamed:
+            self._compute(hidden, hits, out, group)
+            hits = []
+            for i in range(0, len(streamed), group):
+                part = streamed[i:i + group]
+                for _, a in part:
+                    copier.wait(a.done)
+                self._compute(hidden, [(g, a.slot) for g, a in part], out, group)
+                copier.release(*(a.ring for _, a in part if a.ring is not None))
+        # paced by compute freeing staging slots: the prefill planner's copy sample. Only a chunk that may evict
+        # waits for the compute queued so far (a victim's slot may still be read); free slots and staging slots
+        # (their own release events) need no wait, which would hold the link behind this layer's experts.
+        copier.begin(wait_compute=evict, prefill=True)
         cached, staged = [], []
         for g in to_copy:
             # a prefill chunk takes free slots only: it touches nearly every expert once, so evicting for it would

@@ -28,7 +28,7 @@ from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.kernels.gguf_dequant import fused
 from freetoken.kernels.gguf_dequant.reference import dequantize
 
-_INDEX_RING = 8  # pinned rows of slot numbers in flight (fused path)
+_ROWS_AT_LEAST = 16  # experts' block bytes the device buffers hold at first (a decode step's; they grow on demand)
 DEQUANT_GRAPHS = True  # replay the fused dequantiser's launch from a CUDA graph per batch size (False: launch it)
 
 
@@ -178,7 +178,7 @@ class ExpertCopier:
     def _raw_rows(self, n: int) -> torch.Tensor:
         """[n, expert bytes] on the device: whole experts' block bytes, gate, up and down back to back."""
         if self._rows is None or self._rows.shape[0] < n:
-            self._rows = torch.empty((max(n, self.staging_slots), self.expert_bytes), dtype=torch.uint8,
+            self._rows = torch.empty((max(n, _ROWS_AT_LEAST), self.expert_bytes), dtype=torch.uint8,
                                      device=self.device)
         return self._rows[:n]
 
@@ -191,9 +191,12 @@ class ExpertCopier:
         # a batch's slot numbers cross from a ring of pinned rows: the host fills a row only once the copy that
         # read it last time has run (its event)
         most = first.num_experts
-        self._index_host = torch.empty((_INDEX_RING, most), dtype=torch.int64, pin_memory=True)
+        # more rows than copies the staging ring can have in flight: a prefill streaming a whole layer ahead queues
+        # one batch per expert, and a row still unread would hold the host until the link caught up
+        rows = 2 * self.staging_slots + 8
+        self._index_host = torch.empty((rows, most), dtype=torch.int64, pin_memory=True)
         self._index_rows = self._index_host.numpy()
-        self._index_read = [self._new_event() for _ in range(_INDEX_RING)]
+        self._index_read = [self._new_event() for _ in range(rows)]
         self._index_next = 0
         self._index_device = torch.empty(most, dtype=torch.int64, device=self.device)  # read in stream order
 
@@ -250,8 +253,8 @@ class ExpertCopier:
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """The slot numbers as a device tensor, queued on the copy stream without holding the host."""
         k = self._index_next
-        self._index_next = (k + 1) % _INDEX_RING
-        self._index_read[k].synchronize()  # queued _INDEX_RING batches ago: long done in practice
+        self._index_next = (k + 1) % len(self._index_read)
+        self._index_read[k].synchronize()  # queued a ring of batches ago: long done in practice
         n = len(slots)
         self._index_rows[k, :n] = slots
         row_bytes = self._index_rows.shape[1] * 8
@@ -264,7 +267,7 @@ class ExpertCopier:
         buf = self._raw_batches.get(projection)
         if buf is None or buf.shape[0] < n:
             width = self.raw[projection].shape[0]
-            buf = torch.empty((max(n, self.staging_slots), width), dtype=torch.uint8, device=self.device)
+            buf = torch.empty((max(n, _ROWS_AT_LEAST), width), dtype=torch.uint8, device=self.device)
             self._raw_batches[projection] = buf
         return buf[:n]
 

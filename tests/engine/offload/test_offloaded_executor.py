@@ -195,28 +195,35 @@ def test_without_the_native_kernel_the_cpu_path_falls_back_to_torch(checkpoint, 
     assert lm.experts.counters.cpu_experts == lm.experts.counters.misses > 0
 
 
-@pytest.mark.parametrize("slots", [0, 16])  # (a cache of a few slots is all protected by the current layer)
+@pytest.mark.parametrize("slots", [0, 6, 64])  # none, fewer than a layer's experts, every expert
 @pytest.mark.parametrize("miss_path", ["copy", "auto"])
 def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(checkpoint, slots, miss_path):
-    """With `prefill_ahead`, a chunk's next-layer experts are copied before that layer routes (into staging slots,
-    or admitted into the cache); those it then routes to are computed from there, the rest released. Chunks of a
-    few tokens keep each layer's expert set small, so predictions both hit and miss."""
+    """With `prefill_ahead`, a long chunk copies each next layer's experts (those the cache lacks: into free cache
+    slots, else staging) while this layer computes; that layer computes them from there, the rest releases."""
     path, resident, _ = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert)
     ex = lm.experts
     ex.miss_path, ex.planner, ex.prefill_ahead = miss_path, EVEN_SPLIT(), True
-    ids = prompt_ids("A prompt long enough to take several prefill chunks through every layer of the model")
+    ex.CPU_MAX_TOKENS = 4  # so that `auto` streams ahead chunks of this tiny model's size
+    chunk = max(ex.PREFILL_TOKENS, ex.num_experts * max(ex.AHEAD_TOKENS_PER_EXPERT, ex.CPU_MAX_TOKENS) // ex._top_k)
+    ids = torch.randint(0, resident.args.decoder.vocab_size, (3 * chunk,),
+                        generator=torch.Generator().manual_seed(2)).tolist()
     expected = resident.prefill_logits(ids)
     cache = lm.new_cache(page_size=4)
     seq = cache.new_sequence()
     got = []
     with torch.inference_mode():
-        for start in range(0, len(ids), 5):
-            got.append(lm.forward(torch.tensor(ids[start:start + 5]), cache, seq))
+        for start in range(0, len(ids), chunk):
+            got.append(lm.forward(torch.tensor(ids[start:start + chunk]), cache, seq))
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-5, rtol=1e-5)
-    c = ex.counters
-    assert c.prefetched > 0 and 0 < c.prefetch_used <= c.prefetched
+    c, layers = ex.counters, len(lm.moe_spec.moe_layers)
+    assert 0 < c.prefetch_used <= c.prefetched  # streamed ahead, and then used
+    if slots == 0:  # each chunk streams every layer after the first whole; only its first layer copies on a miss
+        assert c.prefetched == 3 * (layers - 1) * ex.num_experts
+        assert c.prefetched * ex.expert_bytes < c.bytes_copied <= (c.prefetched + 3 * ex.num_experts) * ex.expert_bytes
+    assert c.evictions == 0
+    assert ex._chunk_ahead is None  # the last layer streams nothing ahead
 
 
 @pytest.mark.parametrize("miss_path", ["copy", "auto"])
