@@ -1,0 +1,64 @@
+"""Where a resident prefill chunk goes: one long chunk of a synthetic real-shape model (every expert on the
+device), timed, then profiled by operator (device time and host time). A diagnostic, not a benchmark.
+
+    python evals/scripts/profile_prefill.py [--shape qwen3-30b-a3b] [--layers 8] [--tokens 16384]
+
+On the H200, a 16k-token resident prefill of the 48-layer Qwen3-30B-A3B shape took 0.97-1.42 s against ~0.3 s of
+attention and expert arithmetic at the measured matmul rate (evals/results/p1-*): it bounds every offloaded
+prefill too, since streaming overlaps compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from freetoken.bench.decode import _on_device
+from freetoken.bench.synthetic import build_synthetic
+from freetoken.engine.experts import ResidentExpertExecutor
+from freetoken.engine.loader import attach_experts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--rows", type=int, default=25)
+    a = p.parse_args()
+    device = torch.device("cuda")
+    lm = build_synthetic(a.shape, device=device, layers=a.layers, expert_cache=0)
+    resident = ResidentExpertExecutor({i: _on_device(le, device, torch.bfloat16) for i, le in lm.experts.host.items()})
+    attach_experts(lm.model, resident)
+    lm.experts = resident
+    ids = torch.randint(0, lm.args.decoder.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+
+    def prefill():
+        cache = lm.new_cache(initial_tokens=a.tokens + 16, max_tokens=a.tokens + 16)
+        seq = cache.new_sequence()
+        with torch.inference_mode():
+            lm.forward(ids, cache, seq, "last")
+        torch.cuda.synchronize()
+        cache.release(seq)
+
+    prefill()  # warm-up
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        prefill()
+        times.append(time.perf_counter() - t0)
+    print(f"{a.layers} layers, {a.tokens} tokens: {sorted(times)[1] * 1e3:.1f} ms per prefill (median of 3), "
+          f"{sorted(times)[1] / a.layers * 1e3:.2f} ms per layer")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
