@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | profile-prefill | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | p1-8l | profile-prefill | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -46,6 +46,8 @@ for part in "$@"; do
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
     profile-prefill) (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_prefill.py" --layers 8 --tokens 16384 \
              2>&1 | grep -v "expert cache" | tee "$OUT/profile-prefill-16k.txt") ;;
+    p1-8l) ft bench prefill --shape qwen3-30b-a3b --layers 8 --prompts 16384 --chunk 16384 --budgets 0 \
+          --strategies resident,copy,copy-ahead --repeats 3 --commit "$commit" --out "$OUT/p1-8l.md" ;;
     attn) (cd /tmp && python3 "$OLDPWD/evals/scripts/decode_attention_bench.py" | tee "$OUT/decode-attention.md") ;;
     p1-ahead) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0 \
           --strategies resident,copy,copy-ahead,auto,auto-ahead --repeats 2 --commit "$commit" \

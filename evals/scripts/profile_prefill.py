@@ -28,8 +28,10 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--device", default="cuda")
     a = p.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(a.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     lm = build_synthetic(a.shape, device=device, layers=a.layers, expert_cache=0)
     resident = ResidentExpertExecutor({i: _on_device(le, device, torch.bfloat16) for i, le in lm.experts.host.items()})
     attach_experts(lm.model, resident)
@@ -42,7 +44,7 @@ def main() -> int:
         seq = cache.new_sequence()
         with torch.inference_mode():
             lm.forward(ids, cache, seq, "last")
-        torch.cuda.synchronize()
+        sync()
         cache.release(seq)
 
     prefill()  # warm-up
@@ -53,9 +55,11 @@ def main() -> int:
         times.append(time.perf_counter() - t0)
     print(f"{a.layers} layers, {a.tokens} tokens: {sorted(times)[1] * 1e3:.1f} ms per prefill (median of 3), "
           f"{sorted(times)[1] / a.layers * 1e3:.2f} ms per layer")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         prefill()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=60))
+    by = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=by, row_limit=a.rows, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     return 0
 

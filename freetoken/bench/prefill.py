@@ -48,10 +48,11 @@ class Row:
     cpu_experts: int = 0
     bound_s: float | None = None  # PCIe streaming bound
     compute_s: float | None = None  # the resident row's TTFT for this prompt
+    same_first: bool | None = None  # the first token equals the first row's for this prompt (lossless check)
 
 
-def prefill_once(lm, prompt: int, chunk: int, seed: int) -> float:
-    """Seconds from the prompt to the first sampled token (greedy), all chunks prefilled."""
+def prefill_once(lm, prompt: int, chunk: int, seed: int) -> tuple[float, int]:
+    """(seconds from the prompt to the first sampled token, that token), greedy, all chunks prefilled."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, lm.args.decoder.vocab_size, (prompt,), generator=gen).to(lm.device)
     cache = lm.new_cache(initial_tokens=prompt + 16, max_tokens=prompt + 16)
@@ -61,10 +62,10 @@ def prefill_once(lm, prompt: int, chunk: int, seed: int) -> float:
         t0 = time.perf_counter()
         for start in range(0, prompt, chunk):
             logits = lm.forward(ids[start:start + chunk], cache, seq, "last")
-        int(logits[0].argmax())  # the host has the first token
+        first = int(logits[0].argmax())  # the host has the first token
         elapsed = time.perf_counter() - t0
     cache.release(seq)
-    return elapsed
+    return elapsed, first
 
 
 def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
@@ -76,6 +77,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
     expert_bytes = lm.experts.expert_bytes
     rows: list[Row] = []
     resident_s: dict[int, float] = {}
+    first_of: dict[int, int] = {}  # prompt → the first row's first token
     for strategy in a.strategies:
         for budget in ["all"] if strategy == "resident" else a.budgets:
             if strategy == "resident":
@@ -90,8 +92,10 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
             prefill_once(lm, min(a.chunk, max(a.prompts)), a.chunk, a.seed + 1)
             for prompt in a.prompts:
                 before = replace(executor.counters) if hasattr(executor, "counters") else None
-                ttft = statistics.median(prefill_once(lm, prompt, a.chunk, a.seed) for _ in range(a.repeats))
-                row = Row(strategy, budget, prompt, ttft)
+                runs = [prefill_once(lm, prompt, a.chunk, a.seed) for _ in range(a.repeats)]
+                row = Row(strategy, budget, prompt, statistics.median(t for t, _ in runs))
+                first = first_of.setdefault(prompt, runs[0][1])
+                row.same_first = all(token == first for _, token in runs)
                 if before is not None:
                     c = executor.counters
                     row.copied_gb = (c.bytes_copied - before.bytes_copied) / 1e9 / a.repeats
@@ -102,7 +106,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
                         row.bound_s = math.ceil(prompt / a.chunk) * uncached / (h2d * 1e9)
                     row.compute_s = resident_s.get(prompt)
                 else:
-                    resident_s[prompt] = ttft
+                    resident_s[prompt] = row.ttft_s
                 rows.append(row)
                 print(_format_row(row), file=sys.stderr, flush=True)
             lm.experts = None
@@ -119,7 +123,8 @@ def _format_row(r: Row) -> str:
     floor = max(r.bound_s or 0.0, r.compute_s or 0.0)
     of_floor = "—" if r.bound_s is None or r.compute_s is None else f"{r.ttft_s / floor:.2f}×"
     return (f"| {r.strategy} | {r.budget} | {r.prompt} | {r.ttft_s:.3f} | {r.prompt / r.ttft_s:.0f} | "
-            f"{r.copied_gb:.3f} | {r.cpu_experts} | {bound} | {ratio} | {of_floor} |")
+            f"{r.copied_gb:.3f} | {r.cpu_experts} | {bound} | {ratio} | {of_floor} | "
+            f"{ {True: 'yes', False: 'no', None: '—'}[r.same_first]} |")
 
 
 def render(rows: list[Row], a: argparse.Namespace, h2d: float | None) -> str:
@@ -132,8 +137,8 @@ def render(rows: list[Row], a: argparse.Namespace, h2d: float | None) -> str:
         "row's TTFT (streaming overlaps compute)",
         "",
         "| strategy | expert budget | prompt tokens | TTFT s | prefill tok/s | GB copied | CPU experts | "
-        "PCIe streaming bound s | TTFT / PCIe bound | TTFT / floor |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "PCIe streaming bound s | TTFT / PCIe bound | TTFT / floor | same first token as first row |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         *(_format_row(r) for r in rows),
     ]
     return "\n".join(lines) + "\n"

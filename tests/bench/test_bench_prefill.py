@@ -23,7 +23,8 @@ def test_bench_prefill_reports_every_row(tmp_path):
 
 
 def test_the_ahead_strategies_stream_more_than_they_need_and_report_it(tmp_path):
-    """`-ahead` rows copy the next layer's predicted experts too: at least as many bytes as the plain row."""
+    """`-ahead` rows copy each next layer's experts before it routes: at least as many bytes as the plain row, and
+    the same first token (the lossless check column)."""
     out = tmp_path / "p1.md"
     argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--prompts", "200", "--chunk", "64",
             "--budgets", "0", "--strategies", "copy,copy-ahead", "--out", str(out)]
@@ -32,3 +33,4 @@ def test_the_ahead_strategies_stream_more_than_they_need_and_report_it(tmp_path)
                                       if line.startswith("| ") and "---" not in line) if r[0].strip() != "strategy"}
     assert set(rows) == {"copy", "copy-ahead"}
     assert float(rows["copy-ahead"][5]) >= float(rows["copy"][5]) > 0
+    assert rows["copy"][10].strip() == rows["copy-ahead"][10].strip() == "yes"

@@ -1,4 +1,5 @@
-"""The padded batched expert path (short prefill chunks) computes what one-expert-at-a-time does."""
+"""The batched expert paths (padded groups for short chunks, sorted grouped matmuls for any chunk) compute what
+one-expert-at-a-time does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from freetoken.engine.experts import (
     grouped_expert_forward,
     run_groups,
     run_groups_padded,
+    sorted_expert_forward,
 )
 
 
@@ -46,3 +48,23 @@ def test_grouped_forward_padded_equals_unpadded():
     weights = torch.rand(9, 2, generator=gen)
     torch.testing.assert_close(grouped_expert_forward(experts, hidden, ids, weights, padded=True),
                                grouped_expert_forward(experts, hidden, ids, weights), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_sorted_grouped_matmuls_equal_one_expert_at_a_time(dtype, tokens, monkeypatch):
+    """What the resident executor runs for chunks on Hopper (torch._grouped_mm), checked on the CPU's fallback:
+    uneven and empty groups, ids naming slots of a larger stack, and a chunk cut into several sorted passes."""
+    from freetoken.engine import experts as module
+
+    monkeypatch.setattr(module, "GROUPED_MM_TOKENS", 128)  # 300 tokens: three passes
+    gen = torch.Generator().manual_seed(tokens)
+    stacks = LayerExperts(*(torch.randn(shape, generator=gen).to(dtype) * 0.1
+                            for shape in ((10, 32, 16), (10, 32, 16), (10, 16, 32))))
+    hidden = torch.randn(tokens, 16, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(7, generator=gen)[:3] for _ in range(tokens)])  # rows 7-9 never used
+    weights = torch.rand(tokens, 3, generator=gen)
+    want = run_groups(hidden, group_by_expert(ids, weights, 10, dtype), stacks.weights_of)
+    got = sorted_expert_forward(stacks, hidden, ids, weights)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
