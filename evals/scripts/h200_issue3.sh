@@ -44,10 +44,11 @@ for part in "$@"; do
              2>&1 | grep -vE "^\s*$" | tail -45) ;;
     d1-main) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
-    profile-prefill) (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_prefill.py" --layers 8 --tokens 16384 \
-             2>&1 | grep -v "expert cache" | tee "$OUT/profile-prefill-16k.txt") ;;
-    p1-8l) ft bench prefill --shape qwen3-30b-a3b --layers 8 --prompts 16384 --chunk 16384 --budgets 0 \
-          --strategies resident,copy,copy-ahead --repeats 3 --commit "$commit" --out "$OUT/p1-8l.md" ;;
+    profile-prefill) for g in 0 1; do (cd /tmp && FREETOKEN_GROUPED_MM=$g python3 "$OLDPWD/evals/scripts/profile_prefill.py" \
+             --layers 8 --tokens 16384 2>&1 | grep -v "expert cache" | tee "$OUT/profile-prefill-16k-gmm$g.txt"); done ;;
+    p1-8l) for g in 0 1; do FREETOKEN_GROUPED_MM=$g ft bench prefill --shape qwen3-30b-a3b --layers 8 \
+             --prompts 4096,16384 --chunk 16384 --budgets 0 --strategies resident,copy,copy-ahead --repeats 3 \
+             --commit "$commit (FREETOKEN_GROUPED_MM=$g)" --out "$OUT/p1-8l-grouped-mm-$g.md"; done ;;
     attn) (cd /tmp && python3 "$OLDPWD/evals/scripts/decode_attention_bench.py" | tee "$OUT/decode-attention.md") ;;
     p1-ahead) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0 \
           --strategies resident,copy,copy-ahead,auto,auto-ahead --repeats 2 --commit "$commit" \

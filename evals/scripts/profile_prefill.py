@@ -18,8 +18,26 @@ from torch.profiler import ProfilerActivity, profile
 
 from freetoken.bench.decode import _on_device
 from freetoken.bench.synthetic import build_synthetic
-from freetoken.engine.experts import ResidentExpertExecutor
+from freetoken.engine.experts import (
+    ResidentExpertExecutor,
+    grouped_expert_forward,
+    grouped_mm_available,
+    sorted_expert_forward,
+)
 from freetoken.engine.loader import attach_experts
+
+
+def check_sorted(stacks, device: torch.device) -> None:
+    """Where the sorted grouped-matmul path is on, its output against the expert-by-expert one (fresh inputs)."""
+    hidden = torch.randn(4096, stacks.gate_proj.shape[2], device=device, dtype=torch.bfloat16)
+    if not grouped_mm_available(hidden):
+        print("sorted grouped matmuls: off here (FREETOKEN_GROUPED_MM=1 on bf16 Hopper turns them on)")
+        return
+    ids = torch.rand(4096, stacks.num_experts, device=device).topk(8, dim=-1).indices
+    weights = torch.rand(4096, 8, device=device)
+    want = grouped_expert_forward(stacks, hidden, ids, weights).float()
+    got = sorted_expert_forward(stacks, hidden, ids, weights).float()
+    print(f"sorted grouped matmuls vs expert by expert: relative error {(got - want).norm() / want.norm():.2e}")
 
 
 def main() -> int:
@@ -47,6 +65,7 @@ def main() -> int:
         sync()
         cache.release(seq)
 
+    check_sorted(resident.layers[next(iter(resident.layers))], device)
     prefill()  # warm-up
     times = []
     for _ in range(3):

@@ -84,8 +84,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
                 executor = ResidentExpertExecutor({layer: _on_device(le, device, dtype) for layer, le in host.items()})
             else:
                 executor = build_executor(host, spec, dtype, device, parse_bytes(budget), "freq",
-                                          strategy.removesuffix("-ahead"))
-                executor.prefill_ahead = strategy.endswith("-ahead")
+                                          strategy.removesuffix("-ahead"), prefill_ahead=strategy.endswith("-ahead"))
             attach_experts(lm.model, executor)
             lm.experts = executor
             # warm-up at full chunk length: the allocator's blocks and kernel choices of the timed runs

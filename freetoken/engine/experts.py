@@ -9,6 +9,8 @@ Shapes: N tokens, H hidden, I expert intermediate, E experts, K experts per toke
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -146,11 +148,16 @@ GROUPED_MM_TOKENS = 8192  # tokens per sorted pass: bounds the [N*K, H] activati
 
 
 def grouped_mm_available(hidden: torch.Tensor) -> bool:
-    """Whether `sorted_expert_forward` has fast kernels here: torch's grouped GEMM runs bf16 on Hopper (sm90) and
-    newer. Elsewhere it is a loop over groups, no faster than `grouped_expert_forward` (the CPU tests still check
-    it against that)."""
-    return (hidden.is_cuda and hidden.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(hidden.device) >= (9, 0))
+    """Whether chunks take `sorted_expert_forward`: opted in with FREETOKEN_GROUPED_MM=1 (until it is measured
+    on the H200), and where torch's grouped GEMM has fast kernels: bf16 on Hopper (sm90) and newer. Elsewhere it
+    is a loop over groups, no faster than `grouped_expert_forward` (the CPU tests check it against that)."""
+    return (hidden.is_cuda and hidden.dtype == torch.bfloat16 and _grouped_mm_opted_in()
+            and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(hidden.device) >= (9, 0))
+
+
+@functools.cache
+def _grouped_mm_opted_in() -> bool:
+    return os.environ.get("FREETOKEN_GROUPED_MM") == "1"
 
 
 def sorted_expert_forward(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,

@@ -99,11 +99,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, progress: bool = True, expert_cache: int | str | None = None,
-               expert_policy: str = "freq", on_progress=None) -> LoadedModel:
+               expert_policy: str = "freq", prefill_ahead: bool = False, on_progress=None) -> LoadedModel:
     """Loads a model onto `device`. `expert_cache` (bytes) keeps routed experts in host memory with a cache
     of that many bytes on the device; "auto" sizes it from free device memory (resident when all fit); None
-    keeps every expert resident on the device. `on_progress(done, total)` is called as tensors land (from the
-    loading threads too)."""
+    keeps every expert resident on the device. `prefill_ahead`: offloaded prefill chunks stream the next layer's
+    experts while each layer computes (a staging ring of two layers' experts; see OffloadedExpertExecutor).
+    `on_progress(done, total)` is called as tensors land (from the loading threads too)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     path = resolve_model_source(source)
@@ -117,7 +118,8 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     model = empty_model(family, args, dtype, device)
     if expert_cache == "auto":  # dense models have nothing to offload
         dense_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-        expert_cache = resolve_auto(device, spec, args, dense_bytes, dtype) if spec is not None else None
+        expert_cache = resolve_auto(device, spec, args, dense_bytes, dtype, prefill_ahead) if spec is not None \
+            else None
     offload = expert_cache is not None and spec is not None
     placer = WeightPlacer(model, getattr(family, "EXPERT_NAMING", None), spec, dtype, device,
                           expert_device=torch.device("cpu") if offload else None,
@@ -145,7 +147,8 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     place_all(placer, items, parallel, done)
     bar.close()
     layers = placer.finish()
-    experts = build_executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy)
+    experts = build_executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy,
+                             prefill_ahead=prefill_ahead)
     attach_experts(model, experts)
     model.eval()
     log.info("loaded %s (%s, %s) on %s in %.1fs", path.name, family.MODEL_TYPE, ckpt.format, device,
@@ -195,7 +198,7 @@ def place_all(placer: WeightPlacer, items: list, parallel, done) -> None:
 
 
 def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: torch.device, cache_bytes: int | None,
-                   policy: str = "freq", miss_path: str = "auto") -> ExpertExecutor | None:
+                   policy: str = "freq", miss_path: str = "auto", prefill_ahead: bool = False) -> ExpertExecutor | None:
     if layers is None:
         return None
     if cache_bytes is None:
@@ -205,8 +208,10 @@ def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: tor
     log.info("expert cache: %d of %d experts on %s (%.1f MiB), the rest in host memory (%.1f MiB)", slots,
              spec.total_routed_experts, device, slots * per_expert / 2**20,
              spec.total_routed_experts * per_expert / 2**20)
-    return OffloadedExpertExecutor(layers, device, slots, policy, miss_path, dtype, planner_for(device),
-                                   staging_slots_for(spec, per_expert))
+    executor = OffloadedExpertExecutor(layers, device, slots, policy, miss_path, dtype, planner_for(device),
+                                       staging_slots_for(spec, per_expert, prefill_ahead))
+    executor.prefill_ahead = prefill_ahead
+    return executor
 
 
 def planner_for(device: torch.device) -> MissPlanner | None:

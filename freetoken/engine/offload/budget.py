@@ -20,14 +20,14 @@ STAGING_BYTES = 512 << 20  # decode's share of the staging ring
 PREFILL_STAGING_BYTES = 3 << 30
 
 
-def staging_slots_for(spec: MoESpec, expert_bytes: int) -> int:
+def staging_slots_for(spec: MoESpec, expert_bytes: int, prefill_ahead: bool = False) -> int:
     """Staging slots beyond the cache, never < 2. Decode wants two steps' worth of experts (2 × top-k: one step
-    streaming while the last computes, within STAGING_BYTES: Mixtral's 352 MB experts get 2); a long prefill chunk
-    streaming the next layer while this one computes wants two layers' worth (2 × experts per layer, within
-    PREFILL_STAGING_BYTES: 2.3 GiB for Qwen3-30B-A3B in bf16)."""
+    streaming while the last computes, within STAGING_BYTES: Mixtral's 352 MB experts get 2). With
+    `prefill_ahead` (a long chunk streams the next layer while this one computes) two layers' worth (2 × experts
+    per layer, within PREFILL_STAGING_BYTES: 2.25 GiB for Qwen3-30B-A3B in bf16)."""
     per = max(expert_bytes, 1)
     decode = min(2 * spec.top_k, STAGING_BYTES // per)
-    prefill = min(2 * spec.num_experts, PREFILL_STAGING_BYTES // per)
+    prefill = min(2 * spec.num_experts, PREFILL_STAGING_BYTES // per) if prefill_ahead else 0
     return max(2, decode, prefill)
 
 
@@ -45,7 +45,8 @@ def kv_bytes_per_token(args, dtype: torch.dtype) -> int:
     return 2 * args.decoder.n_layers * a.n_kv_heads * a.head_dim * dtype.itemsize
 
 
-def resolve_auto(device: torch.device, spec: MoESpec, args, dense_bytes: int, dtype: torch.dtype) -> int | None:
+def resolve_auto(device: torch.device, spec: MoESpec, args, dense_bytes: int, dtype: torch.dtype,
+                 prefill_ahead: bool = False) -> int | None:
     """Applies `auto_expert_cache` to this device; the CPU's memory is the host's, so nothing is offloaded."""
     if device.type != "cuda":
         return None
@@ -54,7 +55,7 @@ def resolve_auto(device: torch.device, spec: MoESpec, args, dense_bytes: int, dt
     kv = tokens * kv_bytes_per_token(args, dtype)
     per_expert = spec.bytes_per_expert(dtype)
     experts = spec.total_routed_experts * per_expert
-    staging = staging_slots_for(spec, per_expert) * per_expert  # the executor's ring, beside the cache
+    staging = staging_slots_for(spec, per_expert, prefill_ahead) * per_expert  # the executor's ring, beside the cache
     cache = auto_expert_cache(free, dense_bytes, kv, experts, ACTIVATION_RESERVE + staging)
     if cache is None:
         log.info("expert cache auto: all %.1f GiB of experts fit on %s; keeping them resident", experts / 2**30, device)

@@ -116,10 +116,11 @@ class OffloadedExpertExecutor(PrefillPath):
         self._prefetch_done: list = []  # completion of the last prefetch's copies (the link's backlog)
         self._prefetch_seconds = 0.0  # their predicted copy time
         self._deferred_prefetch: tuple | None = None  # (layer, experts, room, event): queued at the next boundary
-        # Prefill: once a chunk's copies for a layer are queued, start on the next layer's experts (predicted by
-        # its router from this layer's input), so the link keeps streaming through the next layer's attention.
-        # Off until the H200 A/B (`ft bench prefill --strategies auto,auto-ahead`) says it wins.
+        # Prefill: while a long chunk's layer computes, the next layer's experts stream (prefill.py), so the link
+        # works through that layer's attention. Off by default: within noise of plain streaming on the H200
+        # (evals/results/p1-prefill-ahead-h200.md), and it wants a staging ring of two layers' experts.
         self.prefill_ahead = False
+        self._chunk_ahead = None  # (layer, {expert: _Ahead}) streamed by the previous layer of a chunk
         self._graph_io: _GraphIO | None = None  # allocated by prepare_graph_io for captured decode
         self.slots_version = 0  # bumped when the slot tensors are reallocated (captured graphs read them)
 

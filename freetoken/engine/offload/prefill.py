@@ -165,7 +165,7 @@ class PrefillPath:
     def _take_chunk_ahead(self, layer: int) -> dict[int, _Ahead]:
         """expert → where the previous layer streamed it, for `layer`; streamed for another layer (a forward cut
         short), its staging slots are released: nothing will read them."""
-        pending, self._chunk_ahead = getattr(self, "_chunk_ahead", None), None
+        pending, self._chunk_ahead = self._chunk_ahead, None
         if pending is None:
             return {}
         at, ahead = pending

@@ -27,7 +27,7 @@ def test_auto_on_the_cpu_keeps_experts_resident(tmp_path):
     assert kv_bytes_per_token(lm.args, torch.bfloat16) == 2 * lm.args.decoder.n_layers * a.n_kv_heads * a.head_dim * 2
 
 
-def test_staging_holds_two_layers_of_experts_for_prefill_capped_in_bytes():
+def test_staging_is_two_steps_or_with_prefill_ahead_two_layers_of_experts_capped_in_bytes():
     from freetoken.bench.synthetic import synthetic_config
     from freetoken.engine.models import family_for
     from freetoken.engine.offload.budget import staging_slots_for
@@ -37,7 +37,9 @@ def test_staging_holds_two_layers_of_experts_for_prefill_capped_in_bytes():
         return family_for(cfg["model_type"]).ModelArgs.from_config(cfg).moe_spec()
 
     qwen, mixtral = spec_of("qwen3-30b-a3b"), spec_of("mixtral-8x7b")
-    # 2 × 128 experts of 9.4 MB: the next layer streams while this one computes (2.25 GiB)
-    assert staging_slots_for(qwen, qwen.bytes_per_expert(torch.bfloat16)) == 256
-    # 352 MB experts: 3 GiB holds 9 (one layer of 8 and one ahead)
-    assert staging_slots_for(mixtral, mixtral.bytes_per_expert(torch.bfloat16)) == 9
+    q, m = qwen.bytes_per_expert(torch.bfloat16), mixtral.bytes_per_expert(torch.bfloat16)
+    assert staging_slots_for(qwen, q) == 16  # decode: 2 × top-8 of 9.4 MB
+    assert staging_slots_for(mixtral, m) == 2  # 352 MB experts: the floor
+    # streaming prefill ahead: 2 × 128 experts, the next layer streams while this one computes (2.25 GiB)
+    assert staging_slots_for(qwen, q, prefill_ahead=True) == 256
+    assert staging_slots_for(mixtral, m, prefill_ahead=True) == 9  # 3 GiB: one layer of 8 and one ahead

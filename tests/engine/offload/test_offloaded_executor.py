@@ -209,9 +209,10 @@ def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(c
     monkeypatch.setattr(prefill, "grouped_mm_available", lambda hidden: sorted_pass)
     path, resident, _ = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
-    lm = load_model(path, progress=False, expert_cache=slots * per_expert)
+    lm = load_model(path, progress=False, expert_cache=slots * per_expert, prefill_ahead=True)
     ex = lm.experts
-    ex.miss_path, ex.planner, ex.prefill_ahead = miss_path, EVEN_SPLIT(), True
+    assert ex.prefill_ahead and ex.copier.staging_slots == 2 * ex.num_experts
+    ex.miss_path, ex.planner = miss_path, EVEN_SPLIT()
     ex.CPU_MAX_TOKENS = 4  # so that `auto` streams ahead chunks of this tiny model's size
     chunk = max(ex.PREFILL_TOKENS, ex.num_experts * max(ex.AHEAD_TOKENS_PER_EXPERT, ex.CPU_MAX_TOKENS) // ex._top_k)
     ids = torch.randint(0, resident.args.decoder.vocab_size, (3 * chunk,),
