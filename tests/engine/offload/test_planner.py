@@ -28,6 +28,19 @@ def test_linear_cost_recovers_fixed_and_bandwidth():
     assert cost.gb_s == pytest.approx(40, rel=1e-3) and cost.fixed == pytest.approx(100e-6, rel=1e-2)
 
 
+def test_a_fit_that_wants_a_negative_fixed_part_goes_through_the_origin_instead():
+    """Times growing faster than the size (CPU batches that spill caches, queueing that contends) make the free fit
+    cross zero. It must still predict what the samples took, not a steep slope with its intercept cut off."""
+    cost = LinearCost(fixed=50e-6, per_byte=1e-9)
+    sizes = [1, 2, 4, 8, 3, 6] * 4
+    for n in sizes:
+        cost.observe(n * EXPERT, (n * EXPERT / 40e9) * (1 + 0.08 * n))  # superlinear: slower per byte when bigger
+    assert cost.fixed == 0.0
+    for n in (1, 4, 8):
+        took = (n * EXPERT / 40e9) * (1 + 0.08 * n)
+        assert 0.5 * took < cost.predict(n * EXPERT) < 1.6 * took
+
+
 @pytest.mark.parametrize("copy_gb_s, cpu_gb_s, expect_cpu", [(50, 1, (0, 0)), (1, 50, (8, 8)), (30, 30, (3, 5))])
 def test_split_follows_the_bandwidths(copy_gb_s, cpu_gb_s, expect_cpu):
     planner = MissPlanner(copy_gb_s, cpu_gb_s, copy_fixed_s=20e-6, cpu_fixed_s=150e-6)
