@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | p1-8l | profile-prefill | profile-decode | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -44,13 +44,20 @@ for part in "$@"; do
              2>&1 | grep -vE "^\s*$" | tail -45) ;;
     d1-main) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
-    profile-prefill) for g in 0 1; do (cd /tmp && FREETOKEN_GROUPED_MM=$g python3 "$OLDPWD/evals/scripts/profile_resident.py" \
-             --layers 8 --tokens 16384 2>&1 | grep -v "expert cache" | tee "$OUT/profile-prefill-16k-gmm$g.txt"); done ;;
+    profile-prefill) for g in "" grouped-mm; do (cd /tmp && FREETOKEN_EXPERIMENTAL=$g python3 \
+             "$OLDPWD/evals/scripts/profile_resident.py" --layers 8 --tokens 16384 2>&1 | grep -v "expert cache" \
+             | tee "$OUT/profile-prefill-16k${g:+-$g}.txt"); done ;;
+    decode-ab) for g in "" paged-decode; do FREETOKEN_EXPERIMENTAL=$g ft bench decode --shape qwen3-30b-a3b \
+             --layers 8 --context 16384 --tokens 16 --budgets 0 --strategies resident-graphs,copy,auto \
+             --commit "$commit (FREETOKEN_EXPERIMENTAL=$g)" --out "$OUT/d1-8l-16k${g:+-$g}.md"; done
+             (cd /tmp && python3 -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" \
+               "$OLDPWD/tests/kernels/test_paged_decode.py" 2>&1 | tail -2
+              python3 -m freetoken.kernels.paged_decode.bench | tee "$OUT/paged-decode-kernel.md") ;;
     profile-decode) for t in 1024 16384; do (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_resident.py" --layers 8 \
              --tokens $t --decode 16 2>&1 | grep -v "expert cache" | tee "$OUT/profile-decode-$t.txt"); done ;;
-    p1-8l) for g in 0 1; do FREETOKEN_GROUPED_MM=$g ft bench prefill --shape qwen3-30b-a3b --layers 8 \
+    p1-8l) for g in "" grouped-mm; do FREETOKEN_EXPERIMENTAL=$g ft bench prefill --shape qwen3-30b-a3b --layers 8 \
              --prompts 4096,16384 --chunk 16384 --budgets 0 --strategies resident,copy,copy-ahead --repeats 3 \
-             --commit "$commit (FREETOKEN_GROUPED_MM=$g)" --out "$OUT/p1-8l-grouped-mm-$g.md"; done ;;
+             --commit "$commit (FREETOKEN_EXPERIMENTAL=$g)" --out "$OUT/p1-8l${g:+-$g}.md"; done ;;
     attn) (cd /tmp && python3 "$OLDPWD/evals/scripts/decode_attention_bench.py" | tee "$OUT/decode-attention.md") ;;
     p1-ahead) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0 \
           --strategies resident,copy,copy-ahead,auto,auto-ahead --repeats 2 --commit "$commit" \

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from freetoken.engine import experimental
 from freetoken.engine.kv_cache import PagedKVCache, RecurrentStateError, SequenceKV
 
 
@@ -115,6 +116,20 @@ class StaticDecodeAttention:
         self.write_slot = torch.zeros(1, dtype=torch.long, device=device)
         self.read_slots = torch.zeros(window, dtype=torch.long, device=device)
         self.key_positions = torch.arange(window, device=device)
+        self._paged, self._paged_checked = None, False
+
+    def _paged_kernel(self, q: torch.Tensor):
+        """The paged split-KV kernel for this window (experimental "paged-decode", CUDA with Triton), built on the
+        first call: graph warm-ups run before capture, so its buffers exist before any replay reads them."""
+        if not self._paged_checked:
+            self._paged_checked = True
+            from freetoken.kernels.paged_decode import kernel as paged
+
+            heads, kv_heads, head_dim = q.shape[1], self.cache.k[0].shape[1], q.shape[2]
+            if experimental.enabled("paged-decode") and paged.available(q.device) and \
+                    paged.supports(heads, kv_heads, head_dim):
+                self._paged = paged.PagedDecodeAttention(self.window, heads, kv_heads, head_dim, q.device, q.dtype)
+        return self._paged
 
     def prepare(self, seq: SequenceKV) -> None:
         """Points the buffers at token `seq.length` (its slot must already be reserved)."""
@@ -129,6 +144,9 @@ class StaticDecodeAttention:
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool.index_copy_(0, self.write_slot, k.to(k_pool.dtype))
         v_pool.index_copy_(0, self.write_slot, v.to(v_pool.dtype))
+        paged = self._paged_kernel(q)
+        if paged is not None:  # reads the window's rows in place (no gather), the window split across the SMs
+            return paged(q, k_pool, v_pool, self.read_slots, self.positions)
         keys = k_pool.index_select(0, self.read_slots).to(q.dtype)  # [W, Hkv, D]
         values = v_pool.index_select(0, self.read_slots).to(q.dtype)
         return static_decode_attention(q, keys, values, self.key_positions <= self.positions)

@@ -9,14 +9,14 @@ Shapes: N tokens, H hidden, I expert intermediate, E experts, K experts per toke
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from freetoken.engine import experimental
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -148,16 +148,11 @@ GROUPED_MM_TOKENS = 8192  # tokens per sorted pass: bounds the [N*K, H] activati
 
 
 def grouped_mm_available(hidden: torch.Tensor) -> bool:
-    """Whether chunks take `sorted_expert_forward`: opted in with FREETOKEN_GROUPED_MM=1 (until it is measured
-    on the H200), and where torch's grouped GEMM has fast kernels: bf16 on Hopper (sm90) and newer. Elsewhere it
-    is a loop over groups, no faster than `grouped_expert_forward` (the CPU tests check it against that)."""
-    return (hidden.is_cuda and hidden.dtype == torch.bfloat16 and _grouped_mm_opted_in()
+    """Whether chunks take `sorted_expert_forward`: the experimental path "grouped-mm" (until it is measured on
+    the H200), where torch's grouped GEMM has fast kernels: bf16 on Hopper (sm90) and newer. Elsewhere it is a
+    loop over groups, no faster than `grouped_expert_forward` (the CPU tests check it against that)."""
+    return (hidden.is_cuda and hidden.dtype == torch.bfloat16 and experimental.enabled("grouped-mm")
             and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(hidden.device) >= (9, 0))
-
-
-@functools.cache
-def _grouped_mm_opted_in() -> bool:
-    return os.environ.get("FREETOKEN_GROUPED_MM") == "1"
 
 
 def sorted_expert_forward(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,

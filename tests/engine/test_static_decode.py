@@ -76,3 +76,54 @@ def test_cuda_graph_decode_equals_eager_decode_across_windows(case, tmp_path, mo
     assert graphed.generate_ids(ids, params) == expected
     assert graphed.generate_ids(ids, params) == expected  # replays the graphs captured by the first call
     assert set(graphed._graphs.captured) == {128, 256}
+
+
+PAGED_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])  # the tests' support package
+import torch
+from freetoken.engine.attention import StaticDecodeAttention
+from freetoken.engine.loader import load_model
+from freetoken.kernels.paged_decode import kernel
+from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
+
+kernel.available = lambda device: True  # Triton's interpreter stands in for the GPU
+for case in ("llama", "qwen3_moe"):
+    path = f"{sys.argv[2]}/{case}"
+    write_hf_checkpoint(path=path, **PARITY_CASES[case])
+    lm = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    eager_cache, static_cache = lm.new_cache(page_size=4), lm.new_cache(page_size=4, initial_tokens=128)
+    eager_seq, static_seq = eager_cache.new_sequence(), static_cache.new_sequence()
+    prompt = torch.tensor(prompt_ids())
+    lm.forward(prompt, eager_cache, eager_seq)
+    lm.forward(prompt, static_cache, static_seq)
+    ctx = StaticDecodeAttention(static_cache, window=96)
+    token = torch.tensor([7])
+    with torch.inference_mode():
+        for _ in range(4):
+            expected = lm.forward(token, eager_cache, eager_seq, "last")[0]
+            static_cache.reserve(static_seq, 1)
+            ctx.prepare(static_seq)
+            got = lm.model(token, ctx, "last")[0]
+            static_cache.commit(static_seq, 1)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            token = expected.argmax().view(1)
+    assert ctx._paged is not None and ctx._paged.splits > 1, case
+print("ok")
+"""
+
+
+def test_paged_decode_kernel_in_the_static_window_equals_eager_decode(tmp_path):
+    """With the experimental "paged-decode" path on, the captured step's attention is the split-KV Triton kernel
+    (here under Triton's interpreter, in a fresh process: TRITON_INTERPRET must be set before it is defined)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, TRITON_INTERPRET="1", FREETOKEN_EXPERIMENTAL="paged-decode")
+    done = subprocess.run([sys.executable, "-c", PAGED_CHECK, tests, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

@@ -1,0 +1,152 @@
+"""Paged split-KV decode attention (Triton): one token's query heads over a window of key slots, the K/V rows
+read in place from the pools through the slot table, the window split across programs (flash-decoding).
+
+SDPA on a decode step gets one program per KV head (4 for Qwen3-30B-A3B: 4 of 132 SMs) and needs the keys
+gathered into a contiguous tensor first; here each (KV head, split) program streams its share of the window
+straight from the pools with an online softmax, and a second launch merges the splits. The valid length comes
+from a device tensor, so a captured CUDA graph replays it for any position inside its window. Checked against
+`reference.py`; tests run it under Triton's interpreter on the CPU.
+
+Shapes: H query heads, Hkv KV heads, G = H / Hkv, D head dim, W window, P splits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton on this platform: `available()` says so
+    triton = None
+
+BLOCK_N = 64  # keys per inner step
+MIN_G = 16  # tl.dot wants at least 16 rows: a KV head's G query rows are padded up to this
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Grouped-query layouts with a power-of-two head dim of at least 16 (one tile row per head dim)."""
+    return heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def splits_for(window: int, kv_heads: int, programs: int) -> tuple[int, int]:
+    """(splits, keys per split): about `programs` programs in all, each a whole number of BLOCK_N keys."""
+    blocks = math.ceil(window / BLOCK_N)
+    splits = max(1, min(blocks, programs // max(kv_heads, 1)))
+    per_split = math.ceil(blocks / splits) * BLOCK_N
+    return math.ceil(window / per_split), per_split
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, part_ptr, lse_ptr, per_split, scale,
+                      stride_ks, stride_kh, stride_vs, stride_vh,
+                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      IEEE: tl.constexpr):
+        """Program (kv head, split): keys [split * per_split, +per_split) of the window, capped at the valid
+        length. Writes the split's unnormalised output [GP, D] and its (max, sum) per query row."""
+        kvh, split = tl.program_id(0), tl.program_id(1)
+        n_splits = tl.num_programs(1)
+        valid = tl.load(pos_ptr) + 1
+        rows = tl.arange(0, GP)
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + (kvh * G + rows)[:, None] * D + dims[None, :], mask=(rows < G)[:, None],
+                    other=0.0).to(tl.float32)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        s = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        start = split * per_split
+        end = tl.minimum(start + per_split, valid)
+        for block in range(start, end, BLOCK_N):
+            keys = block + tl.arange(0, BLOCK_N)
+            inside = keys < end
+            slot = tl.load(slots_ptr + keys, mask=inside, other=0)
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dims[None, :], mask=inside[:, None],
+                        other=0.0)
+            # fp32 operands: bf16 K/V widen exactly and tf32 keeps all their bits (and more of p's than bf16);
+            # fp32 models take the ieee product, so replays match the eager path's fp32 attention
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32")
+            scores = scores * scale  # [GP, BLOCK_N]
+            scores = tl.where(inside[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :], mask=inside[:, None],
+                        other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
+            s = s * alpha + tl.sum(p, axis=1)
+            m = m_new
+        at = (kvh * n_splits + split) * GP + rows
+        tl.store(part_ptr + at[:, None] * D + dims[None, :], acc)
+        tl.store(lse_ptr + at * 2, m)
+        tl.store(lse_ptr + at * 2 + 1, s)
+
+    @triton.jit
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+        """Program (query head): the splits' outputs rescaled to a common max and normalised."""
+        head = tl.program_id(0)
+        kvh, g = head // G, head % G
+        dims = tl.arange(0, D)
+        m_all = float("-inf")
+        for split in range(0, n_splits):
+            m_all = tl.maximum(m_all, tl.load(lse_ptr + ((kvh * n_splits + split) * GP + g) * 2))
+        total = 0.0
+        acc = tl.zeros([D], tl.float32)
+        for split in range(0, n_splits):
+            at = (kvh * n_splits + split) * GP + g
+            m = tl.load(lse_ptr + at * 2)
+            w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # a split past the valid length adds nothing
+            total += w * tl.load(lse_ptr + at * 2 + 1)
+            acc += w * tl.load(part_ptr + at * D + dims)
+        tl.store(out_ptr + head * D + dims, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+class PagedDecodeAttention:
+    """One window's launch geometry and scratch buffers, allocated up front (CUDA-graph capture allows no
+    allocation outside the graph's pool, and a replay must find the same addresses)."""
+
+    def __init__(self, window: int, heads: int, kv_heads: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype, programs: int | None = None):
+        if triton is None:
+            raise RuntimeError("paged decode attention needs triton")
+        if not supports(heads, kv_heads, head_dim):
+            raise ValueError(f"unsupported attention shape: {heads} heads over {kv_heads}, head dim {head_dim}")
+        if programs is None:
+            programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
+                if device.type == "cuda" else 8
+        self.group, self.head_dim, self.kv_heads = heads // kv_heads, head_dim, kv_heads
+        self.padded = max(MIN_G, triton.next_power_of_2(self.group))
+        self.splits, self.per_split = splits_for(window, kv_heads, programs)
+        rows = kv_heads * self.splits * self.padded
+        self.parts = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
+        self.lse = torch.empty(rows, 2, dtype=torch.float32, device=device)
+        self.out = torch.empty(1, heads, head_dim, dtype=dtype, device=device)
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                 position: torch.Tensor) -> torch.Tensor:
+        """As `reference.paged_decode_attention` (its docstring has the shapes); returns a buffer of this
+        object's, overwritten by the next call."""
+        q = q.contiguous()
+        if k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
+            raise ValueError("the KV pools' head dim must be contiguous")
+        _split_kernel[(self.kv_heads, self.splits)](
+            q, k_pool, v_pool, slots, position, self.parts, self.lse, self.per_split, 1.0 / math.sqrt(self.head_dim),
+            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            G=self.group, GP=self.padded, D=self.head_dim, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
+        _merge_kernel[(self.kv_heads * self.group,)](self.parts, self.lse, self.out, self.splits,
+                                                    G=self.group, GP=self.padded, D=self.head_dim)
+        return self.out
