@@ -90,7 +90,7 @@ def run_groups(hidden: torch.Tensor, groups: list[ExpertGroup],
     return out
 
 
-def _host_ints_to(device: torch.device, values: list[int]) -> torch.Tensor:
+def host_ints_to(device: torch.device, values: list[int]) -> torch.Tensor:
     """A list of ints as a tensor on `device` without a host sync: `torch.tensor(values, device=cuda)` waits for
     the whole stream (a blocking copy), which would stall the host behind the GPU at every call."""
     t = torch.tensor(values, dtype=torch.long)
@@ -112,11 +112,11 @@ def run_groups_padded(hidden: torch.Tensor, groups: list[ExpertGroup], experts: 
         positions += list(range(start, start + count)) + [pad] * (n - count)
         start += count
     device = hidden.device
-    at = _host_ints_to(device, positions)
+    at = host_ints_to(device, positions)
     tokens = torch.cat([g.tokens for g in groups] + [torch.zeros(1, dtype=groups[0].tokens.dtype, device=device)])
     weights = torch.cat([g.weights for g in groups] + [torch.zeros(1, dtype=groups[0].weights.dtype, device=device)])
     tokens, weights = tokens[at].view(len(groups), n), weights[at].view(len(groups), n)
-    ids = _host_ints_to(device, slots)
+    ids = host_ints_to(device, slots)
     x = hidden[tokens]  # [G, n, H]
     gate, up, down = (w[ids].transpose(1, 2) for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
     h = F.silu(torch.bmm(x, gate)) * torch.bmm(x, up)  # [G, n, I]

@@ -16,10 +16,10 @@ from freetoken.engine.experts import (
     PADDED_GROUP_BYTES,
     PADDED_MAX_TOKENS,
     ExpertGroup,
-    _host_ints_to,
     expert_mlp,
     group_by_expert,
     grouped_mm_available,
+    host_ints_to,
     run_groups_padded,
     sorted_expert_forward,
 )
@@ -112,9 +112,9 @@ class PrefillPath:
         copied anyway (in `auto`, the CPU takes experts of up to CPU_MAX_TOKENS tokens)."""
         if not self.prefill_ahead or self.miss_path == "cpu":
             return False
-        per_expert = topk_ids.numel() / self.num_experts
-        least = self.CPU_MAX_TOKENS if self.miss_path == "auto" else self.AHEAD_TOKENS_PER_EXPERT
-        return per_expert >= max(least, self.AHEAD_TOKENS_PER_EXPERT)
+        least = max(self.CPU_MAX_TOKENS, self.AHEAD_TOKENS_PER_EXPERT) if self.miss_path == "auto" else \
+            self.AHEAD_TOKENS_PER_EXPERT
+        return topk_ids.numel() / self.num_experts >= least
 
     def _compute_sorted(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         hits: list, streamed: list) -> torch.Tensor:
@@ -128,7 +128,7 @@ class PrefillPath:
             table[g.expert] = a.slot
         if streamed:
             self.copier.wait_all()  # the copy stream holds this layer's copies and nothing after them yet
-        slot_ids = _host_ints_to(hidden.device, table)[topk_ids]
+        slot_ids = host_ints_to(hidden.device, table)[topk_ids]
         out = sorted_expert_forward(self.slots, hidden, slot_ids, topk_weights)
         self.copier.release(*(a.ring for _, a in streamed if a.ring is not None))
         return out
