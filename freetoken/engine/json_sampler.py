@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from freetoken.engine.json_prefix import WHITESPACE, JsonPrefix
+from freetoken.engine.json_schema import Node, SchemaPrefix, call_object, compile_schema
 from freetoken.engine.sampling import Sampler, SamplingParams
 from freetoken.engine.tokenizer import Tokenizer
 
@@ -67,10 +68,10 @@ class Language(Protocol):
 
 
 class JsonObject:
-    """One JSON object (leading whitespace allowed), then the end."""
+    """One JSON object (leading whitespace allowed), then the end; valid under `schema` when one is given."""
 
-    def __init__(self) -> None:
-        self.json = JsonPrefix()
+    def __init__(self, schema: Node | None = None) -> None:
+        self.json = JsonPrefix() if schema is None else SchemaPrefix(schema)
 
     def copy(self) -> JsonObject:
         other = JsonObject.__new__(JsonObject)
@@ -130,10 +131,13 @@ class HermesCalls(CallsInText):
 
     FREE, CALL, CLOSE = range(3)
 
-    def __init__(self, opened: str | None = None, names: tuple[str, ...] = ()) -> None:
+    def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = ()) -> None:
         """`opened`: the reply starts inside a call whose opening (the text after `<tool_call>`, e.g. a forced
-        call's name) the prompt already wrote."""
+        call's name) the prompt already wrote. `schemas`: (name, parameters schema as JSON text) of the tools
+        whose arguments must also satisfy their schema (the others' arguments are any JSON object)."""
         self.heads = frozenset(call_head(n) for n in names)
+        self.calls = {call_head(n): call_object(n, compile_schema(text)) for n, text in schemas}
         self.mode, self.tail, self.json, self.matched, self.head = self.FREE, "", JsonPrefix(), 0, None
         if opened is not None:
             self._open()
@@ -143,6 +147,7 @@ class HermesCalls(CallsInText):
     def copy(self) -> HermesCalls:
         other = HermesCalls.__new__(HermesCalls)
         other.heads, other.mode, other.tail, other.matched = self.heads, self.mode, self.tail, self.matched
+        other.calls = self.calls
         other.json, other.head = self.json.copy(), self.head
         return other
 
@@ -158,6 +163,8 @@ class HermesCalls(CallsInText):
             return False
         self.head = head
         if head in self.heads:  # a whole head: the arguments (and the call's object) go on as JSON
+            if head in self.calls:  # ... valid under the tool's parameters schema
+                self.json = SchemaPrefix(self.calls[head])
             self.json.feed(head)
             self.head = None
         return True
@@ -251,9 +258,9 @@ class QwenXmlCalls(CallsInText):
 def language_for(params: SamplingParams) -> Language:
     """The language a reply with these parameters is constrained to."""
     if params.json_object:
-        return JsonObject()
+        return JsonObject(compile_schema(params.json_schema) if params.json_schema else None)
     if params.call_format == "hermes":
-        return HermesCalls(params.call_opening, tuple(name for name, _ in params.call_tools))
+        return HermesCalls(params.call_opening, tuple(name for name, _ in params.call_tools), params.call_schemas)
     if params.call_format == "qwen-xml":
         return QwenXmlCalls(params.call_opening, params.call_tools)
     raise ValueError(f"no constrained language for call format {params.call_format!r}")

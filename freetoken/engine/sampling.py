@@ -26,12 +26,14 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     json_object: bool = False  # the reply must be one JSON object (constrained: see json_sampler.py)
+    json_schema: str = ""  # with json_object: a JSON schema (as JSON text) that object must also satisfy
     # tool calls constrained to the offered tools (see json_sampler.py): "hermes" (JSON in <tool_call>) or
     # "qwen-xml" (Qwen3-Coder); `call_opening`: the reply starts inside a call, after this text the prompt wrote
     # (a forced call); `call_tools`: (name, parameter names) of each offered tool
     call_format: str = ""
     call_opening: str | None = None
     call_tools: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    call_schemas: tuple[tuple[str, str], ...] = ()  # (name, parameters schema as JSON text): arguments checked too
 
     def __post_init__(self) -> None:
         checks = [

@@ -33,7 +33,7 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
 from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.reply import Reply, ReplyStats
-from freetoken.server.engine import offered_tools
+from freetoken.server.engine import offered_schemas, offered_tools
 from freetoken.server.output import OutputParser
 from freetoken.server.tool_choice import call_syntax
 
@@ -189,7 +189,8 @@ class Session(Conversation):
         syntax = call_syntax(template.source) if self.tools and template is not None else "none"
         if sampling.json or syntax not in ("hermes", "qwen-xml"):
             return {}
-        return {"call_format": syntax, "call_tools": offered_tools(self.tools)}
+        return {"call_format": syntax, "call_tools": offered_tools(self.tools),
+                "call_schemas": offered_schemas(self.tools) if syntax == "hermes" else ()}
 
     def _adopt_longer_prefix(self, prompt: list[int], common: int) -> int:
         """Another session's pages when they hold a longer start of `prompt` than this session's own history."""

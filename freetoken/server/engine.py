@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import queue
 import sys
@@ -24,6 +25,7 @@ from typing import Any
 from freetoken.engine.batching import BatchRequest, BatchScheduler
 from freetoken.engine.generator import GenerationEvent
 from freetoken.engine.json_sampler import CALL_OPEN
+from freetoken.engine.json_schema import SchemaError, compile_schema
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.sampling import SamplingParams
@@ -46,6 +48,7 @@ class ChatPrompt:
     # also for described tools; "qwen-xml"), else ""; and the offered tools as (name, parameter names)
     call_format: str = ""
     call_tools: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    call_schemas: tuple[tuple[str, str], ...] = ()  # (name, parameters schema) of tools whose schema is usable
 
     def parser(self) -> OutputParser:
         return OutputParser(in_reasoning=self.in_reasoning, tools=self.tools, prefix=self.opener)
@@ -58,7 +61,7 @@ class ChatPrompt:
             return params
         opening = self.opener.split(CALL_OPEN, 1)[1] if CALL_OPEN in self.opener else None
         return dataclasses.replace(params, call_format=self.call_format, call_opening=opening,
-                                   call_tools=self.call_tools)
+                                   call_tools=self.call_tools, call_schemas=self.call_schemas)
 
 
 def offered_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -68,6 +71,25 @@ def offered_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, tuple[
         fn = t["function"]
         properties = (fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
         out.append((fn["name"], tuple(properties) if isinstance(properties, dict) else ()))
+    return tuple(out)
+
+
+def offered_schemas(tools: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """(name, parameters schema as compact JSON) of the OpenAI-shaped tools whose parameters schema the call
+    constraint can read (an object schema; see engine/json_schema.py); the others' arguments stay any object."""
+    out = []
+    for t in tools:
+        fn = t["function"]
+        params = fn.get("parameters")
+        if not isinstance(params, dict):
+            continue
+        text = json.dumps(params, separators=(",", ":"), sort_keys=True)
+        try:
+            root = compile_schema(text)
+        except SchemaError:
+            continue
+        if root.types is None or "object" in root.types:
+            out.append((fn["name"], text))
     return tuple(out)
 
 
@@ -158,7 +180,8 @@ class ServingEngine:
         opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
         return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),
                           call_format={"hermes": "hermes", "none": "hermes", "qwen-xml": "qwen-xml"}.get(syntax, "")
-                          if tools else "", call_tools=offered_tools(tools or ()))
+                          if tools else "", call_tools=offered_tools(tools or ()),
+                          call_schemas=offered_schemas(tools or ()))
 
     def check_fits(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.context_length:

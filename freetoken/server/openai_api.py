@@ -103,7 +103,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []])
         messages = [_message(m, i) for i, m in enumerate(req.messages)]
         thinking = None if req.reasoning_effort is None else req.reasoning_effort not in ("none", "minimal")
-        json_object = wants_json(req.response_format, "response_format")
+        json_object, json_schema = wants_json(req.response_format, "response_format")
         try:
             chat = engine.chat_prompt(messages, tools, enable_thinking=False if json_object else thinking,
                                       choice=choice)
@@ -116,7 +116,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
                                  prompt_tokens=len(chat.ids), context=engine.context_length,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                                  seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos,
-                                 json_object=json_object))
+                                 json_object=json_object, json_schema=json_schema))
         parser = chat.parser()
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         events = engine.stream(chat.ids, params)

@@ -15,6 +15,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from freetoken.engine.generator import GenerationEvent
+from freetoken.engine.json_schema import SchemaError, compile_schema
 from freetoken.engine.sampling import SamplingParams
 from freetoken.server.engine import ContextLengthExceeded, Saturated, ServingEngine
 from freetoken.server.errors import APIError
@@ -100,16 +101,30 @@ def check_model(model: str, served: set[str], engine: ServingEngine) -> None:
                        param="model", code="model_not_found")
 
 
-def wants_json(response_format: Any, param: str) -> bool:
-    """Whether an OpenAI `response_format` (chat) or `text.format` (Responses) asks for a JSON object: `text` or
-    absent → no; `json_object` or `json_schema` → yes (the reply is constrained to JSON syntax with an object at
-    the top; a schema's own structure is not enforced); anything else → 400."""
+def wants_json(response_format: Any, param: str) -> tuple[bool, str]:
+    """Whether an OpenAI `response_format` (chat) or `text.format` (Responses) asks for a JSON object, and the
+    schema it must satisfy (compact JSON text, "" for none): `text` or absent → no; `json_object` → any object;
+    `json_schema` → an object valid under its schema (chat: `json_schema.schema`; Responses: `schema`; what the
+    constraint enforces: freetoken/engine/json_schema.py); anything else, or an unreadable schema → 400."""
     if response_format is None:
-        return False
+        return False, ""
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind not in ("text", "json_object", "json_schema"):
         raise APIError(400, f"{param} must be an object with type text, json_object or json_schema", param=param)
-    return kind != "text"
+    if kind != "json_schema":
+        return kind != "text", ""
+    holder = response_format.get("json_schema", response_format)
+    schema = holder.get("schema") if isinstance(holder, dict) else None
+    if schema is None:
+        return True, ""  # a name without a schema: any object
+    try:
+        text = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+        root = compile_schema(text)
+    except (TypeError, SchemaError) as e:
+        raise APIError(400, f"{param}: unusable JSON schema: {e}", param=param) from None
+    if root.types is not None and "object" not in root.types:
+        raise APIError(400, f"{param}: the schema's top level must be an object (type: object)", param=param)
+    return True, text
 
 
 def check_json_prompt(chat: Any, param: str) -> None:
@@ -122,7 +137,7 @@ def check_json_prompt(chat: Any, param: str) -> None:
 def sampling_params(*, max_tokens: int | None, prompt_tokens: int, context: int, temperature: float | None,
                     top_p: float | None, top_k: int | None, min_p: float | None, seed: int | None,
                     stop: list[str], default_temperature: float = 1.0, ignore_eos: bool = False,
-                    json_object: bool = False) -> SamplingParams:
+                    json_object: bool = False, json_schema: str = "") -> SamplingParams:
     """A reply may use what the prompt leaves of the context; a larger `max_tokens` is cut to that."""
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -132,7 +147,8 @@ def sampling_params(*, max_tokens: int | None, prompt_tokens: int, context: int,
         return SamplingParams(max_tokens=max(1, min(wanted, room)),
                               temperature=default_temperature if temperature is None else temperature,
                               top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, min_p=min_p or 0.0,
-                              seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, json_object=json_object)
+                              seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, json_object=json_object,
+                              json_schema=json_schema)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 

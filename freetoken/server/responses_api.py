@@ -97,7 +97,7 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         thinking = None if effort is None else effort not in ("none", "minimal")
         if req.text is not None and not isinstance(req.text, dict):
             raise APIError(400, "text must be an object", param="text")
-        json_object = wants_json((req.text or {}).get("format"), "text.format")
+        json_object, json_schema = wants_json((req.text or {}).get("format"), "text.format")
         try:
             chat = engine.chat_prompt(system + conversation, tools, enable_thinking=False if json_object else thinking,
                                       choice=choice)
@@ -109,7 +109,8 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         admit(engine, ids, context_exceeded_openai)
         params = chat.constrain(sampling_params(max_tokens=req.max_output_tokens, prompt_tokens=len(ids),
                                  context=engine.context_length, temperature=req.temperature, top_p=req.top_p,
-                                 top_k=None, min_p=None, seed=None, stop=[], json_object=json_object))
+                                 top_k=None, min_p=None, seed=None, stop=[], json_object=json_object,
+                                 json_schema=json_schema))
         reply = _Reply(engine, req, f"resp_{uuid.uuid4().hex}", store if req.store else None, conversation)
         parser = chat.parser()
         events = engine.stream(ids, params)

@@ -59,6 +59,25 @@ def test_a_call_must_name_an_offered_tool():
         HermesCalls(opened='\n{"name": "h", "arguments": ', names=("f",))
 
 
+def test_a_tools_arguments_must_satisfy_its_parameters_schema():
+    """With the tool's parameters schema: required arguments, their types and no unknown ones; a tool without a
+    schema keeps free JSON arguments; the call object itself holds only name and arguments."""
+    schema = json.dumps({"type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "integer"}},
+                         "required": ["path"], "additionalProperties": False})
+    calls = HermesCalls(names=("read", "free"), schemas=(("read", schema),))
+    assert calls.feed('<tool_call>\n{"name": "read", "arguments": {')
+    assert not calls.copy().feed("}")  # path is required
+    assert not calls.copy().feed('"size"')  # not a parameter of read
+    assert not calls.copy().feed('"path": 3')  # a string is due
+    assert not calls.copy().feed('"path": "a", "lines": 1.5')  # an integer is due
+    assert not calls.copy().feed('"path": "a"}, "extra"')  # the call object has nothing else
+    assert calls.copy().feed('"path": "a.py", "lines": 20}}\n</tool_call>')
+    free = HermesCalls(names=("read", "free"), schemas=(("read", schema),))
+    assert free.feed('<tool_call>{"name": "free", "arguments": {"anything": [1, 2]}}</tool_call>')
+    forced = HermesCalls(opened='\n{"name": "read", "arguments": ', names=("read",), schemas=(("read", schema),))
+    assert not forced.copy().feed("{}") and forced.feed('{"path": "x"}}</tool_call>')
+
+
 def test_a_forced_call_starts_inside_its_opening():
     opening = '\n{"name": "f", "arguments": '
     steps = [["hello", "{"], ['"b"'], [":"], ["1"], ["}"], ["x", "}"], ["</tool_call>"], ["<eos>"]]

@@ -328,6 +328,32 @@ def test_response_format_json_constrains_the_reply_to_a_json_object(oai):
     assert bad.value.body["param"] == "response_format"
 
 
+def test_response_format_json_schema_constrains_the_reply_to_the_schema(oai):
+    """The object must satisfy the schema itself (keys, required, types, enums), not just be JSON: the 135M model
+    answers with exactly the keys asked for, in both APIs; an unusable schema is a 400 naming the parameter."""
+    ask = [{"role": "user", "content": "Give the capital of France as JSON."}]
+    schema = {"type": "object", "additionalProperties": False, "required": ["country", "capital", "continent"],
+              "properties": {"country": {"type": "string"}, "capital": {"type": "string"},
+                             "continent": {"enum": ["Europe", "Asia", "Africa", "America", "Oceania"]},
+                             "population_millions": {"type": "integer"}}}
+    reply = oai.chat.completions.create(model="smollm2", messages=ask, temperature=0, max_tokens=96,
+                                        response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "capital", "schema": schema}})
+    answer = json.loads(reply.choices[0].message.content)
+    assert {"country", "capital", "continent"} <= set(answer) <= set(schema["properties"])
+    assert answer["continent"] in schema["properties"]["continent"]["enum"] and answer["capital"] == "Paris"
+    assert isinstance(answer.get("population_millions", 0), int)
+    response = oai.responses.create(model="smollm2", input=ask[0]["content"], temperature=0, max_output_tokens=96,
+                                    text={"format": {"type": "json_schema", "name": "capital", "schema": schema}})
+    assert json.loads(response.output_text) == answer
+    for bad_schema, why in (({"$ref": "#/$defs/Nope"}, "unusable JSON schema"),
+                            ({"type": "array"}, "top level must be an object")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.chat.completions.create(model="smollm2", messages=ask, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}})
+        assert bad.value.body["param"] == "response_format" and why in bad.value.body["message"]
+
+
 def test_a_seed_past_64_bits_is_answered_and_the_server_lives_on(oai):
     for seed in (2**70, -(2**70)):
         reply = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],

@@ -166,6 +166,19 @@ def test_a_forced_call_of_a_small_model_comes_back_as_a_call_with_json_arguments
     assert call.function.name and isinstance(json.loads(call.function.arguments), dict)
 
 
+def test_a_forced_calls_arguments_satisfy_the_tools_parameters_schema(smollm2_server):
+    """With required, typed, closed parameters the 135M model's arguments are exactly what the schema allows."""
+    strict = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {**CITY, "required": ["city"],
+                                                              "additionalProperties": False}}}
+    oai = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    reply = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                        tools=[strict], tool_choice="required", temperature=0, max_tokens=96)
+    call = reply.choices[0].message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) == {"city"} and isinstance(arguments["city"], str)
+
+
 @pytest.mark.parametrize("syntax, fmt", [("hermes", "hermes"), ("qwen-xml", "qwen-xml"), ("llama3", "")])
 @pytest.mark.parametrize("choice", [ToolChoice("auto"), ToolChoice("required"), ToolChoice("named", "get_weather")])
 def test_the_reply_is_constrained_to_calls_in_the_models_format(syntax, fmt, choice):
