@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import copy
+import json as json_text
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken.engine.json_schema import compile_schema
 from freetoken.errors import FreeTokenError
 from freetoken.sdk.reply import Reply, ReplyStats
 from freetoken.server.output import Part
@@ -23,6 +25,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     json: bool = False  # the reply is one JSON object (constrained sampling)
+    schema: str = ""  # ... valid under this JSON schema (compact JSON text), when given
 
 
 class Conversation(ABC):
@@ -39,12 +42,14 @@ class Conversation(ABC):
 
     def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-             json: bool = False) -> Reply:
+             json: bool | Mapping[str, Any] = False) -> Reply:
         """Queues `message` (a string is a user message; a dict any OpenAI-style message, a tool result too)
         and returns its reply at once; the reply completes whether or not it is read. `json=True`: the reply's
-        text is one JSON object (sampling is constrained to it)."""
+        text is one JSON object (sampling is constrained to it); a JSON schema (a dict): one valid under it (what
+        is enforced: freetoken/engine/json_schema.py; an unreadable schema raises ValueError here)."""
         msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
-        sampling = Sampling(max_tokens, temperature, top_p, top_k, tuple(stop), seed, json)
+        schema = _schema_text(json) if isinstance(json, Mapping) else ""
+        sampling = Sampling(max_tokens, temperature, top_p, top_k, tuple(stop), seed, bool(json), schema)
         reply = Reply()
         self.engine.submit(lambda: self._run(msg, sampling, reply))
         return reply
@@ -71,6 +76,15 @@ class Conversation(ABC):
             self._messages[index] = {**old, "content": message} if isinstance(message, str) else dict(message)
 
         self.engine.run(change)
+
+
+def _schema_text(schema: Mapping[str, Any]) -> str:
+    """A reply schema as compact JSON text, checked now so a bad one fails at the caller's `send`."""
+    text = json_text.dumps(dict(schema), separators=(",", ":"), sort_keys=True)
+    root = compile_schema(text)
+    if root.types is not None and "object" not in root.types:
+        raise ValueError("a reply schema's top level must be an object (type: object)")
+    return text
 
 
 def assistant_message(parts: list[Part], arguments_as_json: bool = False) -> dict:

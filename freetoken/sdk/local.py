@@ -146,7 +146,8 @@ class Session(Conversation):
                                  "so it cannot be constrained to a JSON object; send without json=True")
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                 max_tokens=sampling.max_tokens, stop=sampling.stop, seed=sampling.seed,
-                                json_object=sampling.json, **self._call_constraint(sampling))
+                                json_object=sampling.json, json_schema=sampling.schema,
+                                **self._call_constraint(sampling))
         prompt = lm.tokenizer.encode(text)
         common = _common_prefix(self._tokens, prompt, limit=len(prompt) - 1)
         if lm.has_recurrent_state:

@@ -45,6 +45,12 @@ class RemoteEngine(Worker):
         return RemoteSession(self, history, list(tools) if tools else None)
 
 
+def _response_format(sampling: Sampling) -> dict:
+    if not sampling.schema:
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": "reply", "schema": json.loads(sampling.schema)}}
+
+
 class RemoteSession(Conversation):
     def __init__(self, engine: RemoteEngine, messages: list[dict], tools: list[dict] | None):
         self.engine, self._messages, self.tools = engine, messages, tools
@@ -53,7 +59,7 @@ class RemoteSession(Conversation):
     def _produce(self, msg: dict, sampling: Sampling, reply: Reply) -> ReplyStats:
         body = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
                 "stop": list(sampling.stop) or None, "seed": sampling.seed,
-                **({"response_format": {"type": "json_object"}} if sampling.json else {}),
+                **({"response_format": _response_format(sampling)} if sampling.json else {}),
                 **({"extra_body": {"top_k": sampling.top_k}} if sampling.top_k else {})}
         messages = self._messages + [msg]
         started, first, parts, usage, finish = time.perf_counter(), None, [], None, None

@@ -136,6 +136,8 @@ def test_connect_gives_the_same_sessions_against_a_server(smollm2_gguf):
         shaped = session.send("Now give the capital of France as JSON with keys country and capital.", json=True,
                               max_tokens=64)
         assert isinstance(json.loads(shaped.text), dict)
+        schemed = session.send("Now give the capital of France as JSON.", json=CAPITAL_SCHEMA, max_tokens=64)
+        assert set(json.loads(schemed.text)) == {"country", "capital"}  # through response_format json_schema
         remote.close()
     finally:
         running.stop()
@@ -166,6 +168,22 @@ def test_on_cuda_sessions_fork_and_reuse_through_graphs(tmp_path):
     engine.prefix.clear()
     assert engine.cache.allocator.num_free == engine.cache.allocator.num_pages
     engine.close()
+
+
+CAPITAL_SCHEMA = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+                  "required": ["country", "capital"], "additionalProperties": False}
+
+
+def test_a_json_schema_reply_is_valid_under_it_and_a_bad_schema_fails_at_send(engine):
+    session = engine.session()
+    reply = session.send("Give the capital of France as JSON.", json=CAPITAL_SCHEMA, max_tokens=64)
+    answer = json.loads(reply.text)
+    assert set(answer) == {"country", "capital"} and all(isinstance(v, str) for v in answer.values())
+    with pytest.raises(ValueError, match="points at nothing"):
+        session.send("hi", json={"$ref": "#/$defs/Missing"})
+    with pytest.raises(ValueError, match="top level must be an object"):
+        session.send("hi", json={"type": "array"})
+    session.close()
 
 
 def test_json_replies_are_one_json_object(engine):
