@@ -124,12 +124,12 @@ class _Compiler:
         return placeholder
 
 
-def call_object(name: str, arguments: Node) -> Node:
-    """The schema of a Hermes call object: {"name": `name`, "arguments": <valid under `arguments`>}, nothing else."""
+def call_object(name: str, arguments: Node, key: str = "arguments") -> Node:
+    """The schema of a JSON call object: {"name": `name`, `key`: <valid under `arguments`>}, nothing else."""
     name_node, node = Node(), Node()
     name_node.types, name_node.enum = frozenset({"string"}), frozenset({_compact(name)})
     node.types, node.closed = frozenset({"object"}), True
-    node.properties = {"name": name_node, "arguments": arguments}
+    node.properties = {"name": name_node, key: arguments}
     node.required = frozenset(node.properties)
     return node
 

@@ -33,7 +33,7 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
 from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.reply import Reply, ReplyStats
-from freetoken.server.engine import offered_schemas, offered_tools
+from freetoken.server.engine import constrained_format, offered_schemas, offered_tools
 from freetoken.server.output import OutputParser
 from freetoken.server.tool_choice import call_syntax
 
@@ -184,14 +184,15 @@ class Session(Conversation):
                           t.first_token_s if t else None, decode, "tool_calls" if calls else last.finish_reason)
 
     def _call_constraint(self, sampling) -> dict:
-        """Where the model calls tools in the Hermes/Qwen format, its calls are constrained to JSON calls of the
-        offered tools (as the server does; see engine/json_sampler.py)."""
+        """Where the model's template teaches a call format the sampler knows, its calls are constrained to calls
+        of the offered tools (as the server does; see engine/call_languages.py)."""
         template = self.engine.lm.tokenizer.tool_use_template or self.engine.lm.tokenizer.chat_template
         syntax = call_syntax(template.source) if self.tools and template is not None else "none"
-        if sampling.json or syntax not in ("hermes", "qwen-xml"):
+        fmt = constrained_format(syntax) if syntax != "none" else ""  # (tools not rendered: nothing to constrain)
+        if sampling.json or not fmt:
             return {}
-        return {"call_format": syntax, "call_tools": offered_tools(self.tools),
-                "call_schemas": offered_schemas(self.tools) if syntax == "hermes" else ()}
+        return {"call_format": fmt, "call_tools": offered_tools(self.tools),
+                "call_schemas": offered_schemas(self.tools) if fmt != "qwen-xml" else ()}
 
     def _adopt_longer_prefix(self, prompt: list[int], common: int) -> int:
         """Another session's pages when they hold a longer start of `prompt` than this session's own history."""

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from freetoken.engine.batching import BatchRequest, BatchScheduler
+from freetoken.engine.call_languages import CALL_MARKERS, opening_of
 from freetoken.engine.generator import GenerationEvent
-from freetoken.engine.json_sampler import CALL_OPEN
 from freetoken.engine.json_schema import SchemaError, compile_schema
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
@@ -44,8 +44,9 @@ class ChatPrompt:
     opener: str  # written on the model's behalf (a forced tool call's opening), or ""
     in_reasoning: bool  # the template left a reasoning block open
     tools: bool  # tools were offered (the parser looks for calls)
-    # how the model writes calls where the sampler can constrain them ("hermes": <tool_call>{JSON}</tool_call>,
-    # also for described tools; "qwen-xml"), else ""; and the offered tools as (name, parameter names)
+    # how the model writes calls where the sampler can constrain them (a language of engine/call_languages.py:
+    # "hermes", also for described tools, "qwen-xml", "mistral-json", "mistral-args", "llama3"), else ""; and the
+    # offered tools as (name, parameter names)
     call_format: str = ""
     call_tools: tuple[tuple[str, tuple[str, ...]], ...] = ()
     call_schemas: tuple[tuple[str, str], ...] = ()  # (name, parameters schema) of tools whose schema is usable
@@ -59,9 +60,16 @@ class ChatPrompt:
         JSON object stays so."""
         if not self.call_format or params.json_object:
             return params
-        opening = self.opener.split(CALL_OPEN, 1)[1] if CALL_OPEN in self.opener else None
+        opening = opening_of(self.opener, self.call_format)
         return dataclasses.replace(params, call_format=self.call_format, call_opening=opening,
                                    call_tools=self.call_tools, call_schemas=self.call_schemas)
+
+
+def constrained_format(syntax: str) -> str:
+    """The constrained call language for a template's call syntax (tool_choice.call_syntax); templates that
+    ignore tools get the Hermes format described, so their calls are Hermes calls."""
+    fmt = "hermes" if syntax == "none" else syntax
+    return fmt if fmt in CALL_MARKERS else ""
 
 
 def offered_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -179,9 +187,8 @@ class ServingEngine:
         in_reasoning = text.rstrip().endswith("<think>")
         opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
         return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),
-                          call_format={"hermes": "hermes", "none": "hermes", "qwen-xml": "qwen-xml"}.get(syntax, "")
-                          if tools else "", call_tools=offered_tools(tools or ()),
-                          call_schemas=offered_schemas(tools or ()))
+                          call_format=constrained_format(syntax) if tools else "",
+                          call_tools=offered_tools(tools or ()), call_schemas=offered_schemas(tools or ()))
 
     def check_fits(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.context_length:

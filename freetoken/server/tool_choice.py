@@ -5,8 +5,8 @@ generation prompt, in the syntax the model's chat template teaches it (Hermes/Qw
 Qwen3-Coder XML, Mistral `[TOOL_CALLS]`, Llama 3 JSON): the model continues from inside the call, and the output
 parser is fed the same opening so it reads the whole call. A named choice writes the name too, so only the
 arguments are the model's. The rendered prompt before the opening stays what `auto` renders, so a forced turn
-reuses the same cached prefix. This steers the reply; where calls are Hermes-format JSON the sampler also keeps
-each call's body a JSON call of an offered tool (engine/json_sampler.py), though not the arguments' schema.
+reuses the same cached prefix. This steers the reply; the sampler also keeps each call a call of an offered tool
+in the model's format, JSON arguments valid under the tool's schema (engine/call_languages.py).
 
 A template that ignores tools (it never mentions them) gets them described in the system message with the
 Hermes format, so a model without tool training can still be asked for calls the parser reads.
@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.engine.json_sampler import call_head
+from freetoken.engine.call_languages import call_head
 from freetoken.server.errors import APIError
 
 

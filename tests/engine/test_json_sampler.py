@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from freetoken.engine.json_sampler import ConstrainedSampler, HermesCalls, JsonObject, QwenXmlCalls
+from freetoken.engine.call_languages import HermesCalls, Llama3Calls, MistralCalls, QwenXmlCalls
+from freetoken.engine.json_sampler import ConstrainedSampler, JsonObject
 from freetoken.engine.sampling import Sampler, SamplingParams
 
 VOCAB = ["<eos>", "<tool_call>", "</tool_call>", "{", "}", '"a"', ":", "1", " ", "hello", "x", "\n", "</", "tool_call>",
@@ -121,3 +122,37 @@ def test_qwen_xml_calls_name_an_offered_tool_and_its_parameters():
     assert forced.feed("</function>\n</tool_call>") and forced.can_end
     with pytest.raises(ValueError):
         QwenXmlCalls(opened="\n<function=rm>", tools=tools)
+
+
+def test_mistral_calls_json_lists_and_name_args_forms():
+    schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    listed = MistralCalls(names=("get_weather", "f"), schemas=(("get_weather", schema),))
+    assert listed.feed("Let me check. [TOOL_CALLS][")
+    assert not listed.copy().feed('{"name": "rm"')  # not an offered tool
+    assert not listed.copy().feed('{"name": "get_weather", "arguments": {}}')  # city is required
+    assert listed.feed('{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}')
+    assert not listed.can_end and listed.feed("]") and listed.can_end
+    args = MistralCalls(names=("get_weather",), schemas=(("get_weather", schema),), args=True)
+    assert args.feed("[TOOL_CALLS]") and not args.copy().feed("rm[ARGS]")
+    assert not args.copy().feed('get_weather[ARGS]{"city": 1}')
+    assert args.copy().feed('get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}')
+    with_id = args.copy()
+    assert with_id.feed('get_weather[CALL_ID]a1B2[ARGS]{"city": "Paris"}') and with_id.can_end
+    assert not args.copy().feed("get_weather[CALL_ID]a-b")  # ids are letters and digits
+    forced = MistralCalls(opened="get_weather[ARGS]", names=("get_weather",), args=True)
+    assert not forced.can_end and forced.feed('{"x": 1}') and forced.can_end
+
+
+def test_llama3_replies_are_free_text_or_one_json_call_then_the_end():
+    schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                         "additionalProperties": False})
+    words = Llama3Calls(names=("get_weather",), schemas=(("get_weather", schema),))
+    assert words.feed("The weather is { whatever } I like.") and words.can_end
+    call = Llama3Calls(names=("get_weather",), schemas=(("get_weather", schema),))
+    assert not call.copy().feed('{"name": "get_time"')
+    assert not call.copy().feed('{"name": "get_weather", "parameters": {"town": "x"}}')
+    assert call.feed(' {"name": "get_weather", "parameters": {"city": "Paris"}}') and call.must_end
+    assert call.copy().feed("\n") and not call.copy().feed(" more")
+    tagged = Llama3Calls(names=("get_weather",))
+    assert tagged.feed('<|python_tag|>{"name": "get_weather", "parameters": {"any": 1}}') and tagged.must_end
+    assert Llama3Calls(names=("get_weather",)).feed("<|python is fun")  # not the tag: free text

@@ -179,27 +179,41 @@ def test_a_forced_calls_arguments_satisfy_the_tools_parameters_schema(smollm2_se
     assert call.function.name == "get_weather" and set(arguments) == {"city"} and isinstance(arguments["city"], str)
 
 
-@pytest.mark.parametrize("syntax, fmt", [("hermes", "hermes"), ("qwen-xml", "qwen-xml"), ("llama3", "")])
+FULL_CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "qwen-xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    "mistral-json": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "mistral-args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+}
+
+
+@pytest.mark.parametrize("syntax", list(FULL_CALLS))
 @pytest.mark.parametrize("choice", [ToolChoice("auto"), ToolChoice("required"), ToolChoice("named", "get_weather")])
-def test_the_reply_is_constrained_to_calls_in_the_models_format(syntax, fmt, choice):
+def test_the_reply_is_constrained_to_calls_in_the_models_format(syntax, choice):
     """ChatPrompt.constrain hands the sampler the call format, the offered tools and, for a forced call, the
     opening the prompt wrote; the language built from them accepts that opening and a well-formed call."""
+    from freetoken.engine.call_languages import CALL_MARKERS
     from freetoken.engine.json_sampler import language_for
     from freetoken.engine.sampling import SamplingParams
-    from freetoken.server.engine import ChatPrompt, offered_tools
+    from freetoken.server.engine import ChatPrompt, constrained_format, offered_schemas, offered_tools
 
+    fmt = constrained_format(syntax)
     opener = call_opener(choice, syntax)
-    chat = ChatPrompt("…" + opener, [], opener, False, True, call_format=fmt, call_tools=offered_tools([WEATHER]))
+    chat = ChatPrompt("…" + opener, [], opener, False, True, call_format=fmt, call_tools=offered_tools([WEATHER]),
+                      call_schemas=offered_schemas([WEATHER]))
     params = chat.constrain(SamplingParams())
-    assert params.call_format == fmt and chat.constrain(SamplingParams(json_object=True)).call_format == ""
-    if not fmt:
-        return
+    assert params.call_format == fmt == syntax and chat.constrain(SamplingParams(json_object=True)).call_format == ""
     assert params.call_tools == (("get_weather", ("city",)),)
     language = language_for(params)
     assert language.can_end == (not choice.forces_call)
-    written = opener.split("<tool_call>", 1)[1] if choice.forces_call else ""
-    full = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-            "qwen-xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
-                        "</tool_call>"}[fmt]
-    rest = full[len("<tool_call>") + len(written):] if choice.forces_call else full
+    marker = CALL_MARKERS[fmt]
+    written = params.call_opening or ""
+    assert (marker + written).endswith(opener.split("</think>")[-1].lstrip()) if choice.forces_call else not written
+    full = FULL_CALLS[fmt]
+    rest = full[len(marker) + len(written):] if choice.forces_call else full
+    assert language.copy().feed(rest) and language.copy().feed(rest + " ")
     assert language.feed(rest) and language.can_end
+    if fmt != "qwen-xml":  # JSON arguments are held to the tool's schema: city must be a string
+        wrong = full.replace('"Paris"', "7")
+        assert not language_for(params).feed(wrong[len(marker) + len(written):] if choice.forces_call else wrong)

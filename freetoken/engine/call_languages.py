@@ -1,0 +1,365 @@
+"""Tool-call languages for constrained sampling (json_sampler.py): free text in which each call must be a call
+of an offered tool, written in the model's own format, its arguments valid under the tool's parameters schema
+where the format writes them as JSON (json_schema.py). Nothing outside a call is touched; a forced call
+(`tool_choice`) starts inside one (`opened`: what the prompt already wrote of it).
+
+- `HermesCalls` (Hermes/Qwen): `<tool_call>` `{"name": "<tool>", "arguments": {…}}` `</tool_call>`.
+- `QwenXmlCalls` (Qwen3-Coder): `<tool_call>` `<function=NAME>` `<parameter=P>value</parameter>`… `</function>`
+  `</tool_call>` (P among the tool's schema properties where it declares any; values are free text).
+- `MistralCalls`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` calls (older tokenizers) or, per
+  marker, `NAME[ARGS]{…}` (newer ones; `NAME[CALL_ID]id[ARGS]{…}` too).
+- `Llama3Calls`: a reply that opens with `{` (or `<|python_tag|>`) is one `{"name", "parameters"}` call and then
+  the end; any other reply is free text.
+Calls are recognised by their head spelled as the chat templates write it (`{"name": "x", "arguments": `).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+
+from freetoken.engine.json_prefix import WHITESPACE, JsonPrefix
+from freetoken.engine.json_schema import SchemaPrefix, call_object, compile_schema
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_OPEN, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+PYTHON_TAG = "<|python_tag|>"
+# the text that opens a call in each constrained format ("": the reply itself opens with the call)
+CALL_MARKERS = {"hermes": CALL_OPEN, "qwen-xml": CALL_OPEN, "mistral-json": MISTRAL_OPEN,
+                "mistral-args": MISTRAL_OPEN, "llama3": ""}
+
+
+def opening_of(opener: str, call_format: str) -> str | None:
+    """What a forced call's opener (tool_choice.call_opener) wrote inside the call, for the language to start
+    from; None when the prompt opened no call."""
+    if not opener:
+        return None
+    marker = CALL_MARKERS[call_format]
+    if marker:
+        return opener.split(marker, 1)[1] if marker in opener else None
+    return opener.rsplit("</think>", 1)[-1].lstrip()  # the opener is the call's start (after a closed reasoning)
+
+
+def call_head(name: str, key: str = "arguments") -> str:
+    """How a JSON call of `name` starts, as the chat templates write it (and `tool_choice` openings too); Llama 3
+    names its arguments "parameters"."""
+    return f'{{"name": {json.dumps(name)}, "{key}": '
+
+
+def call_heads(names: tuple[str, ...], schemas: tuple[tuple[str, str], ...], key: str = "arguments") -> dict:
+    """head text → the schema of that tool's whole call object (None: any JSON arguments)."""
+    compiled = {n: compile_schema(text) for n, text in schemas}
+    return {call_head(n, key): call_object(n, compiled[n], key) if n in compiled else None for n in names}
+
+
+class CallObject:
+    """One JSON call object of an offered tool, read character by character: its head among `heads` (leading
+    whitespace allowed; no heads: any object), then JSON to the object's end, valid under the call's schema."""
+
+    __slots__ = ("heads", "head", "json")
+
+    def __init__(self, heads: dict) -> None:
+        self.heads, self.head, self.json = heads, "" if heads else None, JsonPrefix()
+
+    def copy(self) -> CallObject:
+        other = CallObject.__new__(CallObject)
+        other.heads, other.head, other.json = self.heads, self.head, self.json.copy()
+        return other
+
+    @property
+    def complete(self) -> bool:
+        return self.head is None and self.json.complete
+
+    def feed(self, c: str) -> bool:
+        if self.head is None:
+            return self.json.feed(c)
+        if not self.head and c in WHITESPACE:
+            return True
+        head = self.head + c
+        if not any(h.startswith(head) for h in self.heads):
+            return False
+        self.head = head
+        if head in self.heads:  # a whole head: the rest of the call's object goes on as JSON
+            node = self.heads[head]
+            self.json = JsonPrefix() if node is None else SchemaPrefix(node)
+            self.json.feed(head)
+            self.head = None
+        return True
+
+
+class CallsInText(ABC):
+    """Free text watched for the call marker `OPEN`; a subclass defines how a call goes on (`_open`,
+    `_call_char`) and returns to FREE (mode 0) once the call is closed. Only free text may end."""
+
+    FREE = 0
+    OPEN = CALL_OPEN
+
+    def feed(self, text: str) -> bool:
+        return all(self._char(c) for c in text)
+
+    def _char(self, c: str) -> bool:
+        if self.mode != self.FREE:
+            return self._call_char(c)
+        self.tail = (self.tail + c)[-len(self.OPEN):]
+        if self.tail == self.OPEN:
+            self._open()
+        return True
+
+    def _start_opened(self, opened: str | None, what: str) -> None:
+        """A reply that starts inside a call, after `opened` (what the prompt wrote of it)."""
+        if opened is not None:
+            self._open()
+            if not self.feed(opened) or self.mode == self.FREE:
+                raise ValueError(f"a call opening that starts no call of {what}: {opened!r}")
+
+    @abstractmethod
+    def _open(self) -> None:
+        """Enters a call: `OPEN` was just read."""
+
+    @abstractmethod
+    def _call_char(self, c: str) -> bool:
+        """Reads one character inside a call; False where no valid call continues with it."""
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode == self.FREE
+
+    must_end = False
+
+
+class HermesCalls(CallsInText):
+    """Free text in which each `<tool_call>` … `</tool_call>` holds one call object of one of `names` (any name
+    if none given), whitespace around it."""
+
+    FREE, CALL, CLOSE = range(3)
+
+    def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = ()) -> None:
+        """`opened`: the text after `<tool_call>` the prompt already wrote (a forced call). `schemas`: (name,
+        parameters schema as JSON text) of the tools whose arguments must satisfy it (others: any object)."""
+        self.heads = call_heads(names, schemas)
+        self.mode, self.tail, self.call, self.matched = self.FREE, "", CallObject(self.heads), 0
+        self._start_opened(opened, sorted(names))
+
+    def copy(self) -> HermesCalls:
+        other = HermesCalls.__new__(HermesCalls)
+        other.heads, other.mode, other.tail, other.matched = self.heads, self.mode, self.tail, self.matched
+        other.call = self.call.copy()
+        return other
+
+    def _open(self) -> None:
+        self.mode, self.call = self.CALL, CallObject(self.heads)
+
+    def _call_char(self, c: str) -> bool:
+        if self.mode == self.CALL:
+            if not self.call.feed(c):
+                return False
+            if self.call.complete:
+                self.mode, self.matched = self.CLOSE, 0
+            return True
+        if self.matched == 0 and c in WHITESPACE:
+            return True
+        if c != CALL_CLOSE[self.matched]:
+            return False
+        self.matched += 1
+        if self.matched == len(CALL_CLOSE):
+            self.mode, self.tail = self.FREE, ""
+        return True
+
+
+class MistralCalls(CallsInText):
+    """Free text in which `[TOOL_CALLS]` opens calls of offered tools: a JSON list of call objects (`args=False`)
+    or one `NAME[ARGS]{arguments}` (`args=True`; `NAME[CALL_ID]id[ARGS]{…}` too), each marker its own call."""
+
+    FREE, LIST, CALL, AFTER, NAME, CALL_ID, ARGS = range(7)
+    OPEN = MISTRAL_OPEN
+
+    def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = (), args: bool = False) -> None:
+        self.args, self.names = args, names
+        self.heads = call_heads(names, schemas)
+        self.schemas = {n: compile_schema(text) for n, text in schemas}
+        self.mode, self.tail, self.pending, self.call, self.json = self.FREE, "", "", None, None
+        self._start_opened(opened, sorted(names))
+
+    def copy(self) -> MistralCalls:
+        other = MistralCalls.__new__(MistralCalls)
+        other.args, other.names, other.heads, other.schemas = self.args, self.names, self.heads, self.schemas
+        other.mode, other.tail, other.pending = self.mode, self.tail, self.pending
+        other.call = None if self.call is None else self.call.copy()
+        other.json = None if self.json is None else self.json.copy()
+        return other
+
+    def _open(self) -> None:
+        self.mode, self.pending = (self.NAME if self.args else self.LIST), ""
+
+    def _call_char(self, c: str) -> bool:
+        mode = self.mode
+        if mode in (self.LIST, self.AFTER):
+            if c in WHITESPACE:
+                return True
+            if mode == self.LIST and c == "[" or mode == self.AFTER and c == ",":
+                self.mode, self.call = self.CALL, CallObject(self.heads)
+                return True
+            if mode == self.AFTER and c == "]":
+                self.mode, self.tail = self.FREE, ""
+                return True
+            return False
+        if mode == self.CALL:
+            if not self.call.feed(c):
+                return False
+            if self.call.complete:
+                self.mode = self.AFTER
+            return True
+        if mode == self.NAME:
+            return self._name_char(c)
+        if mode == self.CALL_ID:  # an id of letters and digits, then [ARGS]
+            self.pending += c
+            if self.pending.endswith(MISTRAL_ARGS):
+                self.mode, self.pending = self.ARGS, ""
+                return True
+            cut = self.pending.find("[")
+            ident, rest = (self.pending, "") if cut < 0 else (self.pending[:cut], self.pending[cut:])
+            return (not ident or ident.isalnum()) and MISTRAL_ARGS.startswith(rest)
+        if not self.json.feed(c):  # ARGS: the arguments object
+            return False
+        if self.json.complete:
+            self.mode, self.tail = self.FREE, ""
+        return True
+
+    def _name_char(self, c: str) -> bool:
+        pending = self.pending + c
+        options = [n + marker for n in self.names for marker in (MISTRAL_ARGS, MISTRAL_CALL_ID)]
+        if self.names and not any(o.startswith(pending) for o in options):
+            return False
+        self.pending = pending
+        for marker, mode in ((MISTRAL_ARGS, self.ARGS), (MISTRAL_CALL_ID, self.CALL_ID)):
+            if pending.endswith(marker) and (not self.names or pending in options):
+                name = pending[:-len(marker)]
+                self.mode, self.pending = mode, ""
+                schema = self.schemas.get(name)
+                self.json = JsonPrefix() if schema is None else SchemaPrefix(schema)
+        return True
+
+
+class Llama3Calls:
+    """A reply that is either free text or, when it opens with `{` (or `<|python_tag|>`), one JSON call
+    `{"name": <an offered tool>, "parameters": {…}}` and then the end."""
+
+    START, TAG, CALL, END, FREE = range(5)
+
+    def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = ()) -> None:
+        self.heads = call_heads(names, schemas, key="parameters")
+        self.mode, self.pending, self.call = self.START, "", CallObject(self.heads)
+        if opened is not None:
+            self.mode = self.CALL
+            if not self.feed(opened) or self.mode != self.CALL:
+                raise ValueError(f"a call opening that starts no call of {sorted(names)}: {opened!r}")
+
+    def copy(self) -> Llama3Calls:
+        other = Llama3Calls.__new__(Llama3Calls)
+        other.heads, other.mode, other.pending, other.call = self.heads, self.mode, self.pending, self.call.copy()
+        return other
+
+    def feed(self, text: str) -> bool:
+        return all(self._char(c) for c in text)
+
+    def _char(self, c: str) -> bool:
+        mode = self.mode
+        if mode == self.FREE:
+            return True
+        if mode == self.END:
+            return c in WHITESPACE
+        if mode == self.CALL:
+            if not self.call.feed(c):
+                return False
+            if self.call.complete:
+                self.mode = self.END
+            return True
+        if mode == self.START and c in WHITESPACE:
+            return True
+        if mode == self.START and c == "{":
+            self.mode = self.CALL
+            return self.call.feed(c)
+        pending = self.pending + c
+        if PYTHON_TAG.startswith(pending):
+            self.mode, self.pending = (self.CALL if pending == PYTHON_TAG else self.TAG), pending
+            return True
+        self.mode = self.FREE  # an answer in words: nothing to constrain
+        return True
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode in (self.START, self.END, self.FREE)
+
+    @property
+    def must_end(self) -> bool:
+        return self.mode == self.END
+
+
+class QwenXmlCalls(CallsInText):
+    """Free text in which each `<tool_call>` … `</tool_call>` holds one XML call of an offered tool."""
+
+    FREE, FUNCTION, BODY, NAME, VALUE, CLOSE = range(6)
+
+    def __init__(self, opened: str | None = None, tools: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> None:
+        """`tools`: (name, parameter names) pairs; no parameter names: any. `opened`: the reply starts inside a
+        call, after this text the prompt wrote."""
+        self.params = {name: params for name, params in tools}
+        self.mode, self.tail, self.pending, self.function = self.FREE, "", "", ""
+        if opened is not None:
+            self.mode = self.FUNCTION
+            if not self.feed(opened) or self.mode == self.FREE:
+                raise ValueError(f"a call opening that starts no call of {sorted(self.params)}: {opened!r}")
+
+    def copy(self) -> QwenXmlCalls:
+        other = QwenXmlCalls.__new__(QwenXmlCalls)
+        other.params, other.mode, other.tail = self.params, self.mode, self.tail
+        other.pending, other.function = self.pending, self.function
+        return other
+
+    def _open(self) -> None:
+        self.mode, self.pending = self.FUNCTION, ""
+
+    def _options(self) -> list[str]:
+        """The literal texts the current stretch must be one of (`pending` holds what matched so far)."""
+        if self.mode == self.FUNCTION:
+            return [f"<function={name}>" for name in self.params]
+        if self.mode == self.BODY:
+            names = self.params.get(self.function) or ()
+            return [f"<parameter={p}>" for p in names] + ["</function>"] if names else ["<parameter=", "</function>"]
+        return [CALL_CLOSE]
+
+    def _call_char(self, c: str) -> bool:
+        if self.mode == self.VALUE:  # free text up to </parameter>
+            self.tail = (self.tail + c)[-len("</parameter>"):]
+            if self.tail == "</parameter>":
+                self.mode, self.pending = self.BODY, ""
+            return True
+        if self.mode == self.NAME:  # a tool that declares no parameters: any name up to '>', not empty
+            if c == ">" and self.pending:
+                self.mode, self.tail, self.pending = self.VALUE, "", ""
+                return True
+            self.pending += c
+            return c not in "\n>"
+        if not self.pending and c in WHITESPACE:
+            return True
+        pending = self.pending + c
+        options = self._options()
+        if not any(o.startswith(pending) for o in options):
+            return False
+        self.pending = pending
+        if pending in options:
+            self.pending = ""
+            if self.mode == self.FUNCTION:
+                self.mode, self.function = self.BODY, pending[len("<function="):-1]
+            elif pending == "</function>":
+                self.mode = self.CLOSE
+            elif pending == CALL_CLOSE:
+                self.mode, self.tail = self.FREE, ""
+            elif pending == "<parameter=":
+                self.mode = self.NAME
+            else:
+                self.mode, self.tail = self.VALUE, ""
+        return True
