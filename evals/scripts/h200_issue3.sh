@@ -58,7 +58,7 @@ for part in "$@"; do
     p1-8l) for g in "" grouped-mm; do FREETOKEN_EXPERIMENTAL=$g ft bench prefill --shape qwen3-30b-a3b --layers 8 \
              --prompts 4096,16384 --chunk 16384 --budgets 0 --strategies resident,copy,copy-ahead --repeats 3 \
              --commit "$commit (FREETOKEN_EXPERIMENTAL=$g)" --out "$OUT/p1-8l${g:+-$g}.md"; done ;;
-    attn) (cd /tmp && python3 "$OLDPWD/evals/scripts/decode_attention_bench.py" | tee "$OUT/decode-attention.md") ;;
+    attn) (cd /tmp && python3 -m freetoken.kernels.paged_decode.bench | tee "$OUT/decode-attention.md") ;;
     p1-ahead) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0 \
           --strategies resident,copy,copy-ahead,auto,auto-ahead --repeats 2 --commit "$commit" \
           --out "$OUT/p1-ahead.md" ;;

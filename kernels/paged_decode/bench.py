@@ -1,5 +1,6 @@
-"""Micro-benchmark of the paged split-KV decode kernel against SDPA on gathered keys (the default path), at the
-window sizes a captured decode step uses; prints achieved KV read bandwidth against the device copy ceiling.
+"""Micro-benchmark of a captured decode step's attention at the window sizes it uses, keys gathered from a pool
+of 2W slots: SDPA in the 3-D `enable_gqa` form (before 2026-12-01: the math fallback), `static_decode_attention`
+(4-D, the default), and the paged split-KV kernel; KV read bandwidth against the device copy ceiling.
 
     python -m freetoken.kernels.paged_decode.bench [--windows 1024 4096 16384 32768]
 """
@@ -9,11 +10,19 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 from triton.testing import do_bench
 
 from freetoken.engine.attention import static_decode_attention
 from freetoken.kernels.paged_decode.kernel import PagedDecodeAttention
 from freetoken.kernels.paged_decode.reference import paged_decode_attention
+
+
+def enable_gqa_form(q, keys, values, valid):
+    """The form `static_decode_attention` replaced (3-D tensors: SDPA's math fallback), for comparison."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                         attn_mask=valid[None, :], enable_gqa=True)
+    return out.transpose(0, 1)
 
 
 def main() -> None:
@@ -28,8 +37,9 @@ def main() -> None:
     copy_gb_s = 2 * big.numel() / do_bench(lambda big=big: big.clone(), return_mode="median") / 1e6
     del big
     print(f"device copy ceiling: {copy_gb_s:.0f} GB/s (read + write)")
-    print("| window | SDPA on gathered keys ms | paged kernel ms | speed-up | paged KV GB/s | rel. error |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| window | 3-D enable_gqa ms | static_decode_attention ms | paged kernel ms | paged vs default | "
+          "paged KV GB/s | paged rel. error |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for w in a.windows:
         k = torch.randn(2 * w, a.kv_heads, a.head_dim, device=dev, dtype=dt)
         v = torch.randn_like(k)
@@ -41,15 +51,16 @@ def main() -> None:
         want = paged_decode_attention(q, k, v, slots, pos).float()
         err = ((paged(q, k, v, slots, pos).float() - want).norm() / want.norm()).item()
 
-        def sdpa(q=q, k=k, v=v, slots=slots, valid=valid):
-            return static_decode_attention(q, k.index_select(0, slots), v.index_select(0, slots), valid)
+        def gathered(form, q=q, k=k, v=v, slots=slots, valid=valid):
+            return form(q, k.index_select(0, slots), v.index_select(0, slots), valid)
 
-        t_sdpa = do_bench(sdpa, return_mode="median")
+        t_old = do_bench(lambda: gathered(enable_gqa_form), return_mode="median")
+        t_sdpa = do_bench(lambda: gathered(static_decode_attention), return_mode="median")
         t_paged = do_bench(lambda paged=paged, q=q, k=k, v=v, slots=slots, pos=pos: paged(q, k, v, slots, pos),
                            return_mode="median")
         kv_bytes = 2 * w * a.kv_heads * a.head_dim * 2
-        print(f"| {w} | {t_sdpa:.3f} | {t_paged:.3f} | {t_sdpa / t_paged:.1f}× | {kv_bytes / t_paged / 1e6:.0f} | "
-              f"{err:.1e} |")
+        print(f"| {w} | {t_old:.3f} | {t_sdpa:.3f} | {t_paged:.3f} | {t_sdpa / t_paged:.1f}× | "
+              f"{kv_bytes / t_paged / 1e6:.0f} | {err:.1e} |")
 
 
 if __name__ == "__main__":

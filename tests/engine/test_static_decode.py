@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.attention import StaticDecodeAttention, causal_attention, static_decode_attention
+from freetoken.engine.attention import causal_attention, static_decode_attention
 from freetoken.engine.experts import LayerExperts, gathered_expert_forward, grouped_expert_forward
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
+from support.decode_checks import run_fresh, static_window_equals_eager
 
 
 def test_gathered_experts_equal_grouped_experts():
@@ -41,23 +42,7 @@ def test_static_decode_attention_equals_causal_attention_over_the_valid_keys(hea
 def test_static_window_decode_equals_eager_decode(case, tmp_path):
     write_hf_checkpoint(path=tmp_path, **PARITY_CASES[case])
     lm = load_model(tmp_path, device="cpu", dtype=torch.float32)
-    ids = prompt_ids()
-    eager_cache, static_cache = lm.new_cache(page_size=4), lm.new_cache(page_size=4, initial_tokens=128)
-    eager_seq, static_seq = eager_cache.new_sequence(), static_cache.new_sequence()
-    prompt = torch.tensor(ids)
-    lm.forward(prompt, eager_cache, eager_seq)
-    lm.forward(prompt, static_cache, static_seq)
-    ctx = StaticDecodeAttention(static_cache, window=64)
-    token = torch.tensor([7])
-    with torch.inference_mode():
-        for _ in range(12):
-            expected = lm.forward(token, eager_cache, eager_seq, "last")[0]
-            static_cache.reserve(static_seq, 1)
-            ctx.prepare(static_seq)
-            got = lm.model(token, ctx, "last")[0]
-            static_cache.commit(static_seq, 1)
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-            token = expected.argmax().view(1)
+    static_window_equals_eager(lm, window=64, steps=12, tol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -80,34 +65,18 @@ def test_cuda_graph_decode_equals_eager_decode_across_windows(case, tmp_path, mo
 
 PAGED_CHECK = """
 import sys
-sys.path.insert(0, sys.argv[1])  # the tests' support package
 import torch
-from freetoken.engine.attention import StaticDecodeAttention
 from freetoken.engine.loader import load_model
 from freetoken.kernels.paged_decode import kernel
-from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
+from support.checkpoints import PARITY_CASES, write_hf_checkpoint
+from support.decode_checks import static_window_equals_eager
 
 kernel.available = lambda device: True  # Triton's interpreter stands in for the GPU
 for case in ("llama", "qwen3_moe"):
-    path = f"{sys.argv[2]}/{case}"
+    path = f"{sys.argv[1]}/{case}"
     write_hf_checkpoint(path=path, **PARITY_CASES[case])
     lm = load_model(path, device="cpu", dtype=torch.float32, progress=False)
-    eager_cache, static_cache = lm.new_cache(page_size=4), lm.new_cache(page_size=4, initial_tokens=128)
-    eager_seq, static_seq = eager_cache.new_sequence(), static_cache.new_sequence()
-    prompt = torch.tensor(prompt_ids())
-    lm.forward(prompt, eager_cache, eager_seq)
-    lm.forward(prompt, static_cache, static_seq)
-    ctx = StaticDecodeAttention(static_cache, window=96)
-    token = torch.tensor([7])
-    with torch.inference_mode():
-        for _ in range(4):
-            expected = lm.forward(token, eager_cache, eager_seq, "last")[0]
-            static_cache.reserve(static_seq, 1)
-            ctx.prepare(static_seq)
-            got = lm.model(token, ctx, "last")[0]
-            static_cache.commit(static_seq, 1)
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-            token = expected.argmax().view(1)
+    ctx = static_window_equals_eager(lm, window=96, steps=4, tol=1e-4)
     assert ctx._paged is not None and ctx._paged.splits > 1, case
 print("ok")
 """
@@ -117,13 +86,4 @@ def test_paged_decode_kernel_in_the_static_window_equals_eager_decode(tmp_path):
     """With the experimental "paged-decode" path on, the captured step's attention is the split-KV Triton kernel
     (here under Triton's interpreter, in a fresh process: TRITON_INTERPRET must be set before it is defined)."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="1", FREETOKEN_EXPERIMENTAL="paged-decode")
-    done = subprocess.run([sys.executable, "-c", PAGED_CHECK, tests, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    run_fresh(PAGED_CHECK, str(tmp_path), interpret=True, env={"FREETOKEN_EXPERIMENTAL": "paged-decode"})

@@ -6,10 +6,6 @@ defined, so that check runs in a fresh interpreter); with one it also runs compi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -18,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from freetoken.kernels.gguf_dequant import fused  # noqa: E402
+from support.decode_checks import run_fresh  # noqa: E402
 
 # Checks every output dtype, a block count that is not a multiple of the program's blocks, a row table that
 # skips and reorders destination rows, rows left untouched, and the single-row form.
@@ -57,21 +54,13 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def _run_check(device: str, interpret: bool) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    # cwd elsewhere: from the repository root, `python -c` would import the source tree, not the installed package
-    done = subprocess.run([sys.executable, "-c", CHECK, device], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=tempfile.gettempdir())
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
-
-
 def test_interpreted_kernel_matches_the_reference_bit_for_bit():
-    _run_check("cpu", interpret=True)
+    run_fresh(CHECK, "cpu", interpret=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_compiled_kernel_matches_the_reference_bit_for_bit():
-    _run_check("cuda", interpret=False)
+    run_fresh(CHECK, "cuda", interpret=False)
 
 
 def test_rejects_what_it_cannot_decode():

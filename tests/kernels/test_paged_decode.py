@@ -6,10 +6,6 @@ defined, so the check runs in a fresh interpreter); with one it also runs compil
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -18,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from freetoken.kernels.paged_decode.kernel import BLOCK_N, splits_for, supports  # noqa: E402
+from support.decode_checks import run_fresh  # noqa: E402
 
 # Grouped-query layouts (8, 1 and 3 query heads per KV head), bf16 and fp32, windows with several splits, one
 # whose later splits lie wholly past the valid length, slots in random order, garbage in the slots past it, and
@@ -52,20 +49,13 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def _run_check(device: str, interpret: bool) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    done = subprocess.run([sys.executable, "-c", CHECK, device], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=tempfile.gettempdir())
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
-
-
 def test_interpreted_kernel_matches_the_reference():
-    _run_check("cpu", interpret=True)
+    run_fresh(CHECK, "cpu", interpret=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_compiled_kernel_matches_the_reference():
-    _run_check("cuda", interpret=False)
+    run_fresh(CHECK, "cuda", interpret=False)
 
 
 def test_splits_cover_the_window_in_whole_blocks():

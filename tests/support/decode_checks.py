@@ -1,0 +1,48 @@
+"""Helpers shared by the decode and kernel tests. Some checks run in a fresh interpreter (Triton's interpreter
+mode must be set before any kernel is defined), so they live here, importable from there, not in a test module."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from freetoken.engine.attention import StaticDecodeAttention
+from support.checkpoints import prompt_ids
+
+
+def static_window_equals_eager(lm, window: int, steps: int, tol: float) -> StaticDecodeAttention:
+    """Decodes `steps` greedy tokens after the test prompt through a static window of `window` slots and through
+    the eager path, asserting equal logits at every step; returns the static context."""
+    eager_cache, static_cache = lm.new_cache(page_size=4), lm.new_cache(page_size=4, initial_tokens=128)
+    eager_seq, static_seq = eager_cache.new_sequence(), static_cache.new_sequence()
+    prompt = torch.tensor(prompt_ids())
+    lm.forward(prompt, eager_cache, eager_seq)
+    lm.forward(prompt, static_cache, static_seq)
+    ctx = StaticDecodeAttention(static_cache, window=window)
+    token = torch.tensor([7])
+    with torch.inference_mode():
+        for _ in range(steps):
+            expected = lm.forward(token, eager_cache, eager_seq, "last")[0]
+            static_cache.reserve(static_seq, 1)
+            ctx.prepare(static_seq)
+            got = lm.model(token, ctx, "last")[0]
+            static_cache.commit(static_seq, 1)
+            torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+            token = expected.argmax().view(1)
+    return ctx
+
+
+def run_fresh(script: str, *args: str, interpret: bool, env: dict | None = None) -> None:
+    """Runs `script` in a fresh interpreter (Triton's interpreter on when `interpret`) with the tests' support
+    package importable, from a directory outside the source tree (so the installed package is what imports);
+    asserts it printed "ok" last."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, full_env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", script, *args], env=full_env, capture_output=True, text=True,
+                          timeout=600, cwd=tempfile.gettempdir())
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
