@@ -117,11 +117,11 @@ class _Compiler:
             if not isinstance(target, dict) or part not in target:
                 raise SchemaError(f"$ref {ref!r} points at nothing in the schema")
             target = target[part]
-        placeholder = self.refs[ref] = Node()  # a recursive ref meets this while its target compiles
+        shell = self.refs[ref] = Node()  # a recursive ref meets this node while its target compiles
         compiled = self.node(target)
         for slot in Node.__slots__:
-            setattr(placeholder, slot, getattr(compiled, slot))
-        return placeholder
+            setattr(shell, slot, getattr(compiled, slot))
+        return shell
 
 
 def call_object(name: str, arguments: Node, key: str = "arguments") -> Node:
