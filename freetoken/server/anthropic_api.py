@@ -1,9 +1,10 @@
 """Anthropic-compatible routes: `POST /v1/messages` (streamed or not: text, thinking and tool_use blocks) and
 `POST /v1/messages/count_tokens`.
 
-Content blocks are converted to the chat template's messages: `tool_use` blocks become the assistant's tool
-calls, `tool_result` blocks become `tool` messages, `thinking` blocks are dropped from the history (templates
-drop past reasoning too). Streaming follows the API's event sequence: message_start, then per block
+Content blocks are converted to the chat template's messages (system text, from `system` and from any
+`role: "system"` message, in one system message first): `tool_use` blocks become the assistant's tool calls,
+`tool_result` blocks become `tool` messages, `thinking` blocks are dropped from the history (templates drop past
+reasoning too). Streaming follows the API's event sequence: message_start, then per block
 content_block_start / _delta / _stop, message_delta with the stop reason and usage, message_stop; pings while
 the prompt is prefilled.
 """
@@ -40,7 +41,7 @@ from freetoken.server.tool_choice import anthropic_choice
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
-_MESSAGE = message_schema(["user", "assistant"], ["text"])
+_MESSAGE = message_schema(["user", "assistant", "system"], ["text"])
 
 
 class MessagesRequest(BaseModel):
@@ -78,7 +79,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
             raise APIError(404, f"model: {req.model} (this server serves {engine.model_id})")
         tools = _tools(req)
         choice = anthropic_choice(getattr(req, "tool_choice", None), [t["function"]["name"] for t in tools or []])
-        messages = _system(req.system) + [m for i, msg in enumerate(req.messages) for m in _messages(msg, i)]
+        messages = _conversation(req.system, req.messages)
         thinking = None if req.thinking is None else req.thinking.get("type") == "enabled"
         try:
             return engine.chat_prompt(messages, tools, enable_thinking=thinking, choice=choice)
@@ -221,12 +222,27 @@ def _tools(req: MessagesRequest | CountRequest) -> list[dict] | None:
                                               "parameters": t.get("input_schema", {})}} for t in req.tools]
 
 
-def _system(system: str | list[dict] | None) -> list[dict]:
-    if not system:
-        return []
-    if isinstance(system, str):
-        return [{"role": "system", "content": system}]
-    return [{"role": "system", "content": "".join(_block_text(b, "system") for b in system)}]
+def _conversation(system: str | list[dict] | None, messages: list[dict]) -> list[dict]:
+    """The template's messages: one system message, then the turns. `role: "system"` messages inside `messages`
+    (Claude Code sends one for a model name it does not know, the "mid-conversation system" beta) join the system
+    prompt in order: chat templates take one system message, first, and many refuse any other."""
+    texts = [_system_text(system, "system")] if system else []
+    turns = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "system":
+            texts.append(_system_text(m.get("content"), f"messages.{i}.content"))
+        else:
+            turns += _messages(m, i)
+    texts = [t for t in texts if t]
+    return ([{"role": "system", "content": "\n\n".join(texts)}] if texts else []) + turns
+
+
+def _system_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: must be a string or a list of text blocks")
+    return "".join(_block_text(b, where) for b in content)
 
 
 def _block_text(block: Any, where: str) -> str:
@@ -239,7 +255,7 @@ def _messages(m: dict[str, Any], i: int) -> list[dict]:
     """One Anthropic message as template messages (a user turn of tool results becomes `tool` messages)."""
     role, content, where = m.get("role"), m.get("content"), f"messages.{i}"
     if role not in ("user", "assistant"):
-        raise APIError(400, f"{where}.role: must be 'user' or 'assistant', got {role!r}")
+        raise APIError(400, f"{where}.role: must be 'user', 'assistant' or 'system', got {role!r}")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):

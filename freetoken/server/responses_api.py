@@ -9,6 +9,7 @@ from there; the store is bounded (oldest dropped first) and lives as long as the
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -40,6 +41,8 @@ from freetoken.server.requests import (
 from freetoken.server.tool_choice import openai_choice
 
 STORE_SIZE = 1024  # responses kept for previous_response_id
+
+log = logging.getLogger(__name__)
 
 
 class ResponsesRequest(BaseModel):
@@ -300,11 +303,28 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
 def _tools(req: ResponsesRequest) -> list[dict] | None:
     if not req.tools or req.tool_choice == "none":
         return None
-    for i, tool in enumerate(req.tools):
-        if tool.get("type") != "function":
-            raise APIError(400, f"tools[{i}]: only function tools are supported, got {tool.get('type')!r}",
-                           param=f"tools.{i}")
-    check_tool_schemas(req.tools, lambda t: t.get("name"), lambda t: t.get("parameters"))
+    functions = _function_tools(req.tools)
+    if not functions:
+        return None
+    check_tool_schemas(functions, lambda t: t.get("name"), lambda t: t.get("parameters"))
     return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                               "parameters": t.get("parameters") or {"type": "object"}}}
-            for t in req.tools]
+            for t in functions]
+
+
+def _function_tools(tools: list, where: str = "tools") -> list[dict]:
+    """The function tools offered, a `namespace` tool's functions among them (Codex groups its sub-agent tools
+    in one; their calls name the function). Hosted tool types (web_search, file_search, …) are left out: this
+    server runs none of them, and refusing the request would stop the agent that offered them."""
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            out.append(tool)
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            out += _function_tools(tool["tools"], f"{where}.{i}.tools")
+        elif not isinstance(kind, str):
+            raise APIError(400, f"{where}[{i}]: a tool must be an object with a type", param=f"{where}.{i}")
+        else:
+            log.info("%s[%d]: %s tools are not run by this server; left out", where, i, kind)
+    return out

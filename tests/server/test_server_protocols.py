@@ -354,6 +354,37 @@ def test_response_format_json_schema_constrains_the_reply_to_the_schema(oai):
         assert bad.value.body["param"] == "response_format" and why in bad.value.body["message"]
 
 
+def test_anthropic_system_messages_inside_messages_join_the_system_prompt(ant):
+    """Claude Code sends a `role: "system"` message inside `messages` for a model name it does not know: it is
+    read as more system prompt (after `system`), so the rendered prompt is the one with that text in `system`."""
+    user = {"role": "user", "content": "hi"}
+    inside = ant.messages.count_tokens(model="smollm2", system="Be brief.", messages=[
+        user, {"role": "system", "content": [{"type": "text", "text": "The user is in Paris."}]}]).input_tokens
+    joined = ant.messages.count_tokens(model="smollm2", system="Be brief.\n\nThe user is in Paris.",
+                                       messages=[user]).input_tokens
+    assert inside == joined
+    reply = ant.messages.create(model="smollm2", max_tokens=4, messages=[user, {"role": "system", "content": "x"}])
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError, match="must be 'user', 'assistant' or 'system'"):
+        ant.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "tool", "content": "x"}])
+
+
+def test_responses_namespace_tools_offer_their_functions_and_hosted_tools_are_left_out(oai):
+    """Codex offers its sub-agent tools inside one `namespace` tool; a forced call then names one of them. A hosted
+    tool type (web_search) is left out rather than refusing the agent's request."""
+    close = {"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
+             "parameters": {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"],
+                            "additionalProperties": False}}
+    tools = [{"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [close]},
+             {"type": "web_search"}]
+    response = oai.responses.create(model="smollm2", input="Close agent a1.", tools=tools, tool_choice="required",
+                                    temperature=0, max_output_tokens=48)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and calls[0].name == "close_agent" and set(json.loads(calls[0].arguments)) == {"target"}
+    with pytest.raises(openai.BadRequestError, match="a tool must be an object with a type"):
+        oai.responses.create(model="smollm2", input="hi", tools=[{"name": "x"}], max_output_tokens=4)
+
+
 def test_a_seed_past_64_bits_is_answered_and_the_server_lives_on(oai):
     for seed in (2**70, -(2**70)):
         reply = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
