@@ -233,6 +233,9 @@ def _conversation(system: str | list[dict] | None, messages: list[dict]) -> list
             texts.append(_system_text(m.get("content"), f"messages.{i}.content"))
         else:
             turns += _messages(m, i)
+    if not turns:
+        raise APIError(400, "messages: at least one message with role 'user' or 'assistant' is needed (role "
+                            "'system' messages only add to the system prompt)")
     texts = [t for t in texts if t]
     return ([{"role": "system", "content": "\n\n".join(texts)}] if texts else []) + turns
 
