@@ -436,16 +436,14 @@ class OffloadedExpertExecutor(PrefillPath):
         else:
             dst.copy_(src, non_blocking=True)
 
-    def _prefetch(self, layer: int, experts: set[int], room: int, after: torch.cuda.Event | None = None,
-                  plan: bool = True) -> None:
+    def _prefetch(self, layer: int, experts: set[int], room: int, after: torch.cuda.Event | None = None) -> None:
         """Starts copies of the predicted experts of `layer` that the cache lacks, behind this layer's copies and
         this layer's compute (a victim's slot may still be read by it). Only the share the planner would copy
         if they were misses: the rest would go to the CPU anyway, and extra copies would crowd the link.
         Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs. `after`: an
-        event on the compute stream past the last reader of the slots (instead of all the compute queued).
-        `plan=False`: copy them all (prefill: the CPU never takes a chunk's large token groups)."""
+        event on the compute stream past the last reader of the slots (instead of all the compute queued)."""
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
-        if self.miss_path == "auto" and plan:
+        if self.miss_path == "auto":
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
         if not missing:
             return
