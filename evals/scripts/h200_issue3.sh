@@ -44,20 +44,20 @@ for part in "$@"; do
              2>&1 | grep -vE "^\s*$" | tail -45) ;;
     d1-main) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB \
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-bf16-1k.md" ;;
-    profile-prefill) for g in "" grouped-mm; do (cd /tmp && FREETOKEN_EXPERIMENTAL=$g python3 \
+    profile-prefill) for g in grouped-mm ""; do (cd /tmp && FREETOKEN_DISABLE=$g python3 \
              "$OLDPWD/evals/scripts/profile_resident.py" --layers 8 --tokens 16384 2>&1 | grep -v "expert cache" \
-             | tee "$OUT/profile-prefill-16k${g:+-$g}.txt"); done ;;
-    decode-ab) for g in "" paged-decode; do FREETOKEN_EXPERIMENTAL=$g ft bench decode --shape qwen3-30b-a3b \
+             | tee "$OUT/profile-prefill-16k${g:+-no-$g}.txt"); done ;;
+    decode-ab) for g in paged-decode ""; do FREETOKEN_DISABLE=$g ft bench decode --shape qwen3-30b-a3b \
              --layers 8 --context 16384 --tokens 16 --budgets 0 --strategies resident-graphs,copy,auto \
-             --commit "$commit (FREETOKEN_EXPERIMENTAL=$g)" --out "$OUT/d1-8l-16k${g:+-$g}.md"; done
+             --commit "$commit (FREETOKEN_DISABLE=$g)" --out "$OUT/d1-8l-16k${g:+-no-$g}.md"; done
              (cd /tmp && python3 -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" \
                "$OLDPWD/tests/kernels/test_paged_decode.py" 2>&1 | tail -2
               python3 -m freetoken.kernels.paged_decode.bench | tee "$OUT/paged-decode-kernel.md") ;;
     profile-decode) for t in 1024 16384; do (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_resident.py" --layers 8 \
              --tokens $t --decode 16 2>&1 | grep -v "expert cache" | tee "$OUT/profile-decode-$t.txt"); done ;;
-    p1-8l) for g in "" grouped-mm; do FREETOKEN_EXPERIMENTAL=$g ft bench prefill --shape qwen3-30b-a3b --layers 8 \
+    p1-8l) for g in grouped-mm ""; do FREETOKEN_DISABLE=$g ft bench prefill --shape qwen3-30b-a3b --layers 8 \
              --prompts 4096,16384 --chunk 16384 --budgets 0 --strategies resident,copy,copy-ahead --repeats 3 \
-             --commit "$commit (FREETOKEN_EXPERIMENTAL=$g)" --out "$OUT/p1-8l${g:+-$g}.md"; done ;;
+             --commit "$commit (FREETOKEN_DISABLE=$g)" --out "$OUT/p1-8l${g:+-no-$g}.md"; done ;;
     attn) (cd /tmp && python3 -m freetoken.kernels.paged_decode.bench | tee "$OUT/decode-attention.md") ;;
     p1-ahead) ft bench prefill --shape qwen3-30b-a3b --prompts 4096,16384,32768 --chunk 16384 --budgets 0 \
           --strategies resident,copy,copy-ahead,auto,auto-ahead --repeats 2 --commit "$commit" \

@@ -33,7 +33,7 @@ def check_sorted(stacks, device: torch.device) -> None:
     """Where the sorted grouped-matmul path is on, its output against the expert-by-expert one (fresh inputs)."""
     hidden = torch.randn(4096, stacks.gate_proj.shape[2], device=device, dtype=torch.bfloat16)
     if not grouped_mm_available(hidden):
-        print("sorted grouped matmuls: off here (FREETOKEN_EXPERIMENTAL=grouped-mm on bf16 Hopper turns them on)")
+        print("sorted grouped matmuls: off here (bf16 on Hopper or newer; FREETOKEN_DISABLE=grouped-mm)")
         return
     ids = torch.rand(4096, stacks.num_experts, device=device).topk(8, dim=-1).indices
     weights = torch.rand(4096, 8, device=device)

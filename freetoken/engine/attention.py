@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from freetoken.engine import experimental
+from freetoken.engine import gpu_paths
 from freetoken.engine.kv_cache import PagedKVCache, RecurrentStateError, SequenceKV
 
 
@@ -119,14 +119,14 @@ class StaticDecodeAttention:
         self._paged, self._paged_checked = None, False
 
     def _paged_kernel(self, q: torch.Tensor):
-        """The paged split-KV kernel for this window (experimental "paged-decode", CUDA with Triton), built on the
+        """The paged split-KV kernel for this window (GPU path "paged-decode", CUDA with Triton), built on the
         first call: graph warm-ups run before capture, so its buffers exist before any replay reads them."""
         if not self._paged_checked:
             self._paged_checked = True
             from freetoken.kernels.paged_decode import kernel as paged
 
             heads, kv_heads, head_dim = q.shape[1], self.cache.k[0].shape[1], q.shape[2]
-            if experimental.enabled("paged-decode") and paged.available(q.device) and \
+            if gpu_paths.enabled("paged-decode") and paged.available(q.device) and \
                     paged.supports(heads, kv_heads, head_dim):
                 self._paged = paged.PagedDecodeAttention(self.window, heads, kv_heads, head_dim, q.device, q.dtype)
         return self._paged

@@ -83,7 +83,7 @@ print("ok")
 
 
 def test_paged_decode_kernel_in_the_static_window_equals_eager_decode(tmp_path):
-    """With the experimental "paged-decode" path on, the captured step's attention is the split-KV Triton kernel
+    """With the "paged-decode" GPU path (on by default), the captured step's attention is the split-KV Triton kernel
     (here under Triton's interpreter, in a fresh process: TRITON_INTERPRET must be set before it is defined)."""
     pytest.importorskip("triton")
-    run_fresh(PAGED_CHECK, str(tmp_path), interpret=True, env={"FREETOKEN_EXPERIMENTAL": "paged-decode"})
+    run_fresh(PAGED_CHECK, str(tmp_path), interpret=True)

@@ -1,0 +1,41 @@
+"""Named GPU fast paths and their switches. A path is built and checked on the CPU (Triton's interpreter, torch's
+fallbacks) first and stays EXPERIMENTAL, off unless named in FREETOKEN_EXPERIMENTAL (comma-separated), until a
+device run shows it right and faster; then it moves to MEASURED, on by default, and FREETOKEN_DISABLE (same form)
+turns it off to compare or to work around a driver. Each measured path names the result file that earned it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+MEASURED = {
+    "grouped-mm": ("long chunks' experts as sorted grouped matmuls (torch._grouped_mm, bf16 on Hopper and newer)",
+                   "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
+    "paged-decode": ("captured decode attention as a paged split-KV Triton kernel (kernels/paged_decode)",
+                     "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
+}
+EXPERIMENTAL: dict[str, str] = {}
+
+
+@functools.cache
+def enabled(path: str) -> bool:
+    if path in MEASURED:
+        return path not in _named("FREETOKEN_DISABLE")
+    if path in EXPERIMENTAL:
+        return path in _named("FREETOKEN_EXPERIMENTAL")
+    raise ValueError(f"unknown GPU path {path!r}; known: {', '.join([*MEASURED, *EXPERIMENTAL])}")
+
+
+@functools.cache
+def _named(variable: str) -> frozenset[str]:
+    known = MEASURED if variable == "FREETOKEN_DISABLE" else EXPERIMENTAL
+    named = frozenset(n.strip() for n in os.environ.get(variable, "").split(",") if n.strip())
+    if unknown := sorted(named - set(known)):
+        log.warning("%s: ignoring unknown %s (known: %s)", variable, ", ".join(unknown), ", ".join(known) or "none")
+    for path in sorted(named & set(known)):
+        log.info("%s: %s (%s)", variable, path, known[path][0] if variable == "FREETOKEN_DISABLE" else known[path])
+    return named
