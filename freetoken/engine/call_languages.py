@@ -5,7 +5,8 @@ where the format writes them as JSON (json_schema.py). Nothing outside a call is
 
 - `HermesCalls` (Hermes/Qwen): `<tool_call>` `{"name": "<tool>", "arguments": {…}}` `</tool_call>`.
 - `QwenXmlCalls` (Qwen3-Coder): `<tool_call>` `<function=NAME>` `<parameter=P>value</parameter>`… `</function>`
-  `</tool_call>` (P among the tool's schema properties where it declares any; values are free text).
+  `</tool_call>` (P among the tool's schema properties where it declares any, each once, the required ones
+  before `</function>`; values typed by the schema where they are no strings, see `XmlValue`).
 - `MistralCalls`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` calls (older tokenizers) or, per
   marker, `NAME[ARGS]{…}` (newer ones; `NAME[CALL_ID]id[ARGS]{…}` too).
 - `Llama3Calls`: a reply that opens with `{` (or `<|python_tag|>`) is one `{"name", "parameters"}` call and then
@@ -19,7 +20,7 @@ import json
 from abc import ABC, abstractmethod
 
 from freetoken.engine.json_prefix import WHITESPACE, JsonPrefix
-from freetoken.engine.json_schema import SchemaPrefix, call_object, compile_schema
+from freetoken.engine.json_schema import Node, SchemaPrefix, call_object, compile_schema
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_OPEN, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -298,16 +299,87 @@ class Llama3Calls:
         return self.mode == self.END
 
 
+PARAMETER_CLOSE = "</parameter>"
+
+
+class XmlValue:
+    """A Qwen3-Coder parameter value as its schema types it, then `</parameter>`: a JSON value where the type is
+    no string (numbers, booleans, null, objects, arrays: the parser reads the text as JSON), one of a string
+    enum's values as plain text. Whitespace may surround it. Other values (strings, untyped) are free text."""
+
+    __slots__ = ("json", "choices", "text", "closing")
+
+    def __init__(self, json_value: SchemaPrefix | None, choices: tuple[str, ...] = ()) -> None:
+        self.json, self.choices, self.text = json_value, choices, ""
+        self.closing: str | None = None  # what of `</parameter>` was read, once the value is whole
+
+    @classmethod
+    def of(cls, node: Node | None) -> XmlValue | None:
+        """The constrained value for a parameter's schema node, or None where its value is free text."""
+        if node is None or node.types is None:
+            return None
+        if node.enum is not None:
+            values = [json.loads(e) for e in node.enum]
+            if all(isinstance(v, str) for v in values):
+                return cls(None, tuple(sorted(values)))
+        return None if "string" in node.types else cls(SchemaPrefix(node, object_root=False))
+
+    def copy(self) -> XmlValue:
+        other = XmlValue(self.json.copy() if self.json is not None else None, self.choices)
+        other.text, other.closing = self.text, self.closing
+        return other
+
+    @property
+    def whole(self) -> bool:
+        if self.json is None:
+            return self.text in self.choices
+        ended = self.json.copy()  # a number is whole once something else follows it
+        return ended.feed(" ") and ended.complete
+
+    def feed(self, c: str) -> bool:
+        """One character; True when the value stays valid. `closed` tells when `</parameter>` is complete."""
+        if self.closing is None and c == "<" and self.whole:
+            self.closing = ""
+        if self.closing is not None:
+            if not self.closing and c in WHITESPACE:
+                return True
+            self.closing += c
+            return PARAMETER_CLOSE.startswith(self.closing)
+        if self.json is None:
+            text = self.text + c
+            if any(v.startswith(text) for v in self.choices):
+                self.text = text
+                return True
+            return c in WHITESPACE and (not self.text or self.whole) and self._lead_or_trail()
+        return self.json.feed(c)
+
+    def _lead_or_trail(self) -> bool:
+        if self.text:  # whitespace after a whole choice: only the close may follow
+            self.closing = ""
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self.closing == PARAMETER_CLOSE
+
+
 class QwenXmlCalls(CallsInText):
-    """Free text in which each `<tool_call>` … `</tool_call>` holds one XML call of an offered tool."""
+    """Free text in which each `<tool_call>` … `</tool_call>` holds one XML call of an offered tool: its
+    parameters among the schema's properties (each at most once, the required ones before `</function>`), values
+    typed as the schema says where the format writes them as JSON (`XmlValue`)."""
 
     FREE, FUNCTION, BODY, NAME, VALUE, CLOSE = range(6)
 
-    def __init__(self, opened: str | None = None, tools: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> None:
-        """`tools`: (name, parameter names) pairs; no parameter names: any. `opened`: the reply starts inside a
-        call, after this text the prompt wrote."""
+    def __init__(self, opened: str | None = None, tools: tuple[tuple[str, tuple[str, ...]], ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = ()) -> None:
+        """`tools`: (name, parameter names) pairs; no parameter names: any. `schemas`: (name, parameters schema
+        as JSON) of the tools whose values are typed. `opened`: the reply starts inside a call, after this text
+        the prompt wrote."""
         self.params = {name: params for name, params in tools}
+        self.schemas = {name: compile_schema(text) for name, text in schemas if name in self.params}
         self.mode, self.tail, self.pending, self.function = self.FREE, "", "", ""
+        self.seen: frozenset[str] = frozenset()
+        self.value: XmlValue | None = None
         if opened is not None:
             self.mode = self.FUNCTION
             if not self.feed(opened) or self.mode == self.FREE:
@@ -315,8 +387,9 @@ class QwenXmlCalls(CallsInText):
 
     def copy(self) -> QwenXmlCalls:
         other = QwenXmlCalls.__new__(QwenXmlCalls)
-        other.params, other.mode, other.tail = self.params, self.mode, self.tail
-        other.pending, other.function = self.pending, self.function
+        other.params, other.schemas, other.mode, other.tail = self.params, self.schemas, self.mode, self.tail
+        other.pending, other.function, other.seen = self.pending, self.function, self.seen
+        other.value = self.value.copy() if self.value is not None else None
         return other
 
     def _open(self) -> None:
@@ -328,13 +401,30 @@ class QwenXmlCalls(CallsInText):
             return [f"<function={name}>" for name in self.params]
         if self.mode == self.BODY:
             names = self.params.get(self.function) or ()
-            return [f"<parameter={p}>" for p in names] + ["</function>"] if names else ["<parameter=", "</function>"]
+            if not names:
+                return ["<parameter=", "</function>"]
+            root = self.schemas.get(self.function)
+            required = root.required & set(names) if root is not None else frozenset()
+            close = ["</function>"] if required <= self.seen else []
+            return [f"<parameter={p}>" for p in names if p not in self.seen] + close
         return [CALL_CLOSE]
 
+    def _start_value(self, name: str) -> None:
+        root = self.schemas.get(self.function)
+        self.seen = self.seen | {name}
+        self.mode, self.tail = self.VALUE, ""
+        self.value = XmlValue.of(root.properties.get(name) if root is not None else None)
+
     def _call_char(self, c: str) -> bool:
-        if self.mode == self.VALUE:  # free text up to </parameter>
-            self.tail = (self.tail + c)[-len("</parameter>"):]
-            if self.tail == "</parameter>":
+        if self.mode == self.VALUE:
+            if self.value is not None:  # typed: the value, then </parameter>
+                if not self.value.feed(c):
+                    return False
+                if self.value.closed:
+                    self.mode, self.pending, self.value = self.BODY, "", None
+                return True
+            self.tail = (self.tail + c)[-len(PARAMETER_CLOSE):]  # free text up to </parameter>
+            if self.tail == PARAMETER_CLOSE:
                 self.mode, self.pending = self.BODY, ""
             return True
         if self.mode == self.NAME:  # a tool that declares no parameters: any name up to '>', not empty
@@ -353,7 +443,7 @@ class QwenXmlCalls(CallsInText):
         if pending in options:
             self.pending = ""
             if self.mode == self.FUNCTION:
-                self.mode, self.function = self.BODY, pending[len("<function="):-1]
+                self.mode, self.function, self.seen = self.BODY, pending[len("<function="):-1], frozenset()
             elif pending == "</function>":
                 self.mode = self.CLOSE
             elif pending == CALL_CLOSE:
@@ -361,5 +451,5 @@ class QwenXmlCalls(CallsInText):
             elif pending == "<parameter=":
                 self.mode = self.NAME
             else:
-                self.mode, self.tail = self.VALUE, ""
+                self._start_value(pending[len("<parameter="):-1])
         return True

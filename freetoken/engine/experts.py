@@ -9,6 +9,7 @@ Shapes: N tokens, H hidden, I expert intermediate, E experts, K experts per toke
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -168,18 +169,38 @@ def sorted_expert_forward(stacks: LayerExperts, hidden: torch.Tensor, ids: torch
                                    topk_weights[i:i + GROUPED_MM_TOKENS]) for i in range(0, n, GROUPED_MM_TOKENS)])
 
 
+GROUPED_MM_GROUPS = 1024  # torch._grouped_mm takes at most this many groups (stack rows) per call
+
+
 def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by stack row
-    ends = torch.cumsum(torch.bincount(flat, minlength=stacks.num_experts), 0).to(torch.int32)  # group g ends here
+    rows = stacks.num_experts
+    ends = torch.cumsum(torch.bincount(flat, minlength=rows), 0).to(torch.int32)  # group g ends here
     x = hidden[order // k]  # [N*K, H]
     gate, up, down = (w.transpose(1, 2) for w in (stacks.gate_proj, stacks.up_proj, stacks.down_proj))
-    h = F.silu(torch._grouped_mm(x, gate, offs=ends)) * torch._grouped_mm(x, up, offs=ends)  # [N*K, I]
-    y = torch._grouped_mm(h, down, offs=ends) * topk_weights.reshape(-1)[order].to(hidden.dtype)[:, None]
+    if rows <= GROUPED_MM_GROUPS:
+        y = _grouped_ffn(x, gate, up, down, ends)
+    else:  # more rows (an executor's slots) than one call takes: a call per window of rows, whose pairs are a
+        # contiguous run of the sorted ones; cutting x there needs the windows' bounds on the host (one sync)
+        cuts = [0, *ends[GROUPED_MM_GROUPS - 1:rows - 1:GROUPED_MM_GROUPS].tolist(), n * k]
+        y = torch.empty_like(x)
+        for w, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+            if hi > lo:
+                rows_w = slice(w * GROUPED_MM_GROUPS, (w + 1) * GROUPED_MM_GROUPS)
+                y[lo:hi] = _grouped_ffn(x[lo:hi], gate[rows_w], up[rows_w], down[rows_w], ends[rows_w] - lo)
+    y = y * topk_weights.reshape(-1)[order].to(hidden.dtype)[:, None]
     pairs = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, k) order: a permutation, no atomics
     return pairs.view(n, k, -1).sum(dim=1)
+
+
+def _grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 ends: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of rows sorted by group, group g's rows ending at ends[g] (weights [G, in, out])."""
+    h = F.silu(torch._grouped_mm(x, gate, offs=ends)) * torch._grouped_mm(x, up, offs=ends)  # [rows, I]
+    return torch._grouped_mm(h, down, offs=ends)
 
 
 def gathered_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,

@@ -42,9 +42,10 @@ NUMBER_MOVES = _number_moves()
 
 
 class JsonPrefix:
-    __slots__ = ("stack", "state", "key", "escape", "unicode", "number", "literal")
+    __slots__ = ("stack", "state", "key", "escape", "unicode", "number", "literal", "object_root")
 
-    def __init__(self) -> None:
+    def __init__(self, object_root: bool = True) -> None:
+        self.object_root = object_root  # the top-level value must be an object (False: any JSON value)
         self.stack: list[str] = []  # "{" or "[" per open container
         self.state = VALUE
         self.key = False  # the string being read is an object key
@@ -57,6 +58,7 @@ class JsonPrefix:
         other = JsonPrefix.__new__(JsonPrefix)
         other.stack, other.state, other.key = list(self.stack), self.state, self.key
         other.escape, other.unicode, other.number, other.literal = self.escape, self.unicode, self.number, self.literal
+        other.object_root = self.object_root
         return other
 
     @property
@@ -122,7 +124,7 @@ class JsonPrefix:
         return False
 
     def _value_start(self, c: str) -> bool:
-        if not self.stack and c != "{":  # the top level is an object
+        if not self.stack and self.object_root and c != "{":
             return False
         if c == "{":
             self.stack.append("{")

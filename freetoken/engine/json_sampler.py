@@ -88,7 +88,7 @@ def language_for(params: SamplingParams) -> Language:
     if params.call_format == "hermes":
         return HermesCalls(params.call_opening, names, params.call_schemas)
     if params.call_format == "qwen-xml":
-        return QwenXmlCalls(params.call_opening, params.call_tools)
+        return QwenXmlCalls(params.call_opening, params.call_tools, params.call_schemas)
     if params.call_format in ("mistral-json", "mistral-args"):
         return MistralCalls(params.call_opening, names, params.call_schemas, args=params.call_format == "mistral-args")
     if params.call_format == "llama3":

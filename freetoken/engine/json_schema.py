@@ -156,8 +156,8 @@ class SchemaPrefix(JsonPrefix):
 
     __slots__ = ("frames", "expect", "scalar", "scalar_node")
 
-    def __init__(self, root: Node) -> None:
-        super().__init__()
+    def __init__(self, root: Node, object_root: bool = True) -> None:
+        super().__init__(object_root)
         self.frames: list[list] = []  # per open container: [node, seen keys (set), key text or None]
         self.expect = root  # the schema of the next value to start
         self.scalar: str | None = None
@@ -167,6 +167,7 @@ class SchemaPrefix(JsonPrefix):
         other = SchemaPrefix.__new__(SchemaPrefix)
         other.stack, other.state, other.key = list(self.stack), self.state, self.key
         other.escape, other.unicode, other.number, other.literal = self.escape, self.unicode, self.number, self.literal
+        other.object_root = self.object_root
         other.frames = [[node, set(seen), key] for node, seen, key in self.frames]
         other.expect, other.scalar, other.scalar_node = self.expect, self.scalar, self.scalar_node
         return other

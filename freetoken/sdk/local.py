@@ -34,7 +34,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.reply import Reply, ReplyStats
 from freetoken.server.engine import constrained_format, offered_schemas, offered_tools
-from freetoken.server.output import OutputParser
+from freetoken.server.output import OutputParser, text_parameters
 from freetoken.server.tool_choice import call_syntax
 
 
@@ -161,7 +161,8 @@ class Session(Conversation):
             cache.truncate(self._seq, common)  # history past an edit, or the end of the last reply, recomputed
             common_reused = common
         self._tokens = prompt[:common]
-        parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=bool(self.tools))
+        parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=bool(self.tools),
+                              text_params=text_parameters(offered_schemas(self.tools or ())))
         generated, parts, last = [], [], None
         try:
             for ev in self.engine.generator.extend(self._seq, prompt[common:], params, cached_tokens=common_reused):
@@ -192,7 +193,7 @@ class Session(Conversation):
         if sampling.json or not fmt:
             return {}
         return {"call_format": fmt, "call_tools": offered_tools(self.tools),
-                "call_schemas": offered_schemas(self.tools) if fmt != "qwen-xml" else ()}
+                "call_schemas": offered_schemas(self.tools)}
 
     def _adopt_longer_prefix(self, prompt: list[int], common: int) -> int:
         """Another session's pages when they hold a longer start of `prompt` than this session's own history."""

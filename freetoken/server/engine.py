@@ -31,7 +31,7 @@ from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
 from freetoken.errors import FreeTokenError
-from freetoken.server.output import OutputParser
+from freetoken.server.output import OutputParser, text_parameters
 from freetoken.server.tool_choice import ToolChoice, call_opener, call_syntax, with_tools_described
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ class ChatPrompt:
     call_schemas: tuple[tuple[str, str], ...] = ()  # (name, parameters schema) of tools whose schema is usable
 
     def parser(self) -> OutputParser:
-        return OutputParser(in_reasoning=self.in_reasoning, tools=self.tools, prefix=self.opener)
+        return OutputParser(in_reasoning=self.in_reasoning, tools=self.tools, prefix=self.opener,
+                            text_params=text_parameters(self.call_schemas))
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """`params` with the reply's tool calls constrained to calls of the offered tools where the model writes

@@ -16,6 +16,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from freetoken.engine.json_schema import compile_schema
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -40,12 +42,24 @@ class Part:
     call: ToolCall | None = None
 
 
+def text_parameters(schemas: tuple[tuple[str, str], ...]) -> dict[str, frozenset[str]]:
+    """Per tool (name, parameters schema as JSON), the parameters its schema types as strings: an XML call's
+    value for one of them is the text itself, even where it reads as JSON (`"42"`, not 42)."""
+    out = {}
+    for name, text in schemas:
+        properties = compile_schema(text).properties
+        out[name] = frozenset(p for p, node in properties.items() if node.types is not None and "string" in node.types)
+    return out
+
+
 class OutputParser:
-    def __init__(self, *, in_reasoning: bool = False, tools: bool = True, prefix: str = ""):
+    def __init__(self, *, in_reasoning: bool = False, tools: bool = True, prefix: str = "",
+                 text_params: dict[str, frozenset[str]] | None = None):
         """`in_reasoning`: the prompt already opened a reasoning block (templates that end with `<think>`).
-        `prefix`: text the prompt wrote on the model's behalf (a forced tool call's opening), read first."""
+        `prefix`: text the prompt wrote on the model's behalf (a forced tool call's opening), read first.
+        `text_params`: per tool, the parameters whose XML values stay text (`text_parameters`)."""
         self.state = "reasoning" if in_reasoning else "text"
-        self.tools = tools
+        self.tools, self.text_params = tools, text_params or {}
         self.buffer = ""
         self._after_reasoning = False
         self._answered = False  # answer text has been emitted (so it is not a bare JSON tool call)
@@ -108,20 +122,20 @@ class OutputParser:
             calls = parse_bare_calls(rest) if self.state == "json" else parse_marked_calls(rest)
             return [Part("tool_call", call=c) for c in calls] if calls else _append([], "text", rest)
         if self.state == "tool":
-            call = parse_tool_call(rest)
+            call = parse_tool_call(rest, self.text_params)
             return [Part("tool_call", call=call)] if call else _append([], "text", TOOL_OPEN + rest)
         return _append([], self.state, rest)
 
     def _tool_part(self, body: str) -> Part:
-        call = parse_tool_call(body)
+        call = parse_tool_call(body, self.text_params)
         return Part("tool_call", call=call) if call else Part("text", TOOL_OPEN + body + TOOL_CLOSE)
 
 
-def parse_tool_call(body: str) -> ToolCall | None:
+def parse_tool_call(body: str, text_params: dict[str, frozenset[str]] | None = None) -> ToolCall | None:
     """One tool call's body (between the tags) in any supported format, or None if it is not one."""
     body = body.strip()
     if body.startswith("<function="):
-        return _parse_xml_call(body)
+        return _parse_xml_call(body, text_params or {})
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
@@ -181,17 +195,24 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
-def _parse_xml_call(body: str) -> ToolCall | None:
+def _parse_xml_call(body: str, text_params: dict[str, frozenset[str]]) -> ToolCall | None:
+    """Values are JSON where they read as JSON (numbers, booleans, lists, objects), else text; parameters the
+    tool's schema types as strings are always text."""
     m = _XML_FUNCTION.search(body)
     if not m:
         return None
-    args = {}
+    function = m.group(1).strip()
+    texts, args = text_params.get(function, frozenset()), {}
     for name, value in _XML_PARAMETER.findall(m.group(2)):
+        name = name.strip()
+        if name in texts:
+            args[name] = value
+            continue
         try:
-            args[name.strip()] = json.loads(value)
+            args[name] = json.loads(value)
         except json.JSONDecodeError:
-            args[name.strip()] = value
-    return ToolCall(m.group(1).strip(), args)
+            args[name] = value
+    return ToolCall(function, args)
 
 
 def _partial_tag(text: str, tags: list[str]) -> int:

@@ -124,6 +124,55 @@ def test_qwen_xml_calls_name_an_offered_tool_and_its_parameters():
         QwenXmlCalls(opened="\n<function=rm>", tools=tools)
 
 
+READ_SCHEMA = json.dumps({"type": "object", "required": ["path"], "properties": {
+    "path": {"type": "string"}, "limit": {"type": "integer"}, "mode": {"enum": ["text", "bytes"]},
+    "ranges": {"type": "array", "items": {"type": "integer"}}, "follow": {"type": "boolean"}}})
+READ_TOOL = (("read_file", ("path", "limit", "mode", "ranges", "follow")),)
+
+
+def _read_call() -> QwenXmlCalls:
+    calls = QwenXmlCalls(tools=READ_TOOL, schemas=(("read_file", READ_SCHEMA),))
+    assert calls.feed("<tool_call>\n<function=read_file>\n")
+    return calls
+
+
+def test_qwen_xml_values_are_typed_by_the_schema():
+    calls = _read_call()
+    assert calls.feed("<parameter=path>\n10 </not-a-close> \"x\"\n</parameter>\n")  # strings: free text
+    assert not calls.copy().feed("<parameter=path>")  # each parameter once
+    for bad in ("ten", "1.5", "1,", "[1]"):
+        assert not calls.copy().feed(f"<parameter=limit>\n{bad}"), bad
+    assert not calls.copy().feed("<parameter=limit>\n-<")  # a close after no whole value
+    assert calls.copy().feed("<parameter=limit>\n-12\n</parameter>\n</function>")
+    assert calls.copy().feed("<parameter=limit>40</parameter>")
+    assert not calls.copy().feed("<parameter=mode>\ntexts") and not calls.copy().feed("<parameter=mode>\n\"text")
+    assert not calls.copy().feed("<parameter=mode>\ntex<")
+    assert calls.copy().feed("<parameter=mode>\nbytes\n</parameter>")
+    assert not calls.copy().feed("<parameter=ranges>\n[1, \"a\"") and not calls.copy().feed("<parameter=ranges>{")
+    assert calls.copy().feed("<parameter=ranges>\n[1, 2]\n</parameter>")
+    assert not calls.copy().feed("<parameter=follow>yes") and calls.copy().feed("<parameter=follow>false</parameter>")
+    assert not calls.copy().feed("<parameter=limit>1</parameter> x")  # after a value: parameters or the end
+
+
+def test_qwen_xml_required_parameters_come_before_the_function_closes():
+    calls = _read_call()
+    assert not calls.copy().feed("</function>")
+    assert calls.feed("<parameter=limit>3</parameter>\n") and not calls.copy().feed("</function>")
+    assert calls.feed("<parameter=path>a.py</parameter>\n</function>\n</tool_call>") and calls.can_end
+
+
+def test_qwen_xml_typed_values_parse_back_as_the_schema_types():
+    """What the constraint lets through, the server's parser reads as the typed values."""
+    from freetoken.server.output import parse_tool_call, text_parameters
+    body = ("<function=read_file>\n<parameter=path>\n42\n</parameter>\n<parameter=limit>\n40\n</parameter>\n"
+            "<parameter=ranges>\n[1, 2]\n</parameter>\n<parameter=follow>\ntrue\n</parameter>\n"
+            "<parameter=mode>\nbytes\n</parameter>\n</function>\n")
+    calls = QwenXmlCalls(tools=READ_TOOL, schemas=(("read_file", READ_SCHEMA),))
+    assert calls.feed("<tool_call>\n" + body + "</tool_call>") and calls.can_end
+    call = parse_tool_call(body, text_parameters((("read_file", READ_SCHEMA),)))
+    assert call.arguments == {"path": "42", "limit": 40, "ranges": [1, 2], "follow": True, "mode": "bytes"}
+
+
 def test_mistral_calls_json_lists_and_name_args_forms():
     schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
     listed = MistralCalls(names=("get_weather", "f"), schemas=(("get_weather", schema),))
