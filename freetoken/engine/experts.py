@@ -169,7 +169,7 @@ def sorted_expert_forward(stacks: LayerExperts, hidden: torch.Tensor, ids: torch
                                    topk_weights[i:i + GROUPED_MM_TOKENS]) for i in range(0, n, GROUPED_MM_TOKENS)])
 
 
-GROUPED_MM_GROUPS = 1024  # torch._grouped_mm takes at most this many groups (stack rows) per call
+GROUPED_MM_GROUPS = 1023  # torch._grouped_mm takes fewer than 1,024 groups (stack rows) per call
 
 
 def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,
