@@ -17,6 +17,8 @@ MEASURED = {
                    "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
     "paged-decode": ("captured decode attention as a paged split-KV Triton kernel (kernels/paged_decode)",
                      "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
+    "prefill-ahead": ("offloaded long prefill chunks stream the next layer's experts while a layer computes",
+                      "evals/results/p1-qwen3-30b-a3b-bf16-h200.md"),
 }
 EXPERIMENTAL: dict[str, str] = {}
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.attention import BatchAttention, SequenceAttention
 from freetoken.engine.checkpoints import open_checkpoint
 from freetoken.engine.config import MoESpec
@@ -99,14 +100,17 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, progress: bool = True, expert_cache: int | str | None = None,
-               expert_policy: str = "freq", prefill_ahead: bool = False, on_progress=None) -> LoadedModel:
+               expert_policy: str = "freq", prefill_ahead: bool | None = None, on_progress=None) -> LoadedModel:
     """Loads a model onto `device`. `expert_cache` (bytes) keeps routed experts in host memory with a cache
     of that many bytes on the device; "auto" sizes it from free device memory (resident when all fit); None
     keeps every expert resident on the device. `prefill_ahead`: offloaded prefill chunks stream the next layer's
-    experts while each layer computes (a staging ring of two layers' experts; see OffloadedExpertExecutor).
+    experts while each layer computes (a staging ring of two layers' experts; see OffloadedExpertExecutor);
+    None: on for CUDA devices (GPU path "prefill-ahead", see gpu_paths).
     `on_progress(done, total)` is called as tensors land (from the loading threads too)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
+    if prefill_ahead is None:
+        prefill_ahead = device.type == "cuda" and gpu_paths.enabled("prefill-ahead")
     path = resolve_model_source(source)
     ckpt = open_checkpoint(path)
     family = family_for(ckpt.config.get("model_type"))

@@ -445,6 +445,7 @@ class OffloadedExpertExecutor(PrefillPath):
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
         if self.miss_path == "auto":
             missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
+            missing = missing[:len(missing) - self.planner.held_for_probe()]
         if not missing:
             return
         copier = self.copier

@@ -128,6 +128,8 @@ class MissPlanner:
         self.steps += observe
         n = len(misses)
         if n == 0:
+            if observe and self.learn:  # neither path ran: a step without misses counts towards both probes
+                self._probe(0, 0)
             return Split([], [], 0.0)
         tokens = sorted(((tokens_of(m), i) for i, m in enumerate(misses)), reverse=True)
         ordered = [misses[i] for _, i in tokens]
@@ -142,6 +144,13 @@ class MissPlanner:
                 best_cpu, best_t = on_cpu, t
         best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe and self.learn else best_cpu
         return Split(ordered[:n - best_cpu], ordered[n - best_cpu:], best_t)
+
+    def held_for_probe(self) -> int:
+        """How many predicted experts a prefetch should leave to arrive as misses: two once the CPU path is
+        due a probe. A prefetch that copies every expert the next step needs leaves that step no misses to
+        split, so without this a CPU model that started pessimistic would never be measured again (seen on the
+        H200: 48 layers, 16k context, budget 0 — every miss copied, 66% of the floor)."""
+        return 2 if self.learn and self._idle["cpu"] >= self.probe_every else 0
 
     def cpu_bytes(self, expert_bytes: int, tokens: int) -> float:
         """What one expert with `tokens` tokens weighs in the CPU model: its bytes, plus the arithmetic of every

@@ -99,6 +99,21 @@ def test_an_unused_path_is_probed():
     assert copy_counts.count(4) == 1 and sum(copy_counts) == 4
 
 
+def test_a_prefetch_that_covers_every_miss_leaves_two_for_the_cpu_probe():
+    """Steps whose misses were all prefetched split nothing; they still count towards the CPU probe, and once
+    it is due the prefetch holds two predicted experts back so the step has misses to probe with."""
+    planner = MissPlanner(copy_gb_s=1000, cpu_gb_s=0.001)
+    held = []
+    for _ in range(MissPlanner.PROBE_EVERY + 2):
+        held.append(planner.held_for_probe())
+        if held[-1]:
+            assert len(planner.split([1, 2], EXPERT).cpu) == 1  # the step probes the CPU with one of them
+        else:
+            planner.split([], EXPERT)  # every miss was prefetched
+    assert held.count(2) == 1 and held[-1] == 0 and held[MissPlanner.PROBE_EVERY] == 2
+    assert MissPlanner(1000, 0.001, learn=False).held_for_probe() == 0
+
+
 def test_one_stalled_queueing_does_not_lock_the_link_out():
     planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0, issue_s=3e-6)
     planner.observe_issue(1, 0.05)  # a 50 ms stall while queueing one copy
