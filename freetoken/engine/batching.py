@@ -5,6 +5,8 @@ of at most `prefill_chunk` tokens of a prompt still being prefilled, so a long p
 already talking. Requests join and leave between steps. All sequences live in one paged KV cache; a finished or
 cancelled sequence returns its pages at once, except its full pages, which the prefix cache keeps (until the
 pool needs them) so a later prompt that starts with the same tokens, an agent's next turn, reuses their K/V.
+Models with recurrent layers run one sequence at a time and reuse whole-sequence snapshots instead
+(state_snapshots.py: each prompt's end and each finished request).
 On CUDA a step with a single decoding sequence replays the CUDA graph of the single-sequence path (the KV pool is
 then allocated at full size up front, as the graphs need); every other step runs eagerly through
 `LoadedModel.forward_batch`.
@@ -24,6 +26,7 @@ from freetoken.engine.kv_cache import SequenceKV
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.state_snapshots import StateSnapshots
 from freetoken.errors import FreeTokenError
 
 
@@ -69,14 +72,18 @@ class BatchScheduler:
             self.cache = lm.new_cache(page_size, initial_tokens=pool, max_tokens=pool)
             self.capacity = min(self.capacity, pool)
         else:
-            self.cache = lm.new_cache(page_size, initial_tokens=min(self.capacity, 1024), max_tokens=kv_tokens)
+            initial = min(self.capacity, 1024, kv_tokens or self.capacity)  # never past the pool's bound
+            self.cache = lm.new_cache(page_size, initial_tokens=initial, max_tokens=kv_tokens)
         self._graphs = None
         self.active: list[BatchRequest] = []
         self.forwards = 0
-        self.prefix = None
-        if lm.has_recurrent_state:  # its state is per sequence and cannot start from shared pages (yet)
-            self.max_batch, prefix_cache = 1, False
-        if prefix_cache:
+        self.prefix = self.snapshots = None
+        if lm.has_recurrent_state:  # its state is per sequence: one at a time, reused from whole snapshots
+            self.max_batch = 1
+            if prefix_cache:
+                self.snapshots = StateSnapshots(self.cache)
+                self.cache.reclaim = self.snapshots.evict
+        elif prefix_cache:
             # a growing pool (CPU) would grow for cached pages too: their count is capped at two full contexts
             cap = None if self.cache.max_pages is not None else 2 * -(-self.capacity // page_size)
             allocator = self.cache.allocator
@@ -101,8 +108,12 @@ class BatchScheduler:
         if len(req.prompt_ids) >= self.capacity:
             raise FreeTokenError(f"the prompt has {len(req.prompt_ids)} tokens; at most {self.capacity - 1} fit")
         budget = min(req.params.max_tokens, self.capacity - len(req.prompt_ids))
-        req.seq = self.cache.new_sequence()
         req.reply = Reply(self.lm, len(req.prompt_ids), req.params, budget)
+        req.seq = self.snapshots.start(req.prompt_ids) if self.snapshots is not None else None
+        if req.seq is not None:
+            req.prefilled = req.cached = req.reply.cached_tokens = req.seq.length
+        else:
+            req.seq = self.cache.new_sequence()
         if self.prefix is not None:
             shared = self.prefix.match(req.prompt_ids)
             if shared:
@@ -143,6 +154,8 @@ class BatchScheduler:
                 req.prefilled += n
                 if req.prefilled < len(req.prompt_ids):
                     continue  # more prompt to go: these logits pick nothing
+                if self.snapshots is not None:
+                    self.snapshots.snapshot(req.prompt_ids, req.seq)
                 req.reply.prefilled()
             try:
                 ev = req.reply.accept(logits[i])
@@ -152,7 +165,7 @@ class BatchScheduler:
                 continue
             req.emit(ev)
             if ev.finish_reason is not None:
-                self._finish(req)
+                self._finish(req, reuse=True)
             else:
                 req.next_token = ev.token_ids[0]
                 req.fed.append(req.next_token)  # written to the cache by the next step
@@ -179,7 +192,7 @@ class BatchScheduler:
                    for r, n in zip(batch, counts, strict=True))
         free = cache.free_pages(need)  # the prefix cache gives back what it can first
         if cache.max_pages is not None:
-            free += cache.max_pages - cache.allocator.num_pages
+            free += max(0, cache.max_pages - cache.allocator.num_pages)
         if need <= free:
             return
         victim = self.active[-1]
@@ -188,13 +201,18 @@ class BatchScheduler:
         self._finish(victim)
         raise KVCacheFull("step skipped")
 
-    def _finish(self, req: BatchRequest) -> None:
+    def _finish(self, req: BatchRequest, reuse: bool = False) -> None:
+        """Ends `req`: its pages go back, but for what later prompts may reuse (the prefix cache's full pages;
+        with `reuse`, a request that ended normally, the whole sequence as a snapshot of a recurrent model)."""
         self.active.remove(req)
         seq = req.seq
         if self.prefix is not None and seq.length:
             # the cache holds the prompt and the generated tokens fed back so far (the last sampled one was
             # never fed); a later turn that resends this reply in its history reuses it too
             self.prefix.insert((req.prompt_ids + req.fed)[:seq.length], seq.pages)
+        if self.snapshots is not None and reuse and seq.length:
+            self.snapshots.keep(req.prompt_ids + req.fed, seq)  # prompt and reply as fed
+            return
         self.cache.release(seq)
 
     def abort_all(self, error: BaseException) -> None:

@@ -45,6 +45,7 @@ class KVStats:
     pages_cached: int = 0  # kept by the prefix cache for later prompts (given back when the pool needs them)
     prefix_lookups: int = 0  # prompts looked up in the prefix cache
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V were reused
+    snapshots: int = 0  # recurrent models: whole sequences kept for later prompts (state_snapshots.py)
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,7 +61,8 @@ class EngineStats:
         return d
 
 
-def snapshot(lm, cache: PagedKVCache | None = None, prefix=None) -> EngineStats:
+def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None) -> EngineStats:
+    """`prefix`: the prefix cache, or `snapshots` (recurrent models' StateSnapshots) where there is none."""
     spec, ex = lm.moe_spec, lm.experts
     if spec is None:
         experts = ExpertStats("none")
@@ -76,6 +78,11 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None) -> EngineStats:
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype))
     kv = None
     if cache is not None:
-        kv = KVStats(cache.page_size, cache.allocator.num_pages, cache.allocator.num_free,
-                     *((len(prefix), prefix.lookups, prefix.hit_tokens) if prefix is not None else ()))
+        if prefix is not None:
+            reuse = (len(prefix), prefix.lookups, prefix.hit_tokens, 0)
+        elif snapshots is not None:
+            reuse = (0, snapshots.lookups, snapshots.hit_tokens, len(snapshots))
+        else:
+            reuse = ()
+        kv = KVStats(cache.page_size, cache.allocator.num_pages, cache.allocator.num_free, *reuse)
     return EngineStats(str(lm.device), str(lm.dtype).removeprefix("torch."), experts, kv)

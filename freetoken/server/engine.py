@@ -221,7 +221,7 @@ class ServingEngine:
 
     def stats(self) -> dict[str, Any]:
         """JSON for /v1/stats: the engine snapshot (experts, KV pages) plus the request counters."""
-        snap = snapshot(self.lm, self.scheduler.cache, self.scheduler.prefix)
+        snap = snapshot(self.lm, self.scheduler.cache, self.scheduler.prefix, self.scheduler.snapshots)
         return {"model": self.model_id, "context_length": self.context_length, "queued": self._jobs.qsize(),
                 "running": len(self.scheduler.active), "max_batch": self.scheduler.max_batch,
                 "forwards": self.scheduler.forwards, "requests": asdict(self.counters), "engine": asdict(snap)}

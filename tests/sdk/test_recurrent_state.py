@@ -129,3 +129,58 @@ def test_an_edit_after_a_reasoning_block_restarts_from_the_block_end(lm, monkeyp
     assert edited.stats.cached_tokens == max(closes)  # the last block end before the edit
     session.close()
     engine.close()
+
+
+def _serve(scheduler, prompt: list[int], params=GREEDY):
+    """One request through the batch scheduler (as the server runs it); returns its tokens and the request."""
+    from freetoken.engine.batching import BatchRequest
+
+    out: list[int] = []
+    req = BatchRequest(prompt, params, emit=lambda ev: out.extend(ev.token_ids))
+    scheduler.add(req)
+    while scheduler.active:
+        scheduler.step()
+    return out, req
+
+
+def test_the_server_scheduler_restarts_recurrent_models_from_snapshots(lm):
+    """The server's batch scheduler cannot share pages of a recurrent model, so it keeps whole sequences: each
+    prompt's end and each finished request. An agent's next turn (the last prompt, the reply, new text) starts
+    from the longer one, an edited turn from the prompt end it still shares, and each answer equals a fresh
+    run; the pool takes snapshots back when it needs pages, and every page comes back in the end."""
+    from freetoken.engine.batching import BatchScheduler
+
+    scheduler = BatchScheduler(lm, prefill_chunk=8)
+    fresh = Generator(lm).generate_ids
+    first = prompt_ids("The quick brown fox jumps over")
+    one, req = _serve(scheduler, first)
+    assert one == fresh(first, GREEDY) and req.cached == 0
+    assert len(scheduler.snapshots) == 2  # the prompt's end and the finished request
+    turn = first + one[:-1] + prompt_ids(" the lazy dog")  # the reply as it was fed, then new text
+    two, req = _serve(scheduler, turn)
+    assert two == fresh(turn, GREEDY) and req.cached == len(first) + len(one) - 1
+    edited = first + prompt_ids(" and something else entirely")  # the reply rewritten: the prompt end remains
+    three, req = _serve(scheduler, edited)
+    assert three == fresh(edited, GREEDY) and req.cached == len(first)
+    unrelated = prompt_ids("Nothing in common")
+    four, req = _serve(scheduler, unrelated)
+    assert four == fresh(unrelated, GREEDY) and req.cached == 0
+    assert scheduler.snapshots.hits == 2 and len(scheduler.snapshots) <= scheduler.snapshots.max_snapshots
+    allocator = scheduler.cache.allocator
+    assert scheduler.snapshots.evict(1) > 0  # what the pool's reclaim hook calls when it runs short
+    scheduler.snapshots.clear()
+    assert allocator.num_free == allocator.num_pages and not allocator.refs
+
+
+def test_a_full_pool_takes_recurrent_snapshots_back_first(lm):
+    """With a pool of a few pages, the snapshots of earlier requests give their pages back so a new request
+    fits; it then runs from scratch and still equals a fresh run."""
+    from freetoken.engine.batching import BatchScheduler
+
+    scheduler = BatchScheduler(lm, prefill_chunk=8, kv_tokens=64, page_size=16)
+    fresh = Generator(lm).generate_ids
+    for text in ("The quick brown fox jumps over", "A different prompt, long enough to need the pages"):
+        prompt = prompt_ids(text)
+        out, req = _serve(scheduler, prompt)
+        assert out == fresh(prompt, GREEDY) and not isinstance(out, BaseException)
+    assert scheduler.snapshots.evicted > 0
