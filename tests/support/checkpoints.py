@@ -34,6 +34,7 @@ from transformers import (
     PreTrainedModel,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -114,6 +115,15 @@ def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool
         return Qwen2MoeConfig(**_COMMON, intermediate_size=128, num_hidden_layers=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
                               norm_topk_prob=False, qkv_bias=True, rope_parameters=_rope_parameters("default", 1e6))
+    if family == "qwen3_next":
+        # Layers: linear, full, linear (dense MLP), full; 2 key heads serving 4 value heads; partial RoPE.
+        return Qwen3NextConfig(**_COMMON, head_dim=16, intermediate_size=128, num_hidden_layers=4,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                               num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[2],
+                               linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                               linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                               layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                               rope_parameters={**_rope_parameters("default", 1e6), "partial_rotary_factor": 0.5})
     if family == "mixtral":
         return MixtralConfig(**_COMMON, intermediate_size=64, num_hidden_layers=2, head_dim=16, num_local_experts=8,
                              num_experts_per_tok=2, rope_parameters=_rope_parameters("default", 1e6))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from freetoken.engine.models import llama, mixtral, qwen2_moe, qwen3_moe
+from freetoken.engine.models import llama, mixtral, qwen2_moe, qwen3_moe, qwen3_next
 from freetoken.errors import UnsupportedArchitectureError
 
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (llama, qwen3_moe, qwen2_moe, mixtral)}
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (llama, qwen3_moe, qwen2_moe, mixtral, qwen3_next)}
 
 
 def family_for(model_type: str | None) -> ModuleType:

@@ -1,0 +1,81 @@
+"""The gated delta rule (Gated DeltaNet, the linear-attention layers of Qwen3-Next and Qwen3.5/3.6-MoE), plain
+torch, fp32: the recurrent form one token at a time (decode) and the chunked form (prefill), which equal each
+other up to rounding; the tests hold them to that and to transformers.
+
+Per value head, the state S is a [Dk, Dv] matrix. For each token, with decay g (log space, ≤ 0), strength β,
+key k and query q (L2-normalised; q also scaled by 1/√Dk) and value v:
+
+    S ← exp(g)·S;   δ = β·(v − Sᵀk);   S ← S + k δᵀ;   o = Sᵀq
+
+The delta δ writes into S only what S does not already predict for k. Over a chunk of C tokens starting from
+S₀, with c the running sum of g inside the chunk, the deltas solve one unit lower-triangular system
+
+    (I + A) Δ = β⊙V − (β⊙exp(c))⊙K S₀,   A[i, j] = β_i exp(c_i − c_j) k_i·k_j  (j < i)
+
+after which the outputs and the next state are matmuls: o_i = exp(c_i) S₀ᵀq_i + Σ_{j≤i} exp(c_i − c_j) q_i·k_j δ_j,
+S_C = exp(c_C) S₀ + Σ_j exp(c_C − c_j) k_j δ_jᵀ. Every exponent is ≤ 0, so nothing overflows.
+
+Shapes: T tokens, H value heads, Dk key dim, Dv value dim; q and k already repeated to H heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # tokens per chunk of the chunked form: the triangular system is C×C per head
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ‖x‖ over the last dim, the ε inside the root (as the reference library does)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at a time. q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] (all fp32) →
+    (outputs [T, H, Dv], the state after the last token)."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = torch.einsum("hk,hkv->hv", k[t], state)
+        delta = (v[t] - predicted) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hk,hkv->hv", q[t], state)
+    return out, state
+
+
+def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same result, `chunk` tokens per step (the last chunk may be shorter): a triangular solve and a few
+    matmuls per chunk instead of a loop over tokens."""
+    out = torch.empty_like(v)
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [H, T, D]
+    g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [H, T]
+    for start in range(0, q.shape[1], chunk):
+        sl = slice(start, start + chunk)
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl]
+        c = g[:, sl].cumsum(dim=1)  # [H, C]
+        n = c.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(c_i − c_j), j ≤ i
+        system = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
+        rhs_v = bc[:, :, None] * vc
+        rhs_s = (bc * c.exp())[:, :, None] * kc
+        solved = torch.linalg.solve_triangular(system + torch.eye(n, device=q.device), torch.cat((rhs_v, rhs_s), -1),
+                                               upper=False, unitriangular=True)
+        deltas = solved[..., :vc.shape[-1]] - solved[..., vc.shape[-1]:] @ state  # [H, C, Dv]
+        attn = (qc @ kc.transpose(1, 2)) * decay  # [H, C, C], the diagonal included
+        out[sl] = (c.exp()[:, :, None] * (qc @ state) + attn @ deltas).transpose(0, 1)
+        to_end = (c[:, -1:] - c).exp()  # exp(c_C − c_j)
+        state = c[:, -1].exp()[:, None, None] * state + (kc * to_end[:, :, None]).transpose(1, 2) @ deltas
+    return out, state
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution continuing from the previous inputs. x [T, C], state [C, K−1] (the last K−1
+    inputs before x, zeros at the start), weight [C, K] → (SiLU of the outputs [T, C], the next state)."""
+    full = torch.cat((state.to(x.dtype), x.transpose(0, 1)), dim=1)  # [C, K−1+T]
+    kernel = weight.shape[1]
+    out = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
+    return F.silu(out).transpose(0, 1).to(x.dtype), full[:, full.shape[1] - (kernel - 1):].clone()
