@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
     Qwen3MoeConfig,
     Qwen3NextConfig,
 )
@@ -124,6 +125,15 @@ def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool
                                linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
                                rope_parameters={**_rope_parameters("default", 1e6), "partial_rotary_factor": 0.5})
+    if family == "qwen3_5_moe":
+        # Qwen3-Next's case with split DeltaNet projections; every layer routes (no dense layer).
+        return Qwen3_5MoeTextConfig(**_COMMON, head_dim=16, num_hidden_layers=4, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                    linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                    layer_types=["linear_attention", "full_attention"] * 2,
+                                    rope_parameters={**_rope_parameters("default", 1e6), "partial_rotary_factor": 0.5,
+                                                     "mrope_section": [2, 1, 1]})
     if family == "mixtral":
         return MixtralConfig(**_COMMON, intermediate_size=64, num_hidden_layers=2, head_dim=16, num_local_experts=8,
                              num_experts_per_tok=2, rope_parameters=_rope_parameters("default", 1e6))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from freetoken.engine.models import llama, mixtral, qwen2_moe, qwen3_moe, qwen3_next
+from freetoken.engine.models import llama, mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 from freetoken.errors import UnsupportedArchitectureError
 
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (llama, qwen3_moe, qwen2_moe, mixtral, qwen3_next)}
+FAMILIES: dict[str, ModuleType] = {
+    model_type: m for m in (llama, qwen3_moe, qwen2_moe, mixtral, qwen3_next, qwen3_5_moe)
+    for model_type in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))  # a family may answer to several names
+}
 
 
 def family_for(model_type: str | None) -> ModuleType:

@@ -153,14 +153,20 @@ class GatedDeltaNet(nn.Module):
         self.la, self.layer_idx = la, layer_idx
         key_total, value_total = la.key_heads * la.key_dim, la.value_heads * la.value_dim
         self.conv_channels = 2 * key_total + value_total
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * key_total + 2 * value_total, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * la.value_heads, bias=False)
+        self._projections(hidden_size)
         self.conv1d = nn.Conv1d(self.conv_channels, self.conv_channels, la.conv_kernel, groups=self.conv_channels,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(la.value_heads))
         self.A_log = nn.Parameter(torch.zeros(la.value_heads))
         self.norm = GatedRMSNorm(la.value_dim, eps)
         self.out_proj = nn.Linear(value_total, hidden_size, bias=False)
+
+    def _projections(self, hidden_size: int) -> None:
+        """Qwen3-Next fuses the input projections in two, grouped per key head."""
+        la = self.la
+        key_total, value_total = la.key_heads * la.key_dim, la.value_heads * la.value_dim
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * key_total + 2 * value_total, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * la.value_heads, bias=False)
 
     def _split(self, x: torch.Tensor):
         """The projections, grouped per key head as checkpoints lay them out, as q, k [T, Hk, Dk], v, z [T, Hv, Dv]
@@ -200,7 +206,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class HybridLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
+    def __init__(self, args: ModelArgs, layer_idx: int, delta_net: type[GatedDeltaNet] = GatedDeltaNet):
         super().__init__()
         dec = args.decoder
         self.input_layernorm = OffsetRMSNorm(dec.hidden_size, dec.rms_norm_eps)
@@ -208,7 +214,7 @@ class HybridLayer(nn.Module):
             self.self_attn = GatedAttention(dec, layer_idx)
             self.mixer_name = "self_attn"
         else:
-            self.linear_attn = GatedDeltaNet(dec.hidden_size, args.linear, dec.rms_norm_eps, layer_idx)
+            self.linear_attn = delta_net(dec.hidden_size, args.linear, dec.rms_norm_eps, layer_idx)
             self.mixer_name = "linear_attn"
         self.post_attention_layernorm = OffsetRMSNorm(dec.hidden_size, dec.rms_norm_eps)
         if layer_idx in args.moe_layers:
@@ -223,6 +229,13 @@ class HybridLayer(nn.Module):
 
 
 class Model(DecoderModel):
+    DELTA_NET = GatedDeltaNet
+
     def __init__(self, args: ModelArgs):
-        super().__init__(args.decoder, lambda i: HybridLayer(args, i))
+        super().__init__(args.decoder, lambda i: HybridLayer(args, i, self.DELTA_NET))
         self.model.norm = OffsetRMSNorm(args.decoder.hidden_size, args.decoder.rms_norm_eps)
+
+
+def checkpoint_name(name: str) -> str | None:
+    """The multi-token-prediction head (`mtp.*`) is not loaded (kept for speculative decoding later)."""
+    return None if name.startswith("mtp.") else name

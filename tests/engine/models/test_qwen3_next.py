@@ -1,7 +1,8 @@
-"""Qwen3-Next (hybrid Gated DeltaNet + gated full attention, shared expert) against transformers on a tiny random
-checkpoint written with transformers' own config class: fp32 logits within 1e-4, 32 greedy tokens equal to
-`generate`, across prefill chunks, with the experts offloaded below the pool, and continued from a recurrent-state
-snapshot mid-sequence. The gated delta rule's chunked form equals its recurrent form."""
+"""Qwen3-Next and Qwen3.5/3.6-MoE (hybrid Gated DeltaNet + gated full attention, shared expert) against
+transformers on tiny random checkpoints written with transformers' own config classes: fp32 logits within 1e-4,
+32 greedy tokens equal to `generate`, across prefill chunks, with the experts offloaded below the pool, and
+continued from a recurrent-state snapshot mid-sequence; Qwen3.5 also from the vision-language layout the Hub
+ships. The gated delta rule's chunked form equals its recurrent form."""
 
 from __future__ import annotations
 
@@ -17,11 +18,18 @@ from support.checkpoints import divergence_report, hf_greedy, hf_logits, prompt_
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next")
-    reference = write_hf_checkpoint("qwen3_next", path)
-    return path, reference, hf_greedy(reference, prompt_ids(), 32)
+# layer mixers and MoE layers of each tiny config (tests/support/checkpoints.py:tiny_config)
+EXPECTED = {
+    "qwen3_next": (["linear_attn", "self_attn", "linear_attn", "self_attn"], (0, 1, 3)),
+    "qwen3_5_moe": (["linear_attn", "self_attn", "linear_attn", "self_attn"], (0, 1, 2, 3)),
+}
+
+
+@pytest.fixture(scope="module", params=list(EXPECTED))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    reference = write_hf_checkpoint(request.param, path)
+    return path, reference, hf_greedy(reference, prompt_ids(), 32), request.param
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +68,12 @@ def test_the_rule_splits_anywhere():
     torch.testing.assert_close(end2, end, atol=1e-5, rtol=1e-5)
 
 
-def test_the_model_is_hybrid_and_recurrent(lm):
-    layers = lm.model.model.layers
-    assert [layer.mixer_name for layer in layers] == ["linear_attn", "self_attn", "linear_attn", "self_attn"]
+def test_the_model_is_hybrid_and_recurrent(checkpoint, lm):
+    mixers, moe_layers = EXPECTED[checkpoint[3]]
+    assert [layer.mixer_name for layer in lm.model.model.layers] == mixers
     assert lm.has_recurrent_state
     spec = lm.moe_spec
-    assert (spec.moe_layers, spec.num_experts, spec.top_k, spec.num_shared_experts) == ((0, 1, 3), 8, 2, 1)
+    assert (spec.moe_layers, spec.num_experts, spec.top_k, spec.num_shared_experts) == (moe_layers, 8, 2, 1)
 
 
 def test_prefill_logits_match_transformers(checkpoint, lm):
@@ -75,7 +83,7 @@ def test_prefill_logits_match_transformers(checkpoint, lm):
 
 
 def test_greedy_tokens_match_transformers(checkpoint, lm):
-    _, reference, expected = checkpoint
+    _, reference, expected, _ = checkpoint
     ids = prompt_ids()
     ours = Generator(lm).generate_ids(ids, GREEDY_32)
     assert ours == expected, divergence_report(reference, ids, ours, expected)
@@ -83,7 +91,7 @@ def test_greedy_tokens_match_transformers(checkpoint, lm):
 
 def test_greedy_across_prefill_chunks_and_pages(checkpoint, lm):
     """Chunks of 7 into pages of 4: the DeltaNet state and conv window carry across chunk ends."""
-    _, reference, expected = checkpoint
+    _, reference, expected, _ = checkpoint
     ids = prompt_ids()
     ours = Generator(lm, prefill_chunk=7, page_size=4).generate_ids(ids, GREEDY_32)
     assert ours == expected, divergence_report(reference, ids, ours, expected)
@@ -91,7 +99,7 @@ def test_greedy_across_prefill_chunks_and_pages(checkpoint, lm):
 
 def test_offloaded_experts_give_the_same_greedy_tokens(checkpoint):
     """An expert cache of 5 slots for 24 routed experts: misses on every step, the same tokens."""
-    path, reference, expected = checkpoint
+    path, reference, expected, _ = checkpoint
     probe = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     per_expert = probe.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, device="cpu", dtype=torch.float32, progress=False, expert_cache=5 * per_expert)
@@ -117,3 +125,31 @@ def test_a_snapshot_taken_mid_sequence_continues_like_a_fresh_run(lm):
     assert again == gen.generate_ids(ids, GREEDY_32) and moved_on
     for s in (seq, snapshot, restored):
         cache.release(s)
+
+
+def test_qwen3_5_loads_from_the_vision_language_layout(checkpoint, tmp_path):
+    """The Hub's Qwen3.5 checkpoints are the vision-language model: the text model's config under `text_config`,
+    its tensors under `model.language_model.`, a vision tower beside. The same text weights saved that way by
+    transformers' own Qwen3_5MoeForConditionalGeneration load to the same logits (the tower left out)."""
+    path, reference, _, family = checkpoint
+    if family != "qwen3_5_moe":
+        pytest.skip("Qwen3.5 only")
+    import shutil
+
+    from transformers import AutoModelForImageTextToText, Qwen3_5MoeConfig
+
+    text = reference.config.to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    vl = AutoModelForImageTextToText.from_config(Qwen3_5MoeConfig(text_config=text, vision_config=vision),
+                                                 dtype=torch.float32)
+    weights = {k.removeprefix("model."): t for k, t in reference.state_dict().items() if k.startswith("model.")}
+    assert not vl.model.language_model.load_state_dict(weights, strict=False).missing_keys
+    vl.lm_head.load_state_dict(reference.lm_head.state_dict())
+    vl.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (path / name).exists():
+            shutil.copy(path / name, tmp_path / name)
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    ids = prompt_ids()
+    torch.testing.assert_close(loaded.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
