@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 
-from freetoken.engine.json_prefix import WHITESPACE, JsonPrefix
+from freetoken.engine.json_prefix import MAX_WHITESPACE, WHITESPACE, JsonPrefix
 from freetoken.engine.json_schema import Node, SchemaPrefix, call_object, compile_schema
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -53,18 +53,28 @@ def call_heads(names: tuple[str, ...], schemas: tuple[tuple[str, str], ...], key
     return {call_head(n, key): call_object(n, compiled[n], key) if n in compiled else None for n in names}
 
 
+def glue_space(lang, c: str) -> bool | None:
+    """Whitespace between a call's parts, bounded like JSON's (MAX_WHITESPACE in a row): True/False for a
+    whitespace `c` (within the bound or past it), None for any other character (the run is reset)."""
+    if c in WHITESPACE:
+        lang.spaces += 1
+        return lang.spaces <= MAX_WHITESPACE
+    lang.spaces = 0
+    return None
+
+
 class CallObject:
     """One JSON call object of an offered tool, read character by character: its head among `heads` (leading
     whitespace allowed; no heads: any object), then JSON to the object's end, valid under the call's schema."""
 
-    __slots__ = ("heads", "head", "json")
+    __slots__ = ("heads", "head", "json", "spaces")
 
     def __init__(self, heads: dict) -> None:
-        self.heads, self.head, self.json = heads, "" if heads else None, JsonPrefix()
+        self.heads, self.head, self.json, self.spaces = heads, "" if heads else None, JsonPrefix(), 0
 
     def copy(self) -> CallObject:
         other = CallObject.__new__(CallObject)
-        other.heads, other.head, other.json = self.heads, self.head, self.json.copy()
+        other.heads, other.head, other.json, other.spaces = self.heads, self.head, self.json.copy(), self.spaces
         return other
 
     @property
@@ -74,8 +84,8 @@ class CallObject:
     def feed(self, c: str) -> bool:
         if self.head is None:
             return self.json.feed(c)
-        if not self.head and c in WHITESPACE:
-            return True
+        if not self.head and (space := glue_space(self, c)) is not None:
+            return space
         head = self.head + c
         if not any(h.startswith(head) for h in self.heads):
             return False
@@ -94,6 +104,7 @@ class CallsInText(ABC):
 
     FREE = 0
     OPEN = CALL_OPEN
+    spaces = 0  # whitespace in a row between a call's parts (glue_space); set per instance once counted
 
     def feed(self, text: str) -> bool:
         return all(self._char(c) for c in text)
@@ -145,7 +156,7 @@ class HermesCalls(CallsInText):
     def copy(self) -> HermesCalls:
         other = HermesCalls.__new__(HermesCalls)
         other.heads, other.mode, other.tail, other.matched = self.heads, self.mode, self.tail, self.matched
-        other.call = self.call.copy()
+        other.call, other.spaces = self.call.copy(), self.spaces
         return other
 
     def _open(self) -> None:
@@ -158,8 +169,8 @@ class HermesCalls(CallsInText):
             if self.call.complete:
                 self.mode, self.matched = self.CLOSE, 0
             return True
-        if self.matched == 0 and c in WHITESPACE:
-            return True
+        if self.matched == 0 and (space := glue_space(self, c)) is not None:
+            return space
         if c != CALL_CLOSE[self.matched]:
             return False
         self.matched += 1
@@ -189,6 +200,7 @@ class MistralCalls(CallsInText):
         other.mode, other.tail, other.pending = self.mode, self.tail, self.pending
         other.call = None if self.call is None else self.call.copy()
         other.json = None if self.json is None else self.json.copy()
+        other.spaces = self.spaces
         return other
 
     def _open(self) -> None:
@@ -197,8 +209,8 @@ class MistralCalls(CallsInText):
     def _call_char(self, c: str) -> bool:
         mode = self.mode
         if mode in (self.LIST, self.AFTER):
-            if c in WHITESPACE:
-                return True
+            if (space := glue_space(self, c)) is not None:
+                return space
             if mode == self.LIST and c == "[" or mode == self.AFTER and c == ",":
                 self.mode, self.call = self.CALL, CallObject(self.heads)
                 return True
@@ -252,7 +264,7 @@ class Llama3Calls:
     def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
                  schemas: tuple[tuple[str, str], ...] = ()) -> None:
         self.heads = call_heads(names, schemas, key="parameters")
-        self.mode, self.pending, self.call = self.START, "", CallObject(self.heads)
+        self.mode, self.pending, self.call, self.spaces = self.START, "", CallObject(self.heads), 0
         if opened is not None:
             self.mode = self.CALL
             if not self.feed(opened) or self.mode != self.CALL:
@@ -261,6 +273,7 @@ class Llama3Calls:
     def copy(self) -> Llama3Calls:
         other = Llama3Calls.__new__(Llama3Calls)
         other.heads, other.mode, other.pending, other.call = self.heads, self.mode, self.pending, self.call.copy()
+        other.spaces = self.spaces
         return other
 
     def feed(self, text: str) -> bool:
@@ -271,15 +284,15 @@ class Llama3Calls:
         if mode == self.FREE:
             return True
         if mode == self.END:
-            return c in WHITESPACE
+            return glue_space(self, c) is True
         if mode == self.CALL:
             if not self.call.feed(c):
                 return False
             if self.call.complete:
                 self.mode = self.END
             return True
-        if mode == self.START and c in WHITESPACE:
-            return True
+        if mode == self.START and (space := glue_space(self, c)) is not None:
+            return space
         if mode == self.START and c == "{":
             self.mode = self.CALL
             return self.call.feed(c)
@@ -307,10 +320,10 @@ class XmlValue:
     no string (numbers, booleans, null, objects, arrays: the parser reads the text as JSON), one of a string
     enum's values as plain text. Whitespace may surround it. Other values (strings, untyped) are free text."""
 
-    __slots__ = ("json", "choices", "text", "closing")
+    __slots__ = ("json", "choices", "text", "closing", "spaces")
 
     def __init__(self, json_value: SchemaPrefix | None, choices: tuple[str, ...] = ()) -> None:
-        self.json, self.choices, self.text = json_value, choices, ""
+        self.json, self.choices, self.text, self.spaces = json_value, choices, "", 0
         self.closing: str | None = None  # what of `</parameter>` was read, once the value is whole
 
     @classmethod
@@ -326,7 +339,7 @@ class XmlValue:
 
     def copy(self) -> XmlValue:
         other = XmlValue(self.json.copy() if self.json is not None else None, self.choices)
-        other.text, other.closing = self.text, self.closing
+        other.text, other.closing, other.spaces = self.text, self.closing, self.spaces
         return other
 
     @property
@@ -341,8 +354,8 @@ class XmlValue:
         if self.closing is None and c == "<" and self.whole:
             self.closing = ""
         if self.closing is not None:
-            if not self.closing and c in WHITESPACE:
-                return True
+            if not self.closing and (space := glue_space(self, c)) is not None:
+                return space
             self.closing += c
             return PARAMETER_CLOSE.startswith(self.closing)
         if self.json is None:
@@ -350,7 +363,7 @@ class XmlValue:
             if any(v.startswith(text) for v in self.choices):
                 self.text = text
                 return True
-            return c in WHITESPACE and (not self.text or self.whole) and self._lead_or_trail()
+            return c in WHITESPACE and (not self.text or self.whole) and glue_space(self, c) and self._lead_or_trail()
         return self.json.feed(c)
 
     def _lead_or_trail(self) -> bool:
@@ -388,7 +401,7 @@ class QwenXmlCalls(CallsInText):
     def copy(self) -> QwenXmlCalls:
         other = QwenXmlCalls.__new__(QwenXmlCalls)
         other.params, other.schemas, other.mode, other.tail = self.params, self.schemas, self.mode, self.tail
-        other.pending, other.function, other.seen = self.pending, self.function, self.seen
+        other.pending, other.function, other.seen, other.spaces = self.pending, self.function, self.seen, self.spaces
         other.value = self.value.copy() if self.value is not None else None
         return other
 
@@ -433,8 +446,8 @@ class QwenXmlCalls(CallsInText):
                 return True
             self.pending += c
             return c not in "\n>"
-        if not self.pending and c in WHITESPACE:
-            return True
+        if not self.pending and (space := glue_space(self, c)) is not None:
+            return space
         pending = self.pending + c
         options = self._options()
         if not any(o.startswith(pending) for o in options):

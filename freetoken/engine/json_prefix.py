@@ -10,6 +10,9 @@ asks it about each candidate token's text (`accepts`), so a state is small and c
 from __future__ import annotations
 
 WHITESPACE = " \t\n\r"
+# Longest run of whitespace between JSON tokens (a deep indent and its newline): a model that prefers whitespace
+# would otherwise pad a constrained reply until max_tokens.
+MAX_WHITESPACE = 20
 DIGITS = "0123456789"
 HEX = "0123456789abcdefABCDEF"
 ESCAPES = '"\\/bfnrtu'
@@ -42,10 +45,11 @@ NUMBER_MOVES = _number_moves()
 
 
 class JsonPrefix:
-    __slots__ = ("stack", "state", "key", "escape", "unicode", "number", "literal", "object_root")
+    __slots__ = ("stack", "state", "key", "escape", "unicode", "number", "literal", "object_root", "spaces")
 
     def __init__(self, object_root: bool = True) -> None:
         self.object_root = object_root  # the top-level value must be an object (False: any JSON value)
+        self.spaces = 0  # whitespace read in a row between tokens
         self.stack: list[str] = []  # "{" or "[" per open container
         self.state = VALUE
         self.key = False  # the string being read is an object key
@@ -58,7 +62,7 @@ class JsonPrefix:
         other = JsonPrefix.__new__(JsonPrefix)
         other.stack, other.state, other.key = list(self.stack), self.state, self.key
         other.escape, other.unicode, other.number, other.literal = self.escape, self.unicode, self.number, self.literal
-        other.object_root = self.object_root
+        other.object_root, other.spaces = self.object_root, self.spaces
         return other
 
     @property
@@ -92,7 +96,9 @@ class JsonPrefix:
                 self._value_done()
             return True
         if c in WHITESPACE:
-            return True
+            self.spaces += 1
+            return self.spaces <= MAX_WHITESPACE
+        self.spaces = 0
         if state == DONE:
             return False
         if state in (VALUE, FIRST_ITEM):

@@ -167,7 +167,7 @@ class SchemaPrefix(JsonPrefix):
         other = SchemaPrefix.__new__(SchemaPrefix)
         other.stack, other.state, other.key = list(self.stack), self.state, self.key
         other.escape, other.unicode, other.number, other.literal = self.escape, self.unicode, self.number, self.literal
-        other.object_root = self.object_root
+        other.object_root, other.spaces = self.object_root, self.spaces
         other.frames = [[node, set(seen), key] for node, seen, key in self.frames]
         other.expect, other.scalar, other.scalar_node = self.expect, self.scalar, self.scalar_node
         return other

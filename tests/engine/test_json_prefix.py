@@ -62,3 +62,26 @@ def test_accepts_leaves_the_state_alone():
     assert state.feed('{"key": [1, {"x": "a')
     assert state.accepts('b"}]}') and not state.accepts('"]')  # a string closes, then an object may not take ]
     assert state.feed('b"}]}') and state.complete
+
+
+def test_whitespace_between_tokens_is_bounded_but_not_inside_strings():
+    """A model that prefers whitespace cannot pad a constrained reply forever: at most MAX_WHITESPACE in a row
+    between tokens (a deep indent fits), any amount inside a string."""
+    from freetoken.engine.json_prefix import MAX_WHITESPACE
+
+    assert JsonPrefix().feed("{" + "\n" + " " * (MAX_WHITESPACE - 1) + '"a"')
+    assert not JsonPrefix().feed("{" + " " * (MAX_WHITESPACE + 1))
+    assert JsonPrefix().feed('{"a": "' + " " * 200 + '"' + " " * MAX_WHITESPACE + "}")
+    assert JsonPrefix().feed("{" + " " * MAX_WHITESPACE + '"a"' + " " * MAX_WHITESPACE + ":")
+
+
+def test_whitespace_between_a_calls_parts_is_bounded():
+    from freetoken.engine.call_languages import HermesCalls, QwenXmlCalls
+    from freetoken.engine.json_prefix import MAX_WHITESPACE
+
+    calls = HermesCalls(names=("f",))
+    assert calls.feed("<tool_call>" + " " * MAX_WHITESPACE) and not calls.copy().feed(" ")
+    assert calls.feed('{"name": "f", "arguments": {}}' + "\n" * MAX_WHITESPACE) and not calls.copy().feed("\n")
+    xml = QwenXmlCalls(tools=(("f", ("code",)),))
+    assert xml.feed("<tool_call>\n<function=f>\n<parameter=code>\n" + " " * 100 + "x\n</parameter>")  # free text
+    assert not xml.copy().feed(" " * (MAX_WHITESPACE + 1))

@@ -1,0 +1,87 @@
+"""A hybrid recurrent model (tiny Qwen3-Next: Gated DeltaNet layers beside full attention, offloaded experts)
+behind a real server, driven by the official clients: an agent's growing conversation reuses the snapshot the
+last turn left (cached tokens reported, the same answer as a cold server gives), streaming works in both
+protocols, and a forced tool call comes back parsed."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+import torch
+
+from freetoken.engine.loader import load_model
+from support.checkpoints import write_hf_checkpoint
+from support.servers import start_server
+
+# closed and enumerated, so a random model has few tokens to choose from; it likes whitespace, which the
+# constraint bounds (20 in a row between tokens), so the call closes within a few hundred tokens
+UNITS = {"type": "function", "function": {"name": "set_units", "description": "Units of the reply",
+                                          "parameters": {"type": "object", "required": ["units"],
+                                                         "additionalProperties": False,
+                                                         "properties": {"units": {"enum": ["metric", "imperial"]}}}}}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next")
+    write_hf_checkpoint("qwen3_next", path)
+    config = json.loads((path / "config.json").read_text())  # room for the described tools (a 256-token model)
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    return path
+
+
+def _serve(path):
+    probe = load_model(path, progress=False)
+    budget = 6 * probe.moe_spec.bytes_per_expert(torch.float32)  # 6 slots for 24 routed experts
+    return start_server(load_model(path, progress=False, expert_cache=budget), "tiny")
+
+
+def _chat(url: str, messages: list[dict]):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+
+
+def test_a_follow_up_turn_reuses_the_last_turns_state(hybrid):
+    server = _serve(hybrid)
+    try:
+        history = [{"role": "user", "content": "the quick brown fox"}]
+        first = _chat(server.url, history)
+        history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                    {"role": "user", "content": "and then?"}]
+        second = _chat(server.url, history)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < second.usage.prompt_tokens
+        stats = server.engine.stats()["engine"]["kv"]
+        assert stats["snapshots"] > 0 and stats["prefix_hit_tokens"] == cached
+    finally:
+        server.stop()
+    cold = _serve(hybrid)
+    try:
+        assert _chat(cold.url, history).choices[0].message.content == second.choices[0].message.content
+    finally:
+        cold.stop()
+
+
+def test_streams_and_a_forced_call_through_both_protocols(hybrid):
+    server = _serve(hybrid)
+    try:
+        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        chunks = list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=6, temperature=0, stream=True))
+        assert chunks and chunks[-1].choices[0].finish_reason == "length"
+        reply = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Units?"}],
+                                            tools=[UNITS], tool_choice="required", temperature=0, max_tokens=300)
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
+        call = reply.choices[0].message.tool_calls[0]
+        assert call.function.name == "set_units"
+        assert json.loads(call.function.arguments) in ({"units": "metric"}, {"units": "imperial"})
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        with claude.messages.stream(model="tiny", max_tokens=6, messages=[{"role": "user", "content": "hi"}]) as s:
+            text = "".join(s.text_stream)
+            final = s.get_final_message()
+        assert final.stop_reason == "max_tokens" and isinstance(text, str)
+    finally:
+        server.stop()
