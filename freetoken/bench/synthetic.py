@@ -47,6 +47,35 @@ SHAPES: dict[str, dict] = {
         num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=8192, rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
     ),
+    # Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults are the release's shape): 3 Gated DeltaNet
+    # layers per full-attention layer, 512 experts of 2048×512, top-10, a shared expert. 154 GB of bf16 experts:
+    # run it as Q8_0 or with --layers on a 128 GB host.
+    "qwen3-next-80b-a3b": dict(
+        model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, intermediate_size=5632, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    ),
+    # Qwen3.5-35B-A3B (Qwen3_5MoeTextConfig's defaults): the same hybrid layers, 40 of them, 256 experts, top-8.
+    "qwen3.5-35b-a3b": dict(
+        model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        full_attention_interval=4, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    ),
+    # The hybrid structure small enough for a CPU test run.
+    "tiny-hybrid": dict(
+        model_type="qwen3_next", vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, full_attention_interval=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
     # Small enough for a CPU test run, same structure as qwen3-30b-a3b.
     "tiny-moe": dict(
         model_type="qwen3_moe", vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -111,7 +140,7 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.fill_(1.0)
+                p.fill_(0.0 if _centred_norm(model, name) else 1.0)
             elif name.endswith("embed_tokens.weight"):
                 _fill_(p, 1.0, gen)  # token identity must dominate what the layers add in common to all tokens
             else:
@@ -133,6 +162,13 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
     model.eval()
     return LoadedModel(model, args, family, None, spec, experts, device, dtype, Path(f"synthetic/{shape}"),
                        "synthetic", cfg)
+
+
+def _centred_norm(model: torch.nn.Module, name: str) -> bool:
+    """Norms that scale by 1 + weight (Qwen3-Next's) are the identity at 0, not at 1."""
+    from freetoken.engine.models.qwen3_next import OffsetRMSNorm
+
+    return isinstance(model.get_submodule(name.rsplit(".", 1)[0]), OffsetRMSNorm)
 
 
 def host_experts(spec, dtype: torch.dtype, device: torch.device, pin: bool, seed: int) -> dict[int, LayerExperts]:

@@ -125,7 +125,7 @@ class StaticDecodeAttention:
             self._paged_checked = True
             from freetoken.kernels.paged_decode import kernel as paged
 
-            heads, kv_heads, head_dim = q.shape[1], self.cache.k[0].shape[1], q.shape[2]
+            heads, kv_heads, head_dim = q.shape[1], self.cache.n_kv_heads, q.shape[2]
             if gpu_paths.enabled("paged-decode") and paged.available(q.device) and \
                     paged.supports(heads, kv_heads, head_dim):
                 self._paged = paged.PagedDecodeAttention(self.window, heads, kv_heads, head_dim, q.device, q.dtype)

@@ -18,7 +18,7 @@ Shapes: L cached tokens, T new tokens, Hkv KV heads, D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -99,8 +99,11 @@ class SequenceKV:
 class PagedKVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, page_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 initial_pages: int = 64, max_pages: int | None = None):
+                 initial_pages: int = 64, max_pages: int | None = None, kv_layers: Sequence[int] | None = None):
+        """`kv_layers`: the layers that attend over K/V (default all); the others (linear attention) get an
+        empty pool that never grows, so a hybrid model's cache holds only its attention layers' rows."""
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.kv_layers = tuple(range(n_layers)) if kv_layers is None else tuple(sorted(kv_layers))
         self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
         self.max_pages = max_pages
         self.allocator = PageAllocator(initial_pages)
@@ -111,8 +114,9 @@ class PagedKVCache:
         # pages wanted, returns how many references it dropped (0: nothing left to give)
         self.reclaim: Callable[[int], int] | None = None
         shape = (initial_pages * page_size, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        keeps = set(self.kv_layers)
+        self.k, self.v = ([torch.zeros(shape if i in keeps else (0, n_kv_heads, head_dim), dtype=dtype,
+                                       device=self.device) for i in range(n_layers)] for _ in range(2))
 
     def new_sequence(self) -> SequenceKV:
         seq = SequenceKV(slots=torch.empty(0, dtype=torch.long, device=self.device))
@@ -181,8 +185,9 @@ class PagedKVCache:
                 self._grow(self.allocator.num_pages + 1)
             new = self.allocator.allocate(1)[0]
             size = self.page_size
-            for pool in (*self.k, *self.v):
-                pool[new * size:(new + 1) * size] = pool[old * size:(old + 1) * size]
+            for layer in self.kv_layers:
+                for pool in (self.k[layer], self.v[layer]):
+                    pool[new * size:(new + 1) * size] = pool[old * size:(old + 1) * size]
             seq.pages[i] = new
             seq.slots = seq.slots.clone()  # a fork's slots may be a view its parent also reads
             seq.slots[i * size:(i + 1) * size] = torch.arange(new * size, (new + 1) * size, device=self.device)
@@ -223,7 +228,8 @@ class PagedKVCache:
         size, rows = self.page_size, min(new_total, self.allocator.num_pages) * self.page_size
         shape = (new_total * size, self.n_kv_heads, self.head_dim)
         for pools in (self.k, self.v):
-            for i, pool in enumerate(pools):
+            for i in self.kv_layers:
+                pool = pools[i]
                 new = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 new[:rows] = pool[:rows]
                 for old, to in moves.items():
@@ -251,8 +257,8 @@ class PagedKVCache:
         extra = (new_total - self.allocator.num_pages) * self.page_size
         pad = (extra, self.n_kv_heads, self.head_dim)
         for pools in (self.k, self.v):
-            for i, pool in enumerate(pools):
-                pools[i] = torch.cat([pool, torch.zeros(pad, dtype=self.dtype, device=self.device)])
+            for i in self.kv_layers:
+                pools[i] = torch.cat([pools[i], torch.zeros(pad, dtype=self.dtype, device=self.device)])
         self.allocator.grow(new_total)
 
     def update(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor

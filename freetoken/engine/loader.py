@@ -66,7 +66,8 @@ class LoadedModel:
         pages = -(-initial_tokens // page_size)
         max_pages = None if max_tokens is None else -(-max_tokens // page_size)
         return PagedKVCache(self.model.args.n_layers, a.n_kv_heads, a.head_dim, page_size=page_size,
-                            dtype=self.dtype, device=self.device, initial_pages=pages, max_pages=max_pages)
+                            dtype=self.dtype, device=self.device, initial_pages=pages, max_pages=max_pages,
+                            kv_layers=attention_layers(self.args))
 
     def forward(self, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
                 logits_for: str = "all") -> torch.Tensor:
@@ -161,6 +162,11 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
              time.perf_counter() - start)
     return LoadedModel(model, args, family, tokenizer, spec, experts, device, dtype, path, ckpt.format,
                        ckpt.config)
+
+
+def attention_layers(args) -> tuple[int, ...] | None:
+    """The layers that keep K/V: all (None) but in hybrid families, which list their full-attention layers."""
+    return getattr(args, "full_attention_layers", None)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

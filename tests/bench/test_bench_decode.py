@@ -33,6 +33,17 @@ def test_synthetic_model_is_seeded_and_offloading_is_lossless():
     assert offloaded.experts.counters.evictions > 0
 
 
+def test_the_hybrid_shape_decodes_under_every_strategy(tmp_path):
+    """The synthetic Qwen3-Next structure (DeltaNet layers with recurrent state, shared expert): every miss path
+    gives the resident run's tokens."""
+    out = tmp_path / "hybrid.md"
+    argv = ["--shape", "tiny-hybrid", "--device", "cpu", "--dtype", "float32", "--context", "40", "--tokens", "5",
+            "--budgets", "0", "--strategies", "resident,copy,cpu,auto", "--probe-mib", "64", "--out", str(out)]
+    assert main(argv) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 4 and all(r.split("|")[12].strip() == "yes" for r in rows)
+
+
 def test_bench_decode_reports_every_strategy_with_equal_tokens(tmp_path, capsys):
     out = tmp_path / "d1.md"
     argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--context", "48", "--tokens", "6",

@@ -153,3 +153,19 @@ def test_qwen3_5_loads_from_the_vision_language_layout(checkpoint, tmp_path):
     loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
     ids = prompt_ids()
     torch.testing.assert_close(loaded.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+
+
+def test_the_kv_cache_holds_only_the_attention_layers(lm):
+    """DeltaNet layers keep no K/V: their pools stay empty however the cache grows, and the server's KV budget
+    counts only the attention layers."""
+    from freetoken.engine.offload.budget import kv_bytes_per_token
+
+    gen = Generator(lm, page_size=4)
+    cache = gen.cache()
+    seq = cache.new_sequence()
+    gen.prefill(seq, prompt_ids())
+    sizes = [k.shape[0] for k in cache.k]
+    assert sizes[0] == sizes[2] == 0 and sizes[1] == sizes[3] >= len(prompt_ids())
+    a = lm.args.decoder.attention
+    assert kv_bytes_per_token(lm.args, torch.float32) == 2 * 2 * a.n_kv_heads * a.head_dim * 4
+    cache.release(seq)
