@@ -20,7 +20,9 @@ MEASURED = {
     "prefill-ahead": ("offloaded long prefill chunks stream the next layer's experts while a layer computes",
                       "evals/results/p1-qwen3-30b-a3b-bf16-h200.md"),
 }
-EXPERIMENTAL: dict[str, str] = {}
+EXPERIMENTAL: dict[str, str] = {
+    "delta-decode": "Gated DeltaNet decode steps as one Triton launch per layer (kernels/gated_delta)",
+}
 
 
 @functools.cache

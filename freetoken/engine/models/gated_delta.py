@@ -47,29 +47,37 @@ def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same result, `chunk` tokens per step (the last chunk may be shorter): a triangular solve and a few
-    matmuls per chunk instead of a loop over tokens."""
-    out = torch.empty_like(v)
-    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [H, T, D]
-    g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [H, T]
-    for start in range(0, q.shape[1], chunk):
-        sl = slice(start, start + chunk)
-        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl]
-        c = g[:, sl].cumsum(dim=1)  # [H, C]
-        n = c.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(c_i − c_j), j ≤ i
-        system = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
-        rhs_v = bc[:, :, None] * vc
-        rhs_s = (bc * c.exp())[:, :, None] * kc
-        solved = torch.linalg.solve_triangular(system + torch.eye(n, device=q.device), torch.cat((rhs_v, rhs_s), -1),
-                                               upper=False, unitriangular=True)
-        deltas = solved[..., :vc.shape[-1]] - solved[..., vc.shape[-1]:] @ state  # [H, C, Dv]
-        attn = (qc @ kc.transpose(1, 2)) * decay  # [H, C, C], the diagonal included
-        out[sl] = (c.exp()[:, :, None] * (qc @ state) + attn @ deltas).transpose(0, 1)
-        to_end = (c[:, -1:] - c).exp()  # exp(c_C − c_j)
-        state = c[:, -1].exp()[:, None, None] * state + (kc * to_end[:, :, None]).transpose(1, 2) @ deltas
-    return out, state
+    """The same result, `chunk` tokens at a time: every chunk's triangular system and intra-chunk products at
+    once (batched over chunks), then only the state carried from chunk to chunk in a loop of 3 matmuls. T is
+    padded to whole chunks with tokens that change nothing (no decay, β = 0)."""
+    t, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = -t % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    # [H, N, C, ...]: heads, chunks, positions in the chunk
+    q, k, v = (x.reshape(n, chunk, heads, -1).permute(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (x.reshape(n, chunk, heads).permute(2, 0, 1) for x in (g, beta))
+    c = g.cumsum(dim=-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(c_i − c_j), j ≤ i
+    system = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    rhs = torch.cat((beta[..., None] * v, (beta * c.exp())[..., None] * k), dim=-1)
+    eye = torch.eye(chunk, device=q.device, dtype=q.dtype)
+    solved = torch.linalg.solve_triangular(system + eye, rhs, upper=False, unitriangular=True)
+    fresh, from_state = solved[..., :dv], solved[..., dv:]  # Δ = fresh − from_state S₀
+    attn = (q @ k.transpose(-1, -2)) * decay  # the diagonal included
+    q_decayed = c.exp()[..., None] * q
+    k_to_end = (c[..., -1:] - c).exp()[..., None] * k
+    chunk_decay = c[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty(heads, n, chunk, dv, dtype=q.dtype, device=q.device)
+    for i in range(n):
+        deltas = fresh[:, i] - from_state[:, i] @ state  # [H, C, Dv]
+        out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ deltas
+        state = chunk_decay[:, i] * state + k_to_end[:, i].transpose(-1, -2) @ deltas
+    return out.permute(1, 2, 0, 3).reshape(n * chunk, heads, dv)[:t], state
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.config import MoESpec
 from freetoken.engine.models.common_args import decoder_args, num_experts
 from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, DenseMLP
@@ -35,6 +36,7 @@ from freetoken.engine.rope import RopeConfig, apply_rope
 
 MODEL_TYPE = "qwen3_next"
 EXPERT_NAMING = QWEN_EXPERTS
+DECODE_TOKENS = 1  # steps of at most this many tokens take the recurrent form (longer ones the chunked form)
 
 
 @dataclass(slots=True)
@@ -198,11 +200,23 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(t, la.value_heads, la.value_dim).float()
         beta = torch.sigmoid(b).float()  # in the activation dtype first, as the reference does
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        rule = recurrent_gated_delta if t == 1 else chunked_gated_delta
-        out, delta_state = rule(q, k, v, g, beta, delta_state)
+        out, delta_state = _delta_rule(t, x.device)(q, k, v, g, beta, delta_state)
         ctx.set_recurrent_state(self.layer_idx, (conv_state, delta_state))
         out = self.norm(out.to(x.dtype).reshape(-1, la.value_dim), z.reshape(-1, la.value_dim))
         return self.out_proj(out.reshape(t, -1))
+
+
+def _delta_rule(tokens: int, device: torch.device):
+    """The recurrent form for decode steps (one Triton launch on CUDA with GPU path "delta-decode"), the
+    chunked form for longer chunks."""
+    if tokens > DECODE_TOKENS:
+        return chunked_gated_delta
+    if device.type == "cuda" and gpu_paths.enabled("delta-decode"):
+        from freetoken.kernels.gated_delta import kernel
+
+        if kernel.available(device):
+            return kernel.recurrent_gated_delta
+    return recurrent_gated_delta
 
 
 class HybridLayer(nn.Module):

@@ -1,0 +1,1 @@
+"""Gated delta rule (Gated DeltaNet decode step) as a Triton kernel, beside its plain-torch reference."""
