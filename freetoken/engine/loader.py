@@ -133,7 +133,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     raw_experts = offload and ckpt.format == "gguf" and ckpt.experts_quantized()
     items = list(ckpt.tensors(family.MODEL_TYPE, dtype, device, raw_experts=raw_experts))
     if (rename := getattr(family, "checkpoint_name", None)) is not None:  # the family's names; None: not loaded
-        items = [(new, load) for name, load in items if (new := rename(name)) is not None]
+        items = [(new, load) for name, load in items if (new := rename(name, args)) is not None]
     # On a terminal the bar redraws often; in a log (no TTY) it writes a line every few seconds at most.
     interactive = sys.stderr.isatty()
     bar = tqdm(total=len(items), desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False,

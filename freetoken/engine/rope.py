@@ -120,7 +120,11 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D]."""
+    """x: [T, H, D]; cos, sin: [T, R] with R ≤ D: partial RoPE (Qwen3-Next, GLM-4.5) rotates the first R
+    dims of each head and passes the rest through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

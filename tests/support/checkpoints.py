@@ -28,6 +28,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     GenerationConfig,
+    Glm4MoeConfig,
     LlamaConfig,
     MixtralConfig,
     PreTrainedConfig,
@@ -134,6 +135,13 @@ def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool
                                     layer_types=["linear_attention", "full_attention"] * 2,
                                     rope_parameters={**_rope_parameters("default", 1e6), "partial_rotary_factor": 0.5,
                                                      "mrope_section": [2, 1, 1]})
+    if family == "glm4_moe":
+        # Layer 0 dense; 8 experts in 2 groups of which 1 competes, top-2 of it, scaled; q/k norm, qkv bias.
+        return Glm4MoeConfig(**_COMMON, head_dim=16, intermediate_size=128, num_hidden_layers=3,
+                             moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                             n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                             routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+                             rope_parameters={**_rope_parameters("default", 1e6), "partial_rotary_factor": 0.5})
     if family == "mixtral":
         return MixtralConfig(**_COMMON, intermediate_size=64, num_hidden_layers=2, head_dim=16, num_local_experts=8,
                              num_experts_per_tok=2, rope_parameters=_rope_parameters("default", 1e6))
@@ -201,6 +209,9 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen) * _STD
             p.copy_(1.0 + noise if "norm" in name else noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a selection bias (sigmoid routers) that must count
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.5)
 
 
 def write_hf_checkpoint(family: str, path: Path, *, seed: int = 0, rope: str = "default",

@@ -59,3 +59,53 @@ class SparseMoeBlock(nn.Module):
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+class GroupedSigmoidRouter(nn.Module):
+    """DeepSeek-V3-style routing (GLM-4.5 too): sigmoid scores; a learnt per-expert bias picks the experts but
+    does not weigh them; experts come in `n_group` groups, each group ranked by its two best biased scores, and
+    only the best `topk_group` groups compete; the chosen scores are optionally renormalised, then scaled by
+    `routed_scaling_factor`. Computed in fp32 whatever the activations."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.scale = norm_topk_prob, routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, Hd] → (weights [N, K] fp32, ids [N, K])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        biased = scores + self.e_score_correction_bias.float()
+        n, e = biased.shape
+        groups = biased.view(n, self.n_group, e // self.n_group).topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(self.topk_group, dim=-1).indices,
+                                                                   True)
+        biased = biased.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
+        ids = biased.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
+class GroupedSigmoidMoeBlock(nn.Module):
+    """Routed experts behind a `GroupedSigmoidRouter` plus always-on shared experts (one MLP of
+    n_shared × the expert width, no gate)."""
+
+    def __init__(self, layer_idx: int, hidden_size: int, router: GroupedSigmoidRouter, shared_intermediate_size: int):
+        super().__init__()
+        self.layer_idx, self.top_k = layer_idx, router.top_k
+        self.gate = router
+        if shared_intermediate_size:
+            self.shared_experts = DenseMLP(hidden_size, shared_intermediate_size)
+        self.experts: ExpertExecutor | None = None  # attached by the loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts.forward(self.layer_idx, x, ids, weights.to(x.dtype))
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out

@@ -54,7 +54,7 @@ class Model(qwen3_next.Model):
     DELTA_NET = SplitProjectionDeltaNet
 
 
-def checkpoint_name(name: str) -> str | None:
+def checkpoint_name(name: str, args: qwen3_next.ModelArgs) -> str | None:
     """Vision-language checkpoints: the language model's tensors under the text model's names; the vision tower
     and the multi-token-prediction head are left out."""
     if name.startswith(("model.visual.", "mtp.", "model.mtp.")):

@@ -121,7 +121,7 @@ class GatedAttention(nn.Module):
     def __init__(self, args: DecoderArgs, layer_idx: int):
         super().__init__()
         a = args.attention
-        self.a, self.layer_idx, self.rotary_dim = a, layer_idx, args.rope.head_dim
+        self.a, self.layer_idx = a, layer_idx
         self.q_proj = nn.Linear(a.hidden_size, a.n_heads * a.head_dim * 2, bias=a.qkv_bias)  # query and gate
         self.k_proj = nn.Linear(a.hidden_size, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
@@ -129,17 +129,12 @@ class GatedAttention(nn.Module):
         self.q_norm = OffsetRMSNorm(a.head_dim, a.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rotary_dim
-        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1) if r < x.shape[-1] else \
-            apply_rope(x, cos, sin)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         a, t = self.a, x.shape[0]
         q, gate = self.q_proj(x).view(t, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)  # each head: query, gate
         k = self.k_proj(x).view(t, a.n_kv_heads, a.head_dim)
         v = self.v_proj(x).view(t, a.n_kv_heads, a.head_dim)
-        q, k = self._rope(self.q_norm(q), cos, sin), self._rope(self.k_norm(k), cos, sin)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)  # partial: see rope.py
         out = ctx.attend(self.layer_idx, q, k, v).reshape(t, a.n_heads * a.head_dim)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
@@ -250,6 +245,6 @@ class Model(DecoderModel):
         self.model.norm = OffsetRMSNorm(args.decoder.hidden_size, args.decoder.rms_norm_eps)
 
 
-def checkpoint_name(name: str) -> str | None:
+def checkpoint_name(name: str, args: ModelArgs) -> str | None:
     """The multi-token-prediction head (`mtp.*`) is not loaded (kept for speculative decoding later)."""
     return None if name.startswith("mtp.") else name
