@@ -27,6 +27,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    DeepseekV3Config,
     GenerationConfig,
     Glm4MoeConfig,
     LlamaConfig,
@@ -142,6 +143,16 @@ def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool
                              n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
                              routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
                              rope_parameters={**_rope_parameters("default", 1e6), "partial_rotary_factor": 0.5})
+    if family == "deepseek_v3":
+        # MLA with a query LoRA, interleaved rotary pairs; layer 0 dense; 8 experts in 4 groups of which 2
+        # compete, top-2, scaled; two shared experts.
+        common = {**_COMMON, "num_key_value_heads": 4}  # MLA: every head has its own expanded K/V
+        return DeepseekV3Config(**common, intermediate_size=128, num_hidden_layers=3, moe_intermediate_size=32,
+                                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=4,
+                                topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                v_head_dim=12, rope_interleave=True,
+                                rope_parameters=_rope_parameters("default", 10000.0))
     if family == "mixtral":
         return MixtralConfig(**_COMMON, intermediate_size=64, num_hidden_layers=2, head_dim=16, num_local_experts=8,
                              num_experts_per_tok=2, rope_parameters=_rope_parameters("default", 1e6))

@@ -1,0 +1,163 @@
+"""DeepSeek-V3 / R1 / V3.1-style MoE (`deepseek_v3`): multi-head latent
+attention (MLA), grouped sigmoid routing with a selection bias and routed scaling (moe.py), shared experts, the
+first `first_k_dense_replace` layers dense. The multi-token-prediction layers past `num_hidden_layers` are not
+loaded (speculative decoding is later work).
+
+MLA caches, per token, the compressed latent c (kv_lora_rank, after its RMSNorm) and the shared rotary key
+k_pe (qk_rope_head_dim), not per-head keys and values: 576 numbers instead of 128 × 320 for V3. Attention runs
+in the absorbed form: each head's no-position query is carried into latent space through that head's slice of
+kv_b_proj (W_UK), so scores are q_lat·c + q_pe·k_pe over the one cached "head"; the weighted sum of latents goes
+back through W_UV to the head's values. It equals expanding K and V (what transformers does) up to rounding.
+The cache's one KV head holds [c, k_pe] as keys and [c, 0] as values (the pools share a width), so every
+attention path (SDPA, the captured decode step, batches) runs it unchanged as grouped-query attention with one
+KV head; the query is pre-scaled so the paths' 1/√width becomes MLA's softmax scale.
+
+Shapes: T tokens, H heads, r kv_lora_rank, n / p / v the no-position, rotary and value head dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken.engine.config import MoESpec
+from freetoken.engine.models.common_args import decoder_args
+from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, DenseMLP, RMSNorm
+from freetoken.engine.models.moe import QWEN_EXPERTS, GroupedSigmoidMoeBlock, GroupedSigmoidRouter
+from freetoken.engine.rope import RopeConfig, apply_rope
+
+MODEL_TYPE = "deepseek_v3"
+EXPERT_NAMING = QWEN_EXPERTS
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass(slots=True)
+class LatentArgs:
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+    bias: bool
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    decoder: DecoderArgs
+    latent: LatentArgs
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> ModelArgs:
+        dec = decoder_args(cfg)
+        r, p = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+        nope, v = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+        rope = RopeConfig.from_hf_config(cfg, p)
+        scale = (nope + p) ** -0.5
+        if rope.rope_type != "default" and rope.params.get("mscale_all_dim"):
+            scale *= _yarn_mscale(float(rope.params["factor"]), float(rope.params["mscale_all_dim"])) ** 2
+        latent = LatentArgs(cfg.get("q_lora_rank"), r, nope, p, v, bool(cfg.get("rope_interleave", True)), scale,
+                            bool(cfg.get("attention_bias", False)))
+        # the cache's view: one KV "head" of [latent, rotary key]
+        attention = dataclasses.replace(dec.attention, n_kv_heads=1, head_dim=r + p)
+        dec = dataclasses.replace(dec, attention=attention, rope=rope)
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        return cls(dec, latent, int(cfg["intermediate_size"]), int(cfg["moe_intermediate_size"]),
+                   int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"]), int(cfg.get("n_shared_experts") or 0),
+                   int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1), bool(cfg.get("norm_topk_prob", True)),
+                   float(cfg.get("routed_scaling_factor") or 1.0), tuple(range(first_dense, dec.n_layers)))
+
+    def moe_spec(self) -> MoESpec:
+        shared = self.n_shared_experts
+        return MoESpec(self.moe_layers, self.num_experts, self.top_k, self.decoder.hidden_size,
+                       self.moe_intermediate_size, shared, shared * self.moe_intermediate_size)
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, hidden_size: int, n_heads: int, la: LatentArgs, layer_idx: int):
+        super().__init__()
+        self.la, self.n_heads, self.layer_idx = la, n_heads, layer_idx
+        qk = la.nope_dim + la.rope_dim
+        if la.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden_size, la.q_lora_rank, bias=la.bias)
+            self.q_a_layernorm = RMSNorm(la.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(la.q_lora_rank, n_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden_size, n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, la.kv_lora_rank + la.rope_dim, bias=la.bias)
+        self.kv_a_layernorm = RMSNorm(la.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(la.kv_lora_rank, n_heads * (la.nope_dim + la.v_dim), bias=False)
+        self.o_proj = nn.Linear(n_heads * la.v_dim, hidden_size, bias=la.bias)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.la.rope_interleave:  # checkpoints store rotary pairs interleaved: to the half-split layout
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        la, h, t = self.la, self.n_heads, x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if la.q_lora_rank else self.q_proj(x)
+        q_nope, q_pe = q.view(t, h, la.nope_dim + la.rope_dim).split([la.nope_dim, la.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([la.kv_lora_rank, la.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe[:, None, :], cos, sin)
+        w = self.kv_b_proj.weight.view(h, la.nope_dim + la.v_dim, la.kv_lora_rank)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w[:, :la.nope_dim])  # W_UK absorbed into the query
+        width = la.kv_lora_rank + la.rope_dim
+        query = torch.cat((q_latent, q_pe), dim=-1) * (la.softmax_scale * math.sqrt(width))
+        keys = torch.cat((latent[:, None, :], k_pe), dim=-1)
+        values = torch.cat((latent[:, None, :], torch.zeros_like(k_pe)), dim=-1)
+        out = ctx.attend(self.layer_idx, query, keys, values)[..., :la.kv_lora_rank]  # [T, H, r]
+        out = torch.einsum("thr,hvr->thv", out, w[:, la.nope_dim:])  # back through W_UV
+        return self.o_proj(out.reshape(t, h * la.v_dim))
+
+
+class Layer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        dec = args.decoder
+        self.input_layernorm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
+        self.self_attn = LatentAttention(dec.hidden_size, dec.attention.n_heads, args.latent, layer_idx)
+        self.post_attention_layernorm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
+        if layer_idx in args.moe_layers:
+            router = GroupedSigmoidRouter(dec.hidden_size, args.num_experts, args.top_k, args.n_group,
+                                          args.topk_group, args.norm_topk_prob, args.routed_scaling_factor)
+            self.mlp = GroupedSigmoidMoeBlock(layer_idx, dec.hidden_size, router,
+                                              args.n_shared_experts * args.moe_intermediate_size)
+        else:
+            self.mlp = DenseMLP(dec.hidden_size, args.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx: AttentionContext):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Model(DecoderModel):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args.decoder, lambda i: Layer(args, i))
+
+
+def checkpoint_name(name: str, args: ModelArgs) -> str | None:
+    """Layers past the model's (the multi-token prediction layers) are left out."""
+    m = _LAYER.match(name)
+    return None if m and int(m.group(1)) >= args.decoder.n_layers else name
