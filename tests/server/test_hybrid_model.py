@@ -71,7 +71,7 @@ def test_streams_and_a_forced_call_through_both_protocols(hybrid):
         oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         chunks = list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                   max_tokens=6, temperature=0, stream=True))
-        assert chunks and chunks[-1].choices[0].finish_reason == "length"
+        assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")  # (a random model's EOS)
         reply = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Units?"}],
                                             tools=[UNITS], tool_choice="required", temperature=0, max_tokens=300)
         assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
@@ -79,9 +79,11 @@ def test_streams_and_a_forced_call_through_both_protocols(hybrid):
         assert call.function.name == "set_units"
         assert json.loads(call.function.arguments) in ({"units": "metric"}, {"units": "imperial"})
         claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-        with claude.messages.stream(model="tiny", max_tokens=6, messages=[{"role": "user", "content": "hi"}]) as s:
+        with claude.messages.stream(model="tiny", max_tokens=6, temperature=0,
+                                    messages=[{"role": "user", "content": "hi"}]) as s:
             text = "".join(s.text_stream)
             final = s.get_final_message()
-        assert final.stop_reason == "max_tokens" and isinstance(text, str)
+        assert final.stop_reason in ("max_tokens", "end_turn") and final.usage.output_tokens <= 6
+        assert text == "".join(b.text for b in final.content if b.type == "text")
     finally:
         server.stop()
