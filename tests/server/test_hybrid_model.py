@@ -79,7 +79,7 @@ def test_streams_and_a_forced_call_through_both_protocols(hybrid):
         assert call.function.name == "set_units"
         assert json.loads(call.function.arguments) in ({"units": "metric"}, {"units": "imperial"})
         claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-        with claude.messages.stream(model="tiny", max_tokens=6, temperature=0,
+        with claude.messages.stream(model="tiny", max_tokens=6, extra_body={"temperature": 0},
                                     messages=[{"role": "user", "content": "hi"}]) as s:
             text = "".join(s.text_stream)
             final = s.get_final_message()
