@@ -39,6 +39,36 @@ SHAPES: dict[str, dict] = {
         num_experts_per_tok=8, shared_expert_intermediate_size=2048, norm_topk_prob=True, mlp_only_layers=[0, 1, 2],
         qkv_bias=False, max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
     ),
+    # DeepSeek-V3 itself (transformers' DeepseekV3Config defaults): multi-head latent attention, grouped sigmoid
+    # routing (8 groups, 4 compete), 256 experts of 7168×2048, top-8, one shared expert, 3 dense layers. 1.3 TB
+    # of bf16 experts: run it with --layers (and Q8_0) on any one host.
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+        num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=3,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    # GLM-4.5-Air (transformers' Glm4MoeConfig defaults): 46 layers, the first dense, 128 experts of 4096×1408,
+    # top-8, one shared expert, partial RoPE. 199 GB of bf16 experts: Q8_0 or --layers on a 128 GB host.
+    "glm-4.5-air": dict(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, num_hidden_layers=46, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, intermediate_size=10944, moe_intermediate_size=1408,
+        n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                                            "partial_rotary_factor": 0.5},
+    ),
+    # Both new routers and attentions small enough for a CPU test run.
+    "tiny-mla": dict(
+        model_type="deepseek_v3", vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=16,
+        num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
     # qwen3-30b-a3b's routing structure (48 layers of 128 experts, top-8) on a small hidden size: routing traces
     # for cache-policy studies on a CPU.
     "qwen3-30b-a3b-routing": dict(

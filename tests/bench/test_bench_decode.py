@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from freetoken.bench.decode import main
@@ -33,11 +34,12 @@ def test_synthetic_model_is_seeded_and_offloading_is_lossless():
     assert offloaded.experts.counters.evictions > 0
 
 
-def test_the_hybrid_shape_decodes_under_every_strategy(tmp_path):
-    """The synthetic Qwen3-Next structure (DeltaNet layers with recurrent state, shared expert): every miss path
-    gives the resident run's tokens."""
-    out = tmp_path / "hybrid.md"
-    argv = ["--shape", "tiny-hybrid", "--device", "cpu", "--dtype", "float32", "--context", "40", "--tokens", "5",
+@pytest.mark.parametrize("shape", ["tiny-hybrid", "tiny-mla"])
+def test_the_new_families_shapes_decode_under_every_strategy(shape, tmp_path):
+    """The synthetic Qwen3-Next structure (DeltaNet layers with recurrent state, shared expert) and DeepSeek-V3's
+    (latent attention, grouped sigmoid routing): every miss path gives the resident run's tokens."""
+    out = tmp_path / "shape.md"
+    argv = ["--shape", shape, "--device", "cpu", "--dtype", "float32", "--context", "40", "--tokens", "5",
             "--budgets", "0", "--strategies", "resident,copy,cpu,auto", "--probe-mib", "64", "--out", str(out)]
     assert main(argv) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
@@ -127,3 +129,18 @@ def test_transformers_accelerate_baseline_runs_the_same_weights(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [r.split("|")[1].strip() for r in rows] == ["resident", "hf-accelerate"]
     assert rows[1].split("|")[12].strip() == "yes" and float(rows[1].split("|")[3]) > 0
+
+
+def test_every_named_shape_reads_as_its_family():
+    """The real shapes are only built on the device; here each at least parses into its family's arguments
+    with the expert pool its comment states."""
+    from freetoken.bench.synthetic import SHAPES, synthetic_config
+    from freetoken.engine.models import family_for
+
+    gb = {}
+    for shape in SHAPES:
+        cfg = synthetic_config(shape)
+        spec = family_for(cfg["model_type"]).ModelArgs.from_config(cfg).moe_spec()
+        gb[shape] = spec.total_routed_experts * spec.bytes_per_expert(torch.bfloat16) / 1e9
+    assert round(gb["qwen3-next-80b-a3b"]) == 155 and round(gb["glm-4.5-air"]) == 199
+    assert round(gb["deepseek-v3"], -2) == 1300 and round(gb["qwen3.5-35b-a3b"]) == 64
