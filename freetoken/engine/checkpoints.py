@@ -18,6 +18,7 @@ from freetoken.engine.formats.gguf_file import GGUFFile
 from freetoken.engine.formats.safetensors_file import SafetensorsFile
 from freetoken.engine.models import family_for
 from freetoken.errors import ModelLoadError
+from freetoken.kernels.fp8_block.reference import dequantize_fp8_blocks
 
 # (HF name, load): `load(into)` returns the tensor, read straight into `into` where the format allows.
 TensorItems = Iterator[tuple[str, Callable[..., "torch.Tensor | RawTensor"]]]
@@ -71,19 +72,53 @@ class HFCheckpoint:
 
     def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device,
                 raw_experts: bool = False) -> TensorItems:
-        """Tensors in the checkpoint's own dtype (`raw_experts` has no meaning for safetensors: ignored)."""
+        """Tensors in the checkpoint's own dtype (`raw_experts` has no meaning for safetensors: ignored), but
+        block-scaled FP8 weights, which come dequantized (`weight_scale_inv` beside them is consumed)."""
+        block = self._fp8_block()
         by_file: dict[Path, list[str]] = {}
         for name, f in self.shards.items():
             by_file.setdefault(f, []).append(name)
+        readers: dict[Path, SafetensorsFile] = {}
+
+        def reader_of(f: Path) -> SafetensorsFile:
+            if f not in readers:
+                readers[f] = SafetensorsFile(f)
+            return readers[f]
+
         for f, names in by_file.items():
-            reader = SafetensorsFile(f)
+            reader = reader_of(f)
             for name in names:
-                yield name, lambda into=None, r=reader, n=name: r.read(n, into)
+                scale = name + "_scale_inv"
+                if block is not None and name.endswith("_scale_inv"):
+                    continue  # read with its weight
+                if block is not None and scale in self.shards:
+                    yield name, _fp8_load(reader, name, reader_of(self.shards[scale]), scale, block, dtype)
+                else:
+                    yield name, lambda into=None, r=reader, n=name: r.read(n, into)
+
+    def _fp8_block(self) -> tuple[int, int] | None:
+        """The scale block of a block-wise FP8 checkpoint (`quantization_config.quant_method: fp8`), else None."""
+        q = self.config.get("quantization_config") or {}
+        if q.get("quant_method") != "fp8":
+            return None
+        block = q.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ModelLoadError(f"{self.root}: an fp8 checkpoint without a usable weight_block_size ({block!r}); "
+                                 "only block-wise FP8 (DeepSeek-V3 style, e.g. [128, 128]) is supported")
+        return block[0], block[1]
 
     def tokenizer(self):
         from freetoken.engine.tokenizer import Tokenizer
 
         return Tokenizer.from_hf_dir(self.root)
+
+
+def _fp8_load(reader: SafetensorsFile, name: str, scales: SafetensorsFile, scale_name: str, block: tuple[int, int],
+              dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    def load(into=None) -> torch.Tensor:
+        return dequantize_fp8_blocks(reader.read(name), scales.read(scale_name), block, dtype)
+
+    return load
 
 
 class GGUFCheckpoint:
