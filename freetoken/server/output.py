@@ -22,7 +22,10 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
-_HELD_TO_THE_END = (MISTRAL_CALLS, PYTHON_TAG)  # everything after these is calls, parsed once complete
+# DeepSeek-V3/R1/V3.1: fullwidth bars and "▁" (U+2581) as its chat template writes them
+DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_HELD_TO_THE_END = (MISTRAL_CALLS, PYTHON_TAG, DEEPSEEK_CALLS)  # everything after these is calls, parsed whole
 
 
 @dataclass(slots=True)
@@ -132,10 +135,14 @@ class OutputParser:
 
 
 def parse_tool_call(body: str, text_params: dict[str, frozenset[str]] | None = None) -> ToolCall | None:
-    """One tool call's body (between the tags) in any supported format, or None if it is not one."""
+    """One tool call's body (between the tags) in any supported format, or None if it is not one: a JSON call
+object (Hermes/Qwen), Qwen3-Coder XML (`<function=…>`), or GLM-4.5's `NAME` then `<arg_key>`/`<arg_value>`
+pairs."""
     body = body.strip()
     if body.startswith("<function="):
         return _parse_xml_call(body, text_params or {})
+    if not body.startswith("{"):
+        return _parse_glm_call(body, text_params or {})
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
@@ -155,7 +162,10 @@ def parse_bare_calls(text: str) -> list[ToolCall]:
 
 def parse_marked_calls(text: str) -> list[ToolCall]:
     """Calls after Mistral's `[TOOL_CALLS]` (a JSON list, or `NAME[ARGS]{...}` / `NAME[CALL_ID]id[ARGS]{...}` per
-    marker) or Llama's `<|python_tag|>` (a JSON call); [] unless every part is a call."""
+    marker), Llama's `<|python_tag|>` (a JSON call) or DeepSeek's `<｜tool▁calls▁begin｜>`; [] unless every part
+    is a call."""
+    if text.lstrip().startswith(DEEPSEEK_CALLS):
+        return parse_deepseek_calls(text)
     calls: list[ToolCall] = []
     for chunk in re.split(r"\[TOOL_CALLS\]|<\|python_tag\|>", text):
         chunk = chunk.strip()
@@ -177,6 +187,68 @@ def parse_marked_calls(text: str) -> list[ToolCall]:
             return []
         calls.append(ToolCall(name, value))
     return calls
+
+
+_DEEPSEEK_CALL = re.compile(re.escape(DEEPSEEK_CALL) + r"(.*?)" + re.escape(DEEPSEEK_CALL_END), re.S)
+_FENCED_JSON = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*$", re.S)
+
+
+def parse_deepseek_calls(text: str) -> list[ToolCall]:
+    """DeepSeek's calls: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{args}<｜tool▁call▁end｜>` (V3.1) or
+    `…begin｜>function<｜tool▁sep｜>NAME` then the arguments in a ```json fence (V3, R1), inside
+    `<｜tool▁calls▁begin｜>` … `<｜tool▁calls▁end｜>`; [] unless every call parses."""
+    body = text.strip().removeprefix(DEEPSEEK_CALLS)
+    body, _, after = body.partition(DEEPSEEK_CALLS_END)
+    found = _DEEPSEEK_CALL.findall(body)
+    if not found or after.strip() or _DEEPSEEK_CALL.sub("", body).strip():
+        return []
+    calls = []
+    for call in found:
+        head, sep, args = call.partition(DEEPSEEK_SEP)
+        if not sep:
+            return []
+        name = head.strip()
+        if name == "function" and "\n" in args:  # V3: the name on the separator's line, fenced arguments
+            name, args = args.split("\n", 1)
+            fenced = _FENCED_JSON.match(args)
+            args = fenced.group(1) if fenced else args
+        try:
+            value = json.loads(args)
+        except json.JSONDecodeError:
+            return []
+        if not name.strip() or not isinstance(value, dict):
+            return []
+        calls.append(ToolCall(name.strip(), value))
+    return calls
+
+
+_TOOL_NAME = re.compile(r"[\w.:/-]+")
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _parse_glm_call(body: str, text_params: dict[str, frozenset[str]]) -> ToolCall | None:
+    """GLM-4.5: the function name, then `<arg_key>k</arg_key><arg_value>v</arg_value>` pairs. The template
+    writes strings as they are and other values as JSON, so values read as JSON unless the tool types them as
+    strings (or they are not JSON)."""
+    name, _, rest = body.partition("<arg_key>")
+    name = name.strip()
+    if not _TOOL_NAME.fullmatch(name):
+        return None  # not a call: prose, or a malformed JSON one
+    rest = "<arg_key>" + rest if rest else ""
+    pairs = _GLM_ARG.findall(rest)
+    if _GLM_ARG.sub("", rest).strip():
+        return None  # something besides argument pairs
+    texts, args = text_params.get(name, frozenset()), {}
+    for key, value in pairs:
+        key = key.strip()
+        if key in texts:
+            args[key] = value
+            continue
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value
+    return ToolCall(name, args)
 
 
 def _call_of(obj) -> ToolCall | None:

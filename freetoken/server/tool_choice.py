@@ -72,8 +72,13 @@ def _checked(choice: ToolChoice, names: list[str]) -> ToolChoice:
 
 
 def call_syntax(template_source: str) -> str:
-    """The tool-call syntax a chat template teaches: "mistral-args", "mistral-json", "qwen-xml", "hermes",
-    "llama3", or "none" (the template never renders tools)."""
+    """The tool-call syntax a chat template teaches: "mistral-args", "mistral-json", "qwen-xml", "glm",
+    "deepseek" (V3.1's `NAME<｜tool▁sep｜>{…}`), "deepseek-fenced" (V3/R1's `function<｜tool▁sep｜>NAME` and a
+    json fence), "hermes", "llama3", or "none" (the template never renders tools)."""
+    if "tool▁calls▁begin" in template_source:
+        return "deepseek-fenced" if "```json" in template_source else "deepseek"
+    if "<arg_key>" in template_source:
+        return "glm"
     if "[TOOL_CALLS]" in template_source:
         return "mistral-args" if "[ARGS]" in template_source else "mistral-json"
     if "<tool_call>" in template_source:
@@ -98,6 +103,13 @@ def call_opener(choice: ToolChoice, syntax: str, in_reasoning: bool = False) -> 
         opener = "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
     elif syntax == "llama3":
         opener = f'{{"name": {json.dumps(name)}, "parameters": ' if name else '{"name": "'
+    elif syntax == "glm":
+        opener = "<tool_call>" + (f"{name}\n" if name else "")
+    elif syntax == "deepseek":
+        opener = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + (f"{name}<｜tool▁sep｜>" if name else "")
+    elif syntax == "deepseek-fenced":
+        opener = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>" + \
+            (f"{name}\n```json\n" if name else "")
     else:  # hermes, and templates taught the Hermes format by `describe_tools`
         opener = "<tool_call>\n" + (call_head(name) if name else "")
     return ("</think>\n\n" if in_reasoning else "") + opener

@@ -116,3 +116,50 @@ def test_markers_survive_decoding_where_the_vocabulary_flags_them_special(tmp_pa
     kept = tok.decode(ids, skip_special_tokens=True)  # (a word-level vocabulary joins tokens with spaces)
     assert kept.startswith("[TOOL_CALLS]") and "</s>" not in kept
     assert tok.decode(ids).endswith("</s>")
+
+
+# As GLM-4.5's chat template writes calls: the name, then key/value pairs; strings bare, other values as JSON.
+GLM = ("<think>look first</think>\nI'll check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+       "<arg_value>Beijing</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+       "<arg_key>zip</arg_key>\n<arg_value>100000</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>")
+# DeepSeek-V3.1 (name, separator, JSON) and V3/R1 (function, separator, name, fenced JSON).
+DEEPSEEK_V31 = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}"
+                "<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+DEEPSEEK_V3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+               "{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+
+@pytest.mark.parametrize("sizes", [[1], [3, 7], [1000]])
+def test_glm_calls(sizes):
+    """Values read as JSON unless the tool's schema types them as strings (`zip` here)."""
+    got = _run(GLM, sizes, text_params={"get_weather": frozenset({"city", "zip"})})
+    assert got == [("reasoning", "look first"), ("text", "I'll check.\n"),
+                   ("tool_call", "get_weather", {"city": "Beijing", "days": 3, "zip": "100000"}), ("text", "\n"),
+                   ("tool_call", "now", {})]
+    assert _run("<tool_call>not a call at all</tool_call>", [4]) == [
+        ("text", "<tool_call>not a call at all</tool_call>")]
+
+
+@pytest.mark.parametrize("sizes", [[1], [5], [1000]])
+def test_deepseek_calls(sizes):
+    assert _run(DEEPSEEK_V31, sizes) == [("text", "Checking."), ("tool_call", "get_weather", {"city": "Paris"}),
+                                         ("tool_call", "now", {})]
+    assert _run(DEEPSEEK_V3, sizes) == [("tool_call", "get_weather", {"city": "Paris"})]
+    broken = DEEPSEEK_V31.replace("{}", "{")
+    assert _run(broken, sizes) == [("text", broken)]  # a call that does not parse stays visible
+
+
+def test_glm_and_deepseek_templates_get_their_syntax_and_forced_openers():
+    from freetoken.server.tool_choice import ToolChoice, call_opener, call_syntax
+
+    glm = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>{name}<arg_key>{k}</arg_key>"
+    v31 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + args}}"
+    v3 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>' + name + '\\n```json\\n'}}"
+    assert (call_syntax(glm), call_syntax(v31), call_syntax(v3)) == ("glm", "deepseek", "deepseek-fenced")
+    named = ToolChoice("named", "get_weather")
+    for template, text in ((glm, GLM[GLM.index("<tool_call>"):]), (v31, DEEPSEEK_V31[len("Checking."):]),
+                           (v3, DEEPSEEK_V3)):
+        opener = call_opener(named, call_syntax(template))
+        assert text.startswith(opener), (opener, text)
+        rest = _run(text[len(opener):], [3], prefix=opener)
+        assert rest[0][:2] == ("tool_call", "get_weather")
