@@ -26,7 +26,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_OPEN, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
 # the text that opens a call in each constrained format ("": the reply itself opens with the call)
-CALL_MARKERS = {"hermes": CALL_OPEN, "qwen-xml": CALL_OPEN, "mistral-json": MISTRAL_OPEN,
+CALL_MARKERS = {"hermes": CALL_OPEN, "qwen-xml": CALL_OPEN, "glm": CALL_OPEN, "mistral-json": MISTRAL_OPEN,
                 "mistral-args": MISTRAL_OPEN, "llama3": ""}
 
 
@@ -320,25 +320,30 @@ class XmlValue:
     no string (numbers, booleans, null, objects, arrays: the parser reads the text as JSON), one of a string
     enum's values as plain text. Whitespace may surround it. Other values (strings, untyped) are free text."""
 
-    __slots__ = ("json", "choices", "text", "closing", "spaces")
+    __slots__ = ("json", "choices", "text", "closing", "spaces", "close", "pad")
 
-    def __init__(self, json_value: SchemaPrefix | None, choices: tuple[str, ...] = ()) -> None:
-        self.json, self.choices, self.text, self.spaces = json_value, choices, "", 0
+    def __init__(self, json_value: SchemaPrefix | None, choices: tuple[str, ...] = (),
+                 close: str = PARAMETER_CLOSE, pad: bool = True) -> None:
+        """`pad`: whitespace may surround a choice (Qwen3-Coder writes values on their own lines; GLM does not,
+        and its parser keeps string values as written)."""
+        self.json, self.choices, self.text, self.spaces, self.close = json_value, choices, "", 0, close
+        self.pad = pad
         self.closing: str | None = None  # what of `</parameter>` was read, once the value is whole
 
     @classmethod
-    def of(cls, node: Node | None) -> XmlValue | None:
-        """The constrained value for a parameter's schema node, or None where its value is free text."""
+    def of(cls, node: Node | None, close: str = PARAMETER_CLOSE, pad: bool = True) -> XmlValue | None:
+        """The constrained value for a parameter's schema node (ended by `close`), or None where its value is
+        free text."""
         if node is None or node.types is None:
             return None
         if node.enum is not None:
             values = [json.loads(e) for e in node.enum]
             if all(isinstance(v, str) for v in values):
-                return cls(None, tuple(sorted(values)))
-        return None if "string" in node.types else cls(SchemaPrefix(node, object_root=False))
+                return cls(None, tuple(sorted(values)), close, pad)
+        return None if "string" in node.types else cls(SchemaPrefix(node, object_root=False), close=close, pad=pad)
 
     def copy(self) -> XmlValue:
-        other = XmlValue(self.json.copy() if self.json is not None else None, self.choices)
+        other = XmlValue(self.json.copy() if self.json is not None else None, self.choices, self.close, self.pad)
         other.text, other.closing, other.spaces = self.text, self.closing, self.spaces
         return other
 
@@ -355,15 +360,16 @@ class XmlValue:
             self.closing = ""
         if self.closing is not None:
             if not self.closing and (space := glue_space(self, c)) is not None:
-                return space
+                return space and (self.pad or self.json is not None)
             self.closing += c
-            return PARAMETER_CLOSE.startswith(self.closing)
+            return self.close.startswith(self.closing)
         if self.json is None:
             text = self.text + c
             if any(v.startswith(text) for v in self.choices):
                 self.text = text
                 return True
-            return c in WHITESPACE and (not self.text or self.whole) and glue_space(self, c) and self._lead_or_trail()
+            return c in WHITESPACE and self.pad and (not self.text or self.whole) and glue_space(self, c) and \
+                self._lead_or_trail()
         return self.json.feed(c)
 
     def _lead_or_trail(self) -> bool:
@@ -373,7 +379,7 @@ class XmlValue:
 
     @property
     def closed(self) -> bool:
-        return self.closing == PARAMETER_CLOSE
+        return self.closing == self.close
 
 
 class QwenXmlCalls(CallsInText):
@@ -465,4 +471,107 @@ class QwenXmlCalls(CallsInText):
                 self.mode = self.NAME
             else:
                 self._start_value(pending[len("<parameter="):-1])
+        return True
+
+
+ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+
+class GlmCalls(CallsInText):
+    """Free text in which each `<tool_call>` … `</tool_call>` holds one GLM-4.5 call: an offered tool's name,
+    then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs (keys among the schema's properties, each
+    once, the required ones before the close; values typed like Qwen3-Coder's, see `XmlValue`)."""
+
+    FREE, NAME, BODY, KEY, GAP, VALUE = range(6)
+
+    def __init__(self, opened: str | None = None, tools: tuple[tuple[str, tuple[str, ...]], ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = ()) -> None:
+        self.params = {name: params for name, params in tools}
+        self.schemas = {name: compile_schema(text) for name, text in schemas if name in self.params}
+        self.mode, self.tail, self.pending, self.function = self.FREE, "", "", ""
+        self.seen: frozenset[str] = frozenset()
+        self.value: XmlValue | None = None
+        self._start_opened(opened, sorted(self.params))
+
+    def copy(self) -> GlmCalls:
+        other = GlmCalls.__new__(GlmCalls)
+        other.params, other.schemas, other.mode, other.tail = self.params, self.schemas, self.mode, self.tail
+        other.pending, other.function, other.seen, other.spaces = self.pending, self.function, self.seen, self.spaces
+        other.value = self.value.copy() if self.value is not None else None
+        return other
+
+    def _open(self) -> None:
+        self.mode, self.pending = self.NAME, ""
+
+    def _literals(self) -> list[str]:
+        """The texts the current stretch must be one of (`pending` holds what matched of them)."""
+        if self.mode == self.GAP:
+            return [ARG_VALUE]
+        if self.mode == self.KEY:  # after <arg_key>: an unseen property (any key for tools without them)
+            names = self.params.get(self.function) or ()
+            return [p + ARG_KEY_END for p in names if p not in self.seen]
+        root = self.schemas.get(self.function)
+        names = self.params.get(self.function) or ()
+        required = root.required & set(names) if root is not None else frozenset()
+        more = [ARG_KEY] if not names or any(p not in self.seen for p in names) else []
+        return more + ([CALL_CLOSE] if required <= self.seen else [])
+
+    def _call_char(self, c: str) -> bool:
+        if self.mode == self.NAME:
+            return self._name_char(c)
+        if self.mode == self.VALUE:
+            return self._value_char(c)
+        if self.mode == self.KEY and not self.params.get(self.function):  # any key text up to </arg_key>
+            self.pending += c
+            if self.pending.endswith(ARG_KEY_END):
+                self._key_done(self.pending[:-len(ARG_KEY_END)])
+                return bool(self.seen)
+            return "<" not in self.pending or ARG_KEY_END.startswith(self.pending[self.pending.index("<"):])
+        if not self.pending and self.mode != self.KEY and (space := glue_space(self, c)) is not None:
+            return space
+        pending = self.pending + c
+        options = self._literals()
+        if not any(o.startswith(pending) for o in options):
+            return False
+        self.pending = pending
+        if pending in options:
+            self.pending = ""
+            if pending == CALL_CLOSE:
+                self.mode, self.tail = self.FREE, ""
+            elif pending == ARG_KEY:
+                self.mode = self.KEY
+            elif pending == ARG_VALUE:
+                self.mode, self.tail = self.VALUE, ""
+            else:
+                self._key_done(pending[:-len(ARG_KEY_END)])
+        return True
+
+    def _name_char(self, c: str) -> bool:
+        names = list(self.params)
+        if (self.pending in names or not names and self.pending) and (c in WHITESPACE or c == "<"):  # body next
+            self.function, self.seen, self.mode, self.pending = self.pending, frozenset(), self.BODY, ""
+            return self._call_char(c)
+        pending = self.pending + c
+        if names and not any(n.startswith(pending) for n in names):
+            return False
+        self.pending = pending
+        return True
+
+    def _key_done(self, key: str) -> None:
+        root = self.schemas.get(self.function)
+        self.seen = self.seen | {key}
+        self.mode, self.pending = self.GAP, ""
+        self.value = XmlValue.of(root.properties.get(key) if root is not None else None, close=ARG_VALUE_END,
+                                 pad=False)
+
+    def _value_char(self, c: str) -> bool:
+        if self.value is not None:  # typed: the value, then </arg_value>
+            if not self.value.feed(c):
+                return False
+            if self.value.closed:
+                self.mode, self.pending, self.value = self.BODY, "", None
+            return True
+        self.tail = (self.tail + c)[-len(ARG_VALUE_END):]  # free text up to </arg_value>
+        if self.tail == ARG_VALUE_END:
+            self.mode, self.pending = self.BODY, ""
         return True

@@ -173,6 +173,24 @@ def test_qwen_xml_typed_values_parse_back_as_the_schema_types():
     assert call.arguments == {"path": "42", "limit": 40, "ranges": [1, 2], "follow": True, "mode": "bytes"}
 
 
+def test_glm_calls_name_an_offered_tool_and_its_typed_arguments():
+    from freetoken.engine.call_languages import GlmCalls
+
+    calls = GlmCalls(tools=READ_TOOL + (("now", ()),), schemas=(("read_file", READ_SCHEMA),))
+    assert calls.feed("Reading.\n<tool_call>") and not calls.copy().feed("write_file")
+    assert not calls.copy().feed("read_file\n</tool_call>")  # path is required
+    assert calls.feed("read_file\n<arg_key>limit</arg_key>\n<arg_value>40</arg_value>\n")
+    assert not calls.copy().feed("<arg_key>limit</arg_key>")  # each key once
+    assert not calls.copy().feed("<arg_key>mode</arg_key><arg_value>texts")  # an enum's values only
+    assert not calls.copy().feed("<arg_key>follow</arg_key><arg_value>yes")  # a boolean is JSON
+    assert calls.feed("<arg_key>path</arg_key>\n<arg_value>src/a b.py</arg_value>\n</tool_call>") and calls.can_end
+    assert calls.feed(" then <tool_call>now\n<arg_key>any</arg_key><arg_value>x</arg_value></tool_call>")
+    forced = GlmCalls(opened="read_file\n", tools=READ_TOOL, schemas=(("read_file", READ_SCHEMA),))
+    assert forced.feed("<arg_key>path</arg_key><arg_value>a</arg_value></tool_call>") and forced.can_end
+    with pytest.raises(ValueError):
+        GlmCalls(opened="rm\n", tools=READ_TOOL)
+
+
 def test_mistral_calls_json_lists_and_name_args_forms():
     schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
     listed = MistralCalls(names=("get_weather", "f"), schemas=(("get_weather", schema),))

@@ -1,7 +1,8 @@
-"""A hybrid recurrent model (tiny Qwen3-Next: Gated DeltaNet layers beside full attention, offloaded experts)
-behind a real server, driven by the official clients: an agent's growing conversation reuses the snapshot the
-last turn left (cached tokens reported, the same answer as a cold server gives), streaming works in both
-protocols, and a forced tool call comes back parsed."""
+"""The new families behind a real server, driven by the official clients. A hybrid recurrent model (tiny
+Qwen3-Next: Gated DeltaNet layers beside full attention, offloaded experts): an agent's growing conversation
+reuses the snapshot the last turn left (cached tokens reported, the same answer as a cold server gives),
+streaming works in both protocols, a forced tool call comes back parsed. A tiny GLM-4.5 with a template in its
+call format: a forced call in that format, constrained and parsed."""
 
 from __future__ import annotations
 
@@ -85,5 +86,38 @@ def test_streams_and_a_forced_call_through_both_protocols(hybrid):
             final = s.get_final_message()
         assert final.stop_reason in ("max_tokens", "end_turn") and final.usage.output_tokens <= 6
         assert text == "".join(b.text for b in final.content if b.type == "text")
+    finally:
+        server.stop()
+
+
+# A GLM-4.5-style template (its call syntax: <tool_call>NAME, then <arg_key>/<arg_value> pairs).
+GLM_TEMPLATE = (
+    "{%- if tools %}<|system|>\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>\n{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_a_forced_call_in_glms_format_through_the_server(tmp_path):
+    """GLM-4.5 writes calls in its own tag format: a tiny glm4_moe model with such a template answers a forced
+    call in it (constrained: an offered name, its schema's keys, an enum's value) and the server returns it
+    parsed."""
+    write_hf_checkpoint("glm4_moe", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    tok = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": GLM_TEMPLATE}))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    server = start_server(load_model(tmp_path, progress=False), "tiny")
+    try:
+        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        for choice in ("required", {"type": "function", "function": {"name": "set_units"}}):
+            reply = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Units?"}],
+                                                tools=[UNITS], tool_choice=choice, temperature=0, max_tokens=300)
+            assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
+            call = reply.choices[0].message.tool_calls[0]
+            assert call.function.name == "set_units"
+            assert json.loads(call.function.arguments) in ({"units": "metric"}, {"units": "imperial"})
     finally:
         server.stop()
