@@ -261,7 +261,14 @@ def _rewrite_rope_keys_legacy(config_json: Path) -> None:
 
 # --------------------------------------------------------------------------------------------------- GGUF
 
-_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
+              "glm4_moe": "glm4moe"}
+# GLM-4.5's names where they differ (gguf-py's tensor map for glm4moe; the converter renames the router's
+# e_score_correction_bias to e_score_correction.bias, which that map files under exp_probs_b).
+_GLM_TENSORS = {
+    "post_attention_layernorm": "post_attention_norm", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
 _LAYER_TENSORS = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -295,6 +302,9 @@ def _gguf_tensors(cfg: PreTrainedConfig, hf: dict[str, np.ndarray], arch: str) -
     out = {"token_embd.weight": hf["model.embed_tokens.weight"]}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, w in hf.items():
+        if name.endswith(".mlp.gate.e_score_correction_bias"):
+            out[f"blk.{int(name.split('.')[2])}.exp_probs_b.bias"] = w
+            continue
         m = _LAYER_RE.fullmatch(name)
         if not m:
             continue
@@ -302,7 +312,7 @@ def _gguf_tensors(cfg: PreTrainedConfig, hf: dict[str, np.ndarray], arch: str) -
         if e := _EXPERT_RE.fullmatch(module):
             experts.setdefault((layer, _EXPERT_PART[e[2]]), {})[int(e[1])] = w
             continue
-        gname = _LAYER_TENSORS[module]
+        gname = (_GLM_TENSORS.get(module) if arch == "glm4moe" else None) or _LAYER_TENSORS[module]
         if arch == "llama" and gname == "attn_q":
             w = _permute_rows(w, cfg.num_attention_heads)
         elif arch == "llama" and gname == "attn_k":
@@ -312,6 +322,11 @@ def _gguf_tensors(cfg: PreTrainedConfig, hf: dict[str, np.ndarray], arch: str) -
         out[f"blk.{layer}.{gname}.{kind}"] = w
     for (layer, part), by_id in sorted(experts.items()):
         out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([by_id[i] for i in range(len(by_id))])
+    if arch == "glm4moe":  # the Hub's GGUFs carry one more block, for multi-token prediction
+        last, mtp = cfg.num_hidden_layers - 1, cfg.num_hidden_layers
+        out |= {n.replace(f"blk.{last}.", f"blk.{mtp}.", 1): t for n, t in list(out.items())
+                if n.startswith(f"blk.{last}.")}
+        out[f"blk.{mtp}.nextn.eh_proj.weight"] = np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32)
     out["output_norm.weight"] = hf["model.norm.weight"]
     if not cfg.tie_word_embeddings:
         out["output.weight"] = hf["lm_head.weight"]
@@ -330,13 +345,13 @@ def _write_model_metadata(w: gguf.GGUFWriter, cfg: PreTrainedConfig, family: str
     w.add_name(f"tiny-{family}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + (family == "glm4_moe"))  # GLM's MTP block is counted
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
@@ -350,6 +365,18 @@ def _write_model_metadata(w: gguf.GGUFWriter, cfg: PreTrainedConfig, family: str
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if family == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if family == "glm4_moe":  # as llama.cpp's converter states GLM-4.5's routing
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        w.add_nextn_predict_layers(1)  # the extra multi-token-prediction block _gguf_tensors writes
     rope = cfg.rope_parameters
     if rope["rope_type"] == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

@@ -16,7 +16,7 @@ from freetoken.engine.formats.gguf_file import GGUFFile
 from freetoken.errors import UnsupportedArchitectureError
 
 # GGUF general.architecture → HF model_type (llama with experts is Mixtral).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -31,6 +31,11 @@ _BLOCK_NAMES = {
     "ffn_gate_inp": "{mlp}.gate",
     "ffn_gate_shexp": "{mlp}.shared_expert.gate_proj", "ffn_up_shexp": "{mlp}.shared_expert.up_proj",
     "ffn_down_shexp": "{mlp}.shared_expert.down_proj", "ffn_gate_inp_shexp": "{mlp}.shared_expert_gate",
+}
+# GLM-4.5 (glm4moe) names its shared experts and its second norm otherwise; exp_probs_b is its selection bias
+_GLM_BLOCK_NAMES = {
+    "post_attention_norm": "post_attention_layernorm", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 _STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)\.(weight|bias)")
@@ -74,7 +79,9 @@ def hf_config(gguf: GGUFFile) -> dict:
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "rope_parameters": _rope_parameters(gguf, get),
     }
-    if n_experts:
+    if model_type == "glm4_moe":
+        cfg.update(_glm_config(gguf, get, cfg))
+    elif n_experts:
         cfg.update(_moe_config(gguf, get, model_type, n_experts, cfg["num_hidden_layers"]))
     if model_type == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
@@ -114,6 +121,27 @@ def _moe_config(gguf: GGUFFile, get, model_type: str, n_experts: int, n_layers: 
     return cfg
 
 
+def _glm_config(gguf: GGUFFile, get, cfg: dict) -> dict:
+    """GLM-4.5's routing as llama.cpp's converter states it; its block count includes the MTP block(s)."""
+    gating = get("expert_gating_func")
+    if gating is not None and int(gating) != 2:
+        raise UnsupportedArchitectureError(f"{gguf.path}: glm4moe with expert gating {gating} (only sigmoid, 2)")
+    rotary = int(get("rope.dimension_count", cfg["head_dim"]))
+    return {
+        "num_hidden_layers": cfg["num_hidden_layers"] - int(get("nextn_predict_layers", 0) or 0),
+        "n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "n_shared_experts": int(get("expert_shared_count", 0) or 0),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0) or 0),
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "n_group": int(get("expert_group_count", 1) or 1), "topk_group": int(get("expert_group_used_count", 1) or 1),
+        "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in gguf.tensors,
+        "rope_parameters": {**cfg["rope_parameters"], "partial_rotary_factor": rotary / cfg["head_dim"]},
+    }
+
+
 def hf_name(gguf_name: str, model_type: str) -> str | None:
     """HF parameter (or stacked-expert) name for a GGUF tensor; None for tensors that carry no parameter."""
     if gguf_name in _GLOBAL_NAMES:
@@ -122,6 +150,11 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     if m is None:
         return None
     layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
+    if model_type == "glm4_moe":
+        if part == "exp_probs_b":
+            return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        if part in _GLM_BLOCK_NAMES:
+            return f"model.layers.{layer}.{_GLM_BLOCK_NAMES[part]}.{kind}"
     if part in _STACKED_EXPERTS:
         return stacked_expert_name(layer, _STACKED_EXPERTS[part])
     if part not in _BLOCK_NAMES:
