@@ -26,8 +26,12 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_OPEN, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
 # the text that opens a call in each constrained format ("": the reply itself opens with the call)
+# DeepSeek-V3/R1/V3.1's call markers (fullwidth bars, "▁" U+2581), as its chat template writes them
+DEEPSEEK_OPEN, DEEPSEEK_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 CALL_MARKERS = {"hermes": CALL_OPEN, "qwen-xml": CALL_OPEN, "glm": CALL_OPEN, "mistral-json": MISTRAL_OPEN,
-                "mistral-args": MISTRAL_OPEN, "llama3": ""}
+                "mistral-args": MISTRAL_OPEN, "llama3": "", "deepseek": DEEPSEEK_OPEN,
+                "deepseek-fenced": DEEPSEEK_OPEN}
 
 
 def opening_of(opener: str, call_format: str) -> str | None:
@@ -575,3 +579,84 @@ class GlmCalls(CallsInText):
         if self.tail == ARG_VALUE_END:
             self.mode, self.pending = self.BODY, ""
         return True
+
+
+class DeepseekCalls(CallsInText):
+    """Free text until `<｜tool▁calls▁begin｜>`, then one or more calls of offered tools, each
+    `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>` (V3.1) or, `fenced`,
+    `…begin｜>function<｜tool▁sep｜>NAME` + a ```json fence around the arguments (V3, R1), then
+    `<｜tool▁calls▁end｜>` and the end of the reply (the template ends the turn there)."""
+
+    FREE, BEGIN, NAME, ARGS, FENCE_END, CALL_END, AFTER, DONE = range(8)
+    OPEN = DEEPSEEK_OPEN
+
+    def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = (), fenced: bool = False) -> None:
+        self.names, self.fenced = names, fenced
+        self.schemas = {n: compile_schema(text) for n, text in schemas}
+        self.mode, self.tail, self.pending, self.json = self.FREE, "", "", None
+        self._start_opened(opened, sorted(names))
+
+    def copy(self) -> DeepseekCalls:
+        other = DeepseekCalls.__new__(DeepseekCalls)
+        other.names, other.fenced, other.schemas = self.names, self.fenced, self.schemas
+        other.mode, other.tail, other.pending, other.spaces = self.mode, self.tail, self.pending, self.spaces
+        other.json = None if self.json is None else self.json.copy()
+        return other
+
+    def _open(self) -> None:
+        self.mode, self.pending = self.BEGIN, ""
+
+    def _literals(self) -> list[str]:
+        if self.mode == self.BEGIN:
+            return [DEEPSEEK_CALL]
+        if self.mode == self.AFTER:
+            return [DEEPSEEK_CALL, DEEPSEEK_CLOSE]
+        if self.mode == self.NAME:
+            head = "function" + DEEPSEEK_SEP if self.fenced else ""
+            tail = "\n```json\n" if self.fenced else DEEPSEEK_SEP
+            return [head + n + tail for n in self.names]
+        if self.mode == self.FENCE_END:
+            return ["```"]
+        return [DEEPSEEK_CALL_END]
+
+    def _call_char(self, c: str) -> bool:
+        if self.mode == self.DONE:
+            return glue_space(self, c) is True
+        if self.mode == self.ARGS:
+            if not self.json.feed(c):
+                return False
+            if self.json.complete:
+                self.mode, self.pending = (self.FENCE_END if self.fenced else self.CALL_END), ""
+            return True
+        if not self.pending and self.mode != self.NAME and (space := glue_space(self, c)) is not None:
+            return space
+        pending = self.pending + c
+        options = self._literals()
+        if not any(o.startswith(pending) for o in options):
+            return False
+        self.pending = pending
+        if pending in options:
+            self.pending = ""
+            if self.mode == self.NAME:
+                name = pending.removeprefix("function" + DEEPSEEK_SEP) if self.fenced else pending
+                name = name.removesuffix("\n```json\n" if self.fenced else DEEPSEEK_SEP)
+                schema = self.schemas.get(name)
+                self.mode, self.json = self.ARGS, JsonPrefix() if schema is None else SchemaPrefix(schema)
+            elif pending == DEEPSEEK_CALL:
+                self.mode = self.NAME
+            elif pending == "```":
+                self.mode = self.CALL_END
+            elif pending == DEEPSEEK_CALL_END:
+                self.mode = self.AFTER
+            else:  # the calls' end
+                self.mode = self.DONE
+        return True
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode in (self.FREE, self.DONE)
+
+    @property
+    def must_end(self) -> bool:
+        return self.mode == self.DONE

@@ -18,7 +18,14 @@ from typing import Protocol
 
 import torch
 
-from freetoken.engine.call_languages import GlmCalls, HermesCalls, Llama3Calls, MistralCalls, QwenXmlCalls
+from freetoken.engine.call_languages import (
+    DeepseekCalls,
+    GlmCalls,
+    HermesCalls,
+    Llama3Calls,
+    MistralCalls,
+    QwenXmlCalls,
+)
 from freetoken.engine.json_prefix import JsonPrefix
 from freetoken.engine.json_schema import Node, SchemaPrefix, compile_schema
 from freetoken.engine.sampling import Sampler, SamplingParams
@@ -91,6 +98,9 @@ def language_for(params: SamplingParams) -> Language:
         return QwenXmlCalls(params.call_opening, params.call_tools, params.call_schemas)
     if params.call_format == "glm":
         return GlmCalls(params.call_opening, params.call_tools, params.call_schemas)
+    if params.call_format in ("deepseek", "deepseek-fenced"):
+        return DeepseekCalls(params.call_opening, names, params.call_schemas,
+                             fenced=params.call_format == "deepseek-fenced")
     if params.call_format in ("mistral-json", "mistral-args"):
         return MistralCalls(params.call_opening, names, params.call_schemas, args=params.call_format == "mistral-args")
     if params.call_format == "llama3":

@@ -16,15 +16,20 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from freetoken.engine.call_languages import (
+    DEEPSEEK_CALL,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CLOSE,
+    DEEPSEEK_OPEN,
+    DEEPSEEK_SEP,
+)
 from freetoken.engine.json_schema import compile_schema
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
-# DeepSeek-V3/R1/V3.1: fullwidth bars and "▁" (U+2581) as its chat template writes them
-DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-DEEPSEEK_CALL, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = DEEPSEEK_OPEN, DEEPSEEK_CLOSE
 _HELD_TO_THE_END = (MISTRAL_CALLS, PYTHON_TAG, DEEPSEEK_CALLS)  # everything after these is calls, parsed whole
 
 

@@ -191,6 +191,20 @@ def test_glm_calls_name_an_offered_tool_and_its_typed_arguments():
         GlmCalls(opened="rm\n", tools=READ_TOOL)
 
 
+def test_deepseek_calls_are_offered_tools_with_schema_arguments_then_the_end():
+    from freetoken.engine.call_languages import DeepseekCalls
+
+    b, e, sep = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    calls = DeepseekCalls(names=("read_file", "now"), schemas=(("read_file", READ_SCHEMA),))
+    assert calls.feed("Let me read it.<｜tool▁calls▁begin｜>" + b) and not calls.can_end
+    assert not calls.copy().feed("rm" + sep) and not calls.copy().feed("read_file" + sep + '{"limit": 3}' + e)
+    assert calls.feed("read_file" + sep + '{"path": "a.py"}' + e + "\n" + b + "now" + sep + "{}" + e)
+    assert not calls.must_end and calls.feed("<｜tool▁calls▁end｜>") and calls.must_end
+    assert not calls.copy().feed("more text")
+    fenced = DeepseekCalls(opened=b + "function" + sep, names=("now",), fenced=True)
+    assert fenced.feed("now\n```json\n{}\n```" + e + "<｜tool▁calls▁end｜>") and fenced.must_end
+
+
 def test_mistral_calls_json_lists_and_name_args_forms():
     schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
     listed = MistralCalls(names=("get_weather", "f"), schemas=(("get_weather", schema),))
