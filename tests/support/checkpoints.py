@@ -102,13 +102,21 @@ def _rope_parameters(rope: str, theta: float) -> dict:
     raise ValueError(f"unknown rope variant {rope!r}; known: {ROPE_VARIANTS}")
 
 
+def _deepseek_rope(rope: str) -> dict:
+    """DeepSeek-V3's own YaRN spelling (mscale and mscale_all_dim: the softmax scale grows by mscale²)."""
+    if rope == "default":
+        return _rope_parameters("default", 10000.0)
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool = False) -> PreTrainedConfig:
     """A tiny transformers config of `family`; `rope` applies to llama only."""
     if family == "llama":
         return LlamaConfig(**_COMMON, intermediate_size=128, num_hidden_layers=2, head_dim=16,
                            rope_parameters=_rope_parameters(rope, 10000.0), tie_word_embeddings=tie_word_embeddings)
-    if rope != "default" or tie_word_embeddings:
-        raise ValueError("rope variants and tied embeddings are llama-only here")
+    if (rope != "default" and family != "deepseek_v3") or tie_word_embeddings:
+        raise ValueError("rope variants are llama's and deepseek_v3's (yarn) only here, tied embeddings llama's")
     if family == "qwen3_moe":
         # Layer 1 is dense: covers the mlp_only_layers path between two MoE layers.
         return Qwen3MoeConfig(**_COMMON, intermediate_size=128, num_hidden_layers=3, moe_intermediate_size=32,
@@ -152,7 +160,7 @@ def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool
                                 topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
                                 q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                 v_head_dim=12, rope_interleave=True,
-                                rope_parameters=_rope_parameters("default", 10000.0))
+                                rope_parameters=_deepseek_rope(rope))
     if family == "mixtral":
         return MixtralConfig(**_COMMON, intermediate_size=64, num_hidden_layers=2, head_dim=16, num_local_experts=8,
                              num_experts_per_tok=2, rope_parameters=_rope_parameters("default", 1e6))

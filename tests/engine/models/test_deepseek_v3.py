@@ -7,6 +7,7 @@ multi-token-prediction layer the Hub's checkpoints carry past the last layer is 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -108,3 +109,13 @@ def test_the_cache_holds_the_latent_not_per_head_keys(lm):
     assert (a.n_kv_heads, a.head_dim) == (1, 40)
     cache = lm.new_cache(page_size=4, initial_tokens=8)
     assert cache.k[0].shape[1:] == (1, 40)
+
+
+def test_yarn_scaled_checkpoints_match_transformers(tmp_path):
+    """DeepSeek-V3 ships YaRN with mscale_all_dim: interpolated frequencies and a softmax scale grown by mscale²
+    (1.87× at factor 40)."""
+    reference = write_hf_checkpoint("deepseek_v3", tmp_path, rope="yarn")
+    lm = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    assert lm.args.latent.softmax_scale == pytest.approx((16 + 8) ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+    ids = prompt_ids()
+    torch.testing.assert_close(lm.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
