@@ -179,6 +179,10 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
     host, spec = lm.experts.host, lm.moe_spec
+    a.eager_only = lm.has_recurrent_state  # recurrent layers are not captured: every row decodes eagerly
+    if a.eager_only and "resident-graphs" in a.strategies:
+        raise SystemExit(f"ft bench decode: {a.shape} has recurrent layers, which decode without CUDA graphs; "
+                         "use the resident strategy as the upper bound instead of resident-graphs")
     rows, reference, reference_margins = [], None, []
     for strategy in a.strategies:
         # The cpu path never admits into the cache, so only its budget-0 form (CPU-only) is meaningful.
@@ -206,7 +210,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             lm.experts = executor
             # every strategy but the eager `resident` reference decodes through CUDA graphs (segmented when the
             # executor routes on the host), as the engine does
-            graphs = device.type == "cuda" and strategy != "resident"
+            graphs = device.type == "cuda" and strategy != "resident" and not a.eager_only
             tok_s, before, after, produced, margins = run_decode(lm, a.context, a.tokens, miss_path, graphs=graphs)
             if reference is None:
                 reference, reference_margins = produced, margins
@@ -222,13 +226,18 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             attach_experts(lm.model, None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    _add_resident_work(rows, ceilings)
+    _add_resident_work(rows, ceilings, _upper_bound(a))
     return rows, ceilings
 
 
-def _add_resident_work(rows: list[Row], ceilings: Ceilings) -> None:
+def _upper_bound(a: argparse.Namespace) -> str:
+    """The row whose time per token the floor adds: the resident run decoding as the offloaded rows do."""
+    return "resident" if getattr(a, "eager_only", False) else "resident-graphs"
+
+
+def _add_resident_work(rows: list[Row], ceilings: Ceilings, upper: str = "resident-graphs") -> None:
     """The floor is miss time plus the work every token needs anyway (the resident run's time per token)."""
-    resident = next((r for r in rows if r.strategy == "resident-graphs"), None)
+    resident = next((r for r in rows if r.strategy == upper), None)
     if resident is None or ceilings.miss_gb_s() <= 0:
         return
     for r in rows:
@@ -308,15 +317,19 @@ _NO_RESIDENT_FLOOR = (" (no resident-graphs row in this run: the work every toke
 
 
 def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
-    has_resident = any(r.strategy == "resident-graphs" for r in rows)
+    upper = _upper_bound(a)
+    has_resident = any(r.strategy == upper for r in rows)
+    how = ("every row decodes eagerly (layers with recurrent state are not captured in CUDA graphs)"
+           if getattr(a, "eager_only", False) else
+           "on CUDA every row but `resident` decodes through CUDA graphs (cut at each expert call when experts are "
+           "offloaded)")
     lines = [
         *result_header("Decode", "decode", a),
         f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random weights, "
-        f"{_routing(a.skew)}; decode teacher-forced with random tokens; on CUDA every row but `resident` "
-        "decodes through CUDA graphs (cut at each expert call when experts are offloaded)",
+        f"{_routing(a.skew)}; decode teacher-forced with random tokens; {how}",
         f"- measured in this run: pinned host→device {_gb(ceilings.h2d)}, host DRAM read {_gb(ceilings.dram_read)}, "
         f"CPU expert kernel {_gb(ceilings.cpu_experts)} (batch 1); floor = "
-        f"{'resident-graphs time + ' if has_resident else ''}miss bytes / min(PCIe + CPU, DRAM) = "
+        f"{upper + ' time + ' if has_resident else ''}miss bytes / min(PCIe + CPU, DRAM) = "
         f"{_gb(ceilings.miss_gb_s())}"
         f"{'' if has_resident else _NO_RESIDENT_FLOOR}",
         "",

@@ -144,3 +144,13 @@ def test_every_named_shape_reads_as_its_family():
         gb[shape] = spec.total_routed_experts * spec.bytes_per_expert(torch.bfloat16) / 1e9
     assert round(gb["qwen3-next-80b-a3b"]) == 155 and round(gb["glm-4.5-air"]) == 199
     assert round(gb["deepseek-v3"], -2) == 1300 and round(gb["qwen3.5-35b-a3b"]) == 64
+
+
+def test_recurrent_shapes_refuse_the_graph_row_and_decode_eagerly(tmp_path):
+    with pytest.raises(SystemExit, match="recurrent layers"):
+        main(["--shape", "tiny-hybrid", "--device", "cpu", "--strategies", "resident-graphs", "--probe-mib", "64"])
+    out = tmp_path / "eager.md"
+    assert main(["--shape", "tiny-hybrid", "--device", "cpu", "--dtype", "float32", "--context", "16", "--tokens",
+                 "2", "--budgets", "0", "--strategies", "resident,auto", "--probe-mib", "64", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "every row decodes eagerly" in text and "floor = resident time +" in text
