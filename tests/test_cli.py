@@ -64,6 +64,19 @@ def test_info_of_a_moe_checkpoint_reports_experts(tmp_path):
     assert "qwen3_moe" in r.stdout and "top-2" in r.stdout and "per expert" in r.stdout
 
 
+@pytest.mark.parametrize("family, expected", [
+    ("qwen3_next", ["2 full-attention layers, 2 Gated DeltaNet", "KV per token   256 B"]),
+    ("deepseek_v3", ["multi-head latent, 4 heads; cached per token: latent 32 + rotary key 8", "KV per token   480 B"]),
+])
+def test_info_of_the_new_families_says_what_their_cache_holds(family, expected, tmp_path):
+    from support.checkpoints import write_hf_checkpoint
+
+    write_hf_checkpoint(family, tmp_path / "m")
+    r = run_ft("info", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    assert all(e in r.stdout for e in expected), r.stdout
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [

@@ -8,6 +8,7 @@ from freetoken.engine.checkpoints import GGUFCheckpoint, HFCheckpoint, open_chec
 from freetoken.engine.config import MoESpec
 from freetoken.engine.loader import no_param_init
 from freetoken.engine.models import family_for
+from freetoken.engine.offload.budget import kv_bytes_per_token
 from freetoken.engine.sources import resolve_model_source
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
@@ -29,11 +30,14 @@ def describe(source: str | None) -> str:
         f"architecture   {family.MODEL_TYPE}",
         f"layers         {dec.n_layers}",
         f"hidden size    {dec.hidden_size}",
-        f"attention      {dec.attention.n_heads} heads, {dec.attention.n_kv_heads} KV heads, "
-        f"head dim {dec.attention.head_dim}, RoPE {dec.rope.rope_type} (theta {dec.rope.theta:g})",
+        f"attention      {_attention(args)}",
         f"vocabulary     {dec.vocab_size}",
         f"context        {dec.max_position_embeddings}",
     ]
+    if (full := getattr(args, "full_attention_layers", None)) is not None:
+        lines.append(f"token mixers   {len(full)} full-attention layers, {dec.n_layers - len(full)} Gated DeltaNet "
+                     "(recurrent state)")
+    lines.append(f"KV per token   {_size(kv_bytes_per_token(args, torch.bfloat16))} in bf16")
     if spec is None:
         lines.append(f"parameters     {_count(dense)} (dense)")
         return "\n".join(lines)
@@ -51,6 +55,16 @@ def describe(source: str | None) -> str:
         f"expert bytes   {_expert_bytes(ckpt, spec)}",
     ]
     return "\n".join(lines)
+
+
+def _attention(args) -> str:
+    dec = args.decoder
+    rope = f"RoPE {dec.rope.rope_type} (theta {dec.rope.theta:g})"
+    if (latent := getattr(args, "latent", None)) is not None:  # deepseek_v3: what the cache holds per token
+        return (f"multi-head latent, {dec.attention.n_heads} heads; cached per token: latent {latent.kv_lora_rank} "
+                f"+ rotary key {latent.rope_dim}; {rope}")
+    a = dec.attention
+    return f"{a.n_heads} heads, {a.n_kv_heads} KV heads, head dim {a.head_dim}, {rope}"
 
 
 def _expert_bytes(ckpt: HFCheckpoint | GGUFCheckpoint, spec: MoESpec) -> str:
