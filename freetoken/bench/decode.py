@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from freetoken.bench.synthetic import SHAPES, build_synthetic
+from freetoken.engine import gpu_paths
 from freetoken.engine.experts import LayerExperts, ResidentExpertExecutor
 from freetoken.engine.loader import attach_experts, build_executor
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
@@ -179,7 +180,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
     host, spec = lm.experts.host, lm.moe_spec
-    a.eager_only = lm.has_recurrent_state  # recurrent layers are not captured: every row decodes eagerly
+    # recurrent layers are captured only with the experimental path on: otherwise every row decodes eagerly
+    a.eager_only = lm.has_recurrent_state and not gpu_paths.enabled("recurrent-graphs")
     if a.eager_only and "resident-graphs" in a.strategies:
         raise SystemExit(f"ft bench decode: {a.shape} has recurrent layers, which decode without CUDA graphs; "
                          "use the resident strategy as the upper bound instead of resident-graphs")

@@ -107,7 +107,9 @@ class StaticDecodeAttention:
     """One decode token attending over a fixed window of W slots; slots past the sequence are masked out.
 
     `prepare(seq)` fills the buffers on the host side before each replay; nothing inside `attend` depends on
-    Python values, so it is safe to capture."""
+    Python values, so it is safe to capture. Layers with recurrent state read and write it in static buffers
+    too: `prepare` copies the sequence's state in, the step overwrites the buffers in place (`copy_`, captured
+    like any kernel), `commit_state` hands the new state back to the sequence."""
 
     def __init__(self, cache: PagedKVCache, window: int):
         device = cache.device
@@ -117,6 +119,23 @@ class StaticDecodeAttention:
         self.read_slots = torch.zeros(window, dtype=torch.long, device=device)
         self.key_positions = torch.arange(window, device=device)
         self._paged, self._paged_checked = None, False
+        self._state: dict[int, tuple[torch.Tensor, ...]] = {}  # layer → static recurrent-state buffers
+
+    def recurrent_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        return self._state.get(layer)
+
+    def set_recurrent_state(self, layer: int, state: tuple[torch.Tensor, ...]) -> None:
+        held = self._state.get(layer)
+        if held is None:  # a sequence without state yet (warm-up only: decode follows a prefill)
+            self._state[layer] = tuple(t.clone() for t in state)
+            return
+        for buffer, new in zip(held, state, strict=True):
+            buffer.copy_(new)
+
+    def commit_state(self, seq: SequenceKV) -> None:
+        """After a step: the sequence takes the new state (copies: the buffers serve the next sequence too)."""
+        for layer, buffers in self._state.items():
+            seq.recurrent[layer] = tuple(b.clone() for b in buffers)
 
     def _paged_kernel(self, q: torch.Tensor):
         """The paged split-KV kernel for this window (GPU path "paged-decode", CUDA with Triton), built on the
@@ -139,6 +158,12 @@ class StaticDecodeAttention:
         self.positions.fill_(n)
         self.write_slot.copy_(seq.slots[n:n + 1])
         self.read_slots[:n + 1].copy_(seq.slots[:n + 1])
+        for layer, state in seq.recurrent.items():
+            if layer in self._state:
+                for buffer, value in zip(self._state[layer], state, strict=True):
+                    buffer.copy_(value)
+            else:  # first use: the buffers are allocated here, before any capture
+                self._state[layer] = tuple(t.clone() for t in state)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]

@@ -123,6 +123,7 @@ class GraphedDecoder:
         entry.token.fill_(token)
         entry.replay(self.lm.experts)
         self.cache.commit(seq, 1)
+        entry.ctx.commit_state(seq)
         return entry.logits[0]
 
     def _capture(self, window: int, seq: SequenceKV) -> _Captured:

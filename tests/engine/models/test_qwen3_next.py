@@ -169,3 +169,31 @@ def test_the_kv_cache_holds_only_the_attention_layers(lm):
     a = lm.args.decoder.attention
     assert kv_bytes_per_token(lm.args, torch.float32) == 2 * 2 * a.n_kv_heads * a.head_dim * 4
     cache.release(seq)
+
+
+def test_the_static_decode_window_carries_the_recurrent_state(lm):
+    """What a captured decode step runs (GPU path "recurrent-graphs"), here eagerly: the DeltaNet state read
+    from and written to static buffers, handed back after each step, gives the eager path's logits."""
+    from support.decode_checks import static_window_equals_eager
+
+    ctx = static_window_equals_eager(lm, window=64, steps=6, tol=1e-5)
+    assert sorted(ctx._state) == [0, 2]  # the DeltaNet layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graph_decode_of_the_hybrid_equals_eager(checkpoint, monkeypatch):
+    """GPU path "recurrent-graphs" (experimental): captured decode steps give the eager steps' greedy tokens."""
+    from freetoken.engine import gpu_paths
+
+    monkeypatch.setitem(gpu_paths.EXPERIMENTAL, "recurrent-graphs", gpu_paths.EXPERIMENTAL["recurrent-graphs"])
+    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "recurrent-graphs")
+    gpu_paths.enabled.cache_clear()
+    gpu_paths._named.cache_clear()
+    try:
+        lm = load_model(checkpoint[0], device="cuda", dtype=torch.float32, progress=False)
+        eager = Generator(lm, cuda_graphs=False).generate_ids(prompt_ids(), GREEDY_32)
+        graphed = Generator(lm, cuda_graphs=True).generate_ids(prompt_ids(), GREEDY_32)
+        assert graphed == eager
+    finally:
+        gpu_paths.enabled.cache_clear()
+        gpu_paths._named.cache_clear()
