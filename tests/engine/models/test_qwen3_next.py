@@ -185,7 +185,6 @@ def test_on_cuda_graph_decode_of_the_hybrid_equals_eager(checkpoint, monkeypatch
     """GPU path "recurrent-graphs" (experimental): captured decode steps give the eager steps' greedy tokens."""
     from freetoken.engine import gpu_paths
 
-    monkeypatch.setitem(gpu_paths.EXPERIMENTAL, "recurrent-graphs", gpu_paths.EXPERIMENTAL["recurrent-graphs"])
     monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "recurrent-graphs")
     gpu_paths.enabled.cache_clear()
     gpu_paths._named.cache_clear()
