@@ -22,6 +22,7 @@ MEASURED = {
 }
 EXPERIMENTAL: dict[str, str] = {
     "delta-decode": "Gated DeltaNet decode steps as one Triton launch per layer (kernels/gated_delta)",
+    "delta-prefill": "the chunked Gated DeltaNet's chunk-to-chunk loop as one Triton launch per layer",
     "recurrent-graphs": "decode of models with recurrent layers through CUDA graphs (state in static buffers)",
 }
 

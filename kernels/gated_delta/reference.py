@@ -4,6 +4,6 @@ the kernel's reference sits beside it."""
 
 from __future__ import annotations
 
-from freetoken.engine.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from freetoken.engine.models.gated_delta import ChunkTerms, carry_state, chunked_gated_delta, recurrent_gated_delta
 
-__all__ = ["chunked_gated_delta", "recurrent_gated_delta"]
+__all__ = ["ChunkTerms", "carry_state", "chunked_gated_delta", "recurrent_gated_delta"]

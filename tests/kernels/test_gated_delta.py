@@ -39,6 +39,40 @@ CHECK = textwrap.dedent("""
 """)
 
 
+# The chunk loop: head dims that are and are not powers of two, a value dim wider than one block, several chunks,
+# through the whole chunked rule (the kernel as its `carry`).
+CARRY_CHECK = textwrap.dedent("""
+    import sys
+    import torch
+    from freetoken.kernels.gated_delta.kernel import carry_state
+    from freetoken.kernels.gated_delta.reference import chunked_gated_delta
+
+    device = torch.device(sys.argv[1])
+    gen = torch.Generator().manual_seed(1)
+    for t, heads, dk, dv, chunk in [(40, 2, 16, 8, 16), (70, 3, 24, 80, 32), (16, 1, 32, 16, 16)]:
+        q = torch.nn.functional.normalize(torch.randn(t, heads, dk, generator=gen), dim=-1) * dk ** -0.5
+        k = torch.nn.functional.normalize(torch.randn(t, heads, dk, generator=gen), dim=-1)
+        v = torch.randn(t, heads, dv, generator=gen)
+        g, beta = -torch.rand(t, heads, generator=gen) * 2, torch.rand(t, heads, generator=gen)
+        state = torch.randn(heads, dk, dv, generator=gen)
+        args = [x.to(device) for x in (q, k, v, g, beta, state)]
+        out, new_state = chunked_gated_delta(*args, chunk=chunk, carry=carry_state)
+        want, want_state = chunked_gated_delta(q, k, v, g, beta, state, chunk=chunk)
+        torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(new_state.cpu(), want_state, atol=1e-4, rtol=1e-4)
+    print("ok")
+""")
+
+
+def test_the_chunk_loop_kernel_equals_the_reference_under_the_interpreter():
+    run_fresh(CARRY_CHECK, "cpu", interpret=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_chunk_loop_kernel_equals_the_reference_compiled_on_cuda():
+    run_fresh(CARRY_CHECK, "cuda", interpret=False)
+
+
 def test_the_recurrent_kernel_equals_the_reference_under_the_interpreter():
     run_fresh(CHECK, "cpu", interpret=True)
 

@@ -20,6 +20,8 @@ Shapes: T tokens, H value heads, Dk key dim, Dv value dim; q and k already repea
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -46,10 +48,12 @@ def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                        state: torch.Tensor, chunk: int = CHUNK, carry=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same result, `chunk` tokens at a time: every chunk's triangular system and intra-chunk products at
     once (batched over chunks), then only the state carried from chunk to chunk in a loop of 3 matmuls. T is
-    padded to whole chunks with tokens that change nothing (no decay, β = 0)."""
+    padded to whole chunks with tokens that change nothing (no decay, β = 0). `carry`: the loop (`carry_state`,
+    or the Triton kernel's)."""
+    carry = carry or carry_state
     t, heads, dk = k.shape
     dv = v.shape[-1]
     pad = -t % chunk
@@ -71,13 +75,32 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     attn = (q @ k.transpose(-1, -2)) * decay  # the diagonal included
     q_decayed = c.exp()[..., None] * q
     k_to_end = (c[..., -1:] - c).exp()[..., None] * k
-    chunk_decay = c[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    out = torch.empty(heads, n, chunk, dv, dtype=q.dtype, device=q.device)
-    for i in range(n):
-        deltas = fresh[:, i] - from_state[:, i] @ state  # [H, C, Dv]
-        out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ deltas
-        state = chunk_decay[:, i] * state + k_to_end[:, i].transpose(-1, -2) @ deltas
+    chunk_decay = c[..., -1].exp()  # [H, N]
+    out, state = carry(ChunkTerms(fresh, from_state, attn, q_decayed, k_to_end, chunk_decay), state)
     return out.permute(1, 2, 0, 3).reshape(n * chunk, heads, dv)[:t], state
+
+
+class ChunkTerms(NamedTuple):
+    """Per head and chunk ([H, N, C, ...]), what the state loop needs: Δ = fresh − from_state·S; the output is
+    q_decayed·S + attn·Δ; the next S = chunk_decay·S + k_to_endᵀ·Δ."""
+
+    fresh: torch.Tensor  # [H, N, C, Dv]
+    from_state: torch.Tensor  # [H, N, C, Dk]
+    attn: torch.Tensor  # [H, N, C, C]
+    q_decayed: torch.Tensor  # [H, N, C, Dk]
+    k_to_end: torch.Tensor  # [H, N, C, Dk]
+    chunk_decay: torch.Tensor  # [H, N]
+
+
+def carry_state(terms: ChunkTerms, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk-to-chunk loop in plain torch (3 matmuls a chunk): outputs [H, N, C, Dv] and the last state."""
+    heads, n, chunk, dv = terms.fresh.shape
+    out = torch.empty(heads, n, chunk, dv, dtype=state.dtype, device=state.device)
+    for i in range(n):
+        deltas = terms.fresh[:, i] - terms.from_state[:, i] @ state  # [H, C, Dv]
+        out[:, i] = terms.q_decayed[:, i] @ state + terms.attn[:, i] @ deltas
+        state = terms.chunk_decay[:, i, None, None] * state + terms.k_to_end[:, i].transpose(-1, -2) @ deltas
+    return out, state
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

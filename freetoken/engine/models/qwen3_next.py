@@ -14,6 +14,7 @@ Dk / Dv their dims, C = 2·Hk·Dk + Hv·Dv conv channels, K conv width.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -202,16 +203,17 @@ class GatedDeltaNet(nn.Module):
 
 
 def _delta_rule(tokens: int, device: torch.device):
-    """The recurrent form for decode steps (one Triton launch on CUDA with GPU path "delta-decode"), the
-    chunked form for longer chunks."""
-    if tokens > DECODE_TOKENS:
-        return chunked_gated_delta
-    if device.type == "cuda" and gpu_paths.enabled("delta-decode"):
+    """The recurrent form for decode steps, the chunked form for longer chunks; on CUDA, with the GPU paths
+    "delta-decode" / "delta-prefill", their Triton loops (kernels/gated_delta)."""
+    path = "delta-prefill" if tokens > DECODE_TOKENS else "delta-decode"
+    if device.type == "cuda" and gpu_paths.enabled(path):
         from freetoken.kernels.gated_delta import kernel
 
         if kernel.available(device):
+            if tokens > DECODE_TOKENS:
+                return functools.partial(chunked_gated_delta, carry=kernel.carry_state)
             return kernel.recurrent_gated_delta
-    return recurrent_gated_delta
+    return chunked_gated_delta if tokens > DECODE_TOKENS else recurrent_gated_delta
 
 
 class HybridLayer(nn.Module):
