@@ -1,7 +1,8 @@
 """Constrained sampling: every sampled token keeps the output inside a small language, checked on the token's text.
 
 - `JsonObject` (`response_format` json_object / json_schema): the reply is one JSON object, then it ends.
-- the tool-call languages of call_languages.py (Hermes/Qwen JSON, Qwen3-Coder XML, Mistral, Llama 3): text is
+- the tool-call languages of call_languages.py and tag_calls.py (Hermes/Qwen JSON, Mistral, Llama 3, DeepSeek;
+  Qwen3-Coder XML, GLM): text is
   free, but a call must be a call of an offered tool in the model's own format, its arguments valid under the
   tool's schema where the format is JSON.
 
@@ -18,17 +19,11 @@ from typing import Protocol
 
 import torch
 
-from freetoken.engine.call_languages import (
-    DeepseekCalls,
-    GlmCalls,
-    HermesCalls,
-    Llama3Calls,
-    MistralCalls,
-    QwenXmlCalls,
-)
+from freetoken.engine.call_languages import DeepseekCalls, HermesCalls, Llama3Calls, MistralCalls
 from freetoken.engine.json_prefix import JsonPrefix
 from freetoken.engine.json_schema import Node, SchemaPrefix, compile_schema
 from freetoken.engine.sampling import Sampler, SamplingParams
+from freetoken.engine.tag_calls import GlmCalls, QwenXmlCalls
 from freetoken.engine.tokenizer import Tokenizer
 
 

@@ -76,8 +76,9 @@ def test_whitespace_between_tokens_is_bounded_but_not_inside_strings():
 
 
 def test_whitespace_between_a_calls_parts_is_bounded():
-    from freetoken.engine.call_languages import HermesCalls, QwenXmlCalls
+    from freetoken.engine.call_languages import HermesCalls
     from freetoken.engine.json_prefix import MAX_WHITESPACE
+    from freetoken.engine.tag_calls import QwenXmlCalls
 
     calls = HermesCalls(names=("f",))
     assert calls.feed("<tool_call>" + " " * MAX_WHITESPACE) and not calls.copy().feed(" ")

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from freetoken.engine.call_languages import HermesCalls, Llama3Calls, MistralCalls, QwenXmlCalls
+from freetoken.engine.call_languages import HermesCalls, Llama3Calls, MistralCalls
 from freetoken.engine.json_sampler import ConstrainedSampler, JsonObject
 from freetoken.engine.sampling import Sampler, SamplingParams
+from freetoken.engine.tag_calls import QwenXmlCalls
 
 VOCAB = ["<eos>", "<tool_call>", "</tool_call>", "{", "}", '"a"', ":", "1", " ", "hello", "x", "\n", "</", "tool_call>",
          ", ", '"b"']
@@ -174,7 +175,7 @@ def test_qwen_xml_typed_values_parse_back_as_the_schema_types():
 
 
 def test_glm_calls_name_an_offered_tool_and_its_typed_arguments():
-    from freetoken.engine.call_languages import GlmCalls
+    from freetoken.engine.tag_calls import GlmCalls
 
     calls = GlmCalls(tools=READ_TOOL + (("now", ()),), schemas=(("read_file", READ_SCHEMA),))
     assert calls.feed("Reading.\n<tool_call>") and not calls.copy().feed("write_file")
