@@ -2,9 +2,8 @@
 
 - `JsonObject` (`response_format` json_object / json_schema): the reply is one JSON object, then it ends.
 - the tool-call languages of call_languages.py and tag_calls.py (Hermes/Qwen JSON, Mistral, Llama 3, DeepSeek;
-  Qwen3-Coder XML, GLM): text is
-  free, but a call must be a call of an offered tool in the model's own format, its arguments valid under the
-  tool's schema where the format is JSON.
+  Qwen3-Coder XML, GLM): text is free, but a call must be a call of an offered tool in the model's own format,
+  its arguments valid under the tool's schema.
 
 Rejection sampling over the unconstrained sampler: draw a token; if its text cannot continue the language, mask
 it out and draw again — a draw from the same filtered distribution renormalised over the tokens that remain, so
