@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +26,12 @@ from torch import nn
 
 from freetoken.engine.config import MoESpec
 from freetoken.engine.models.common_args import decoder_args
-from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, DenseMLP, RMSNorm
-from freetoken.engine.models.moe import QWEN_EXPERTS, GroupedSigmoidMoeBlock, GroupedSigmoidRouter
+from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, RMSNorm
+from freetoken.engine.models.moe import QWEN_EXPERTS, GroupedRouting, without_layers_past
 from freetoken.engine.rope import RopeConfig, apply_rope
 
 MODEL_TYPE = "deepseek_v3"
 EXPERT_NAMING = QWEN_EXPERTS
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(slots=True)
@@ -52,16 +50,7 @@ class LatentArgs:
 class ModelArgs:
     decoder: DecoderArgs
     latent: LatentArgs
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_experts: int
-    top_k: int
-    n_shared_experts: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    moe_layers: tuple[int, ...]
+    routing: GroupedRouting
 
     @classmethod
     def from_config(cls, cfg: dict) -> ModelArgs:
@@ -77,16 +66,10 @@ class ModelArgs:
         # the cache's view: one KV "head" of [latent, rotary key]
         attention = dataclasses.replace(dec.attention, n_kv_heads=1, head_dim=r + p)
         dec = dataclasses.replace(dec, attention=attention, rope=rope)
-        first_dense = int(cfg.get("first_k_dense_replace") or 0)
-        return cls(dec, latent, int(cfg["intermediate_size"]), int(cfg["moe_intermediate_size"]),
-                   int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"]), int(cfg.get("n_shared_experts") or 0),
-                   int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1), bool(cfg.get("norm_topk_prob", True)),
-                   float(cfg.get("routed_scaling_factor") or 1.0), tuple(range(first_dense, dec.n_layers)))
+        return cls(dec, latent, GroupedRouting.from_config(cfg, dec.n_layers))
 
     def moe_spec(self) -> MoESpec:
-        shared = self.n_shared_experts
-        return MoESpec(self.moe_layers, self.num_experts, self.top_k, self.decoder.hidden_size,
-                       self.moe_intermediate_size, shared, shared * self.moe_intermediate_size)
+        return self.routing.moe_spec(self.decoder.hidden_size)
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -139,13 +122,7 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
         self.self_attn = LatentAttention(dec.hidden_size, dec.attention.n_heads, args.latent, layer_idx)
         self.post_attention_layernorm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
-        if layer_idx in args.moe_layers:
-            router = GroupedSigmoidRouter(dec.hidden_size, args.num_experts, args.top_k, args.n_group,
-                                          args.topk_group, args.norm_topk_prob, args.routed_scaling_factor)
-            self.mlp = GroupedSigmoidMoeBlock(layer_idx, dec.hidden_size, router,
-                                              args.n_shared_experts * args.moe_intermediate_size)
-        else:
-            self.mlp = DenseMLP(dec.hidden_size, args.intermediate_size)
+        self.mlp = args.routing.mlp(layer_idx, dec.hidden_size)
 
     def forward(self, x, cos, sin, ctx: AttentionContext):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
@@ -159,5 +136,4 @@ class Model(DecoderModel):
 
 def checkpoint_name(name: str, args: ModelArgs) -> str | None:
     """Layers past the model's (the multi-token prediction layers) are left out."""
-    m = _LAYER.match(name)
-    return None if m and int(m.group(1)) >= args.decoder.n_layers else name
+    return without_layers_past(name, args.decoder.n_layers)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import ExpertExecutor
 from freetoken.engine.models.decoder import DenseMLP
 
@@ -109,3 +110,52 @@ class GroupedSigmoidMoeBlock(nn.Module):
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out
+
+
+@dataclass(slots=True)
+class GroupedRouting:
+    """The MLP side of the DeepSeek-style families (deepseek_v3, glm4_moe): dense layers first, then routed
+    experts behind a `GroupedSigmoidRouter` plus shared experts, as their configs spell it."""
+
+    intermediate_size: int  # the dense layers' MLP
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, cfg: dict, n_layers: int) -> GroupedRouting:
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        return cls(int(cfg["intermediate_size"]), int(cfg["moe_intermediate_size"]),
+                   int(cfg.get("n_routed_experts") or cfg.get("num_local_experts")), int(cfg["num_experts_per_tok"]),
+                   int(cfg.get("n_shared_experts") or 0), int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1),
+                   bool(cfg.get("norm_topk_prob", True)), float(cfg.get("routed_scaling_factor") or 1.0),
+                   tuple(range(first_dense, n_layers)))
+
+    def moe_spec(self, hidden_size: int) -> MoESpec:
+        shared = self.n_shared_experts
+        return MoESpec(self.moe_layers, self.num_experts, self.top_k, hidden_size, self.moe_intermediate_size,
+                       shared, shared * self.moe_intermediate_size)
+
+    def mlp(self, layer_idx: int, hidden_size: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP: the routed block, or a dense one."""
+        if layer_idx not in self.moe_layers:
+            return DenseMLP(hidden_size, self.intermediate_size)
+        router = GroupedSigmoidRouter(hidden_size, self.num_experts, self.top_k, self.n_group, self.topk_group,
+                                      self.norm_topk_prob, self.routed_scaling_factor)
+        shared = self.n_shared_experts * self.moe_intermediate_size
+        return GroupedSigmoidMoeBlock(layer_idx, hidden_size, router, shared)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def without_layers_past(name: str, n_layers: int) -> str | None:
+    """None for tensors of layers past the model's (the multi-token-prediction layers checkpoints append)."""
+    m = _LAYER.match(name)
+    return None if m and int(m.group(1)) >= n_layers else name
