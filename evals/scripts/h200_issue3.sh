@@ -61,7 +61,7 @@ for part in "$@"; do
     attn) (cd /tmp && python3 -m freetoken.kernels.paged_decode.bench | tee "$OUT/decode-attention.md") ;;
     families-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" \
              "$OLDPWD/tests/kernels/test_gated_delta.py" "$OLDPWD/tests/engine/models/test_qwen3_next.py" \
-             "$OLDPWD/tests/engine/models/test_deepseek_v3.py" "$OLDPWD/tests/engine/models/test_glm4_moe.py" \
+             "$OLDPWD/tests/engine/models/test_grouped_routing.py" \
              2>&1 | tail -3) ;;
     # issue 6: each new family at its real shape (truncated where the host cannot hold its experts), budget 0
     # and 16 GiB, 1k context; FREETOKEN_EXPERIMENTAL=delta-decode for the hybrid ones' second run
