@@ -243,17 +243,7 @@ def _parse_glm_call(body: str, text_params: dict[str, frozenset[str]]) -> ToolCa
     pairs = _GLM_ARG.findall(rest)
     if _GLM_ARG.sub("", rest).strip():
         return None  # something besides argument pairs
-    texts, args = text_params.get(name, frozenset()), {}
-    for key, value in pairs:
-        key = key.strip()
-        if key in texts:
-            args[key] = value
-            continue
-        try:
-            args[key] = json.loads(value)
-        except json.JSONDecodeError:
-            args[key] = value
-    return ToolCall(name, args)
+    return ToolCall(name, _tagged_arguments(pairs, text_params.get(name, frozenset())))
 
 
 def _call_of(obj) -> ToolCall | None:
@@ -279,8 +269,15 @@ def _parse_xml_call(body: str, text_params: dict[str, frozenset[str]]) -> ToolCa
     if not m:
         return None
     function = m.group(1).strip()
-    texts, args = text_params.get(function, frozenset()), {}
-    for name, value in _XML_PARAMETER.findall(m.group(2)):
+    texts = text_params.get(function, frozenset())
+    return ToolCall(function, _tagged_arguments(_XML_PARAMETER.findall(m.group(2)), texts))
+
+
+def _tagged_arguments(pairs: list[tuple[str, str]], texts: frozenset[str]) -> dict:
+    """(name, value text) pairs of a tagged call: values are JSON where they read as JSON, else text; `texts`
+    (the parameters the schema types as strings) are always text."""
+    args = {}
+    for name, value in pairs:
         name = name.strip()
         if name in texts:
             args[name] = value
@@ -289,7 +286,7 @@ def _parse_xml_call(body: str, text_params: dict[str, frozenset[str]]) -> ToolCa
             args[name] = json.loads(value)
         except json.JSONDecodeError:
             args[name] = value
-    return ToolCall(function, args)
+    return args
 
 
 def _partial_tag(text: str, tags: list[str]) -> int:
