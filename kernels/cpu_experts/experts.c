@@ -265,6 +265,80 @@ static void rows_dots_bf16_n(const void *const *rows, int nr, const uint16_t *co
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+/* Q8_0 weights against int16 activations (a bf16 model's Q8_0 experts at one token per expert:
+   decode; several tokens share the fp32 path's widened weights, which is faster there).
+   The fp32 path spends ~14 vector ops per block and row widening int8 to fp32 and scaling; here a block is one
+   sign extension to int16 and one vpmaddwd (exact int32 products), and the per-block scale is applied to 16
+   blocks at once: their 16 partial vectors are summed into one vector of 16 block sums by a transpose-add tree,
+   scaled by the 16 gathered f16 scales, and accumulated. Activations are quantized per 32-block with a
+   power-of-two scale: a bf16 value within 2^8 of its block's largest is exact, smaller ones err by at most
+   2^-16 of that largest (far below bf16's own rounding). Rows are dotted one at a time (one DRAM stream). */
+#define HAVE_Q16 1
+INLINE __m512i q16_pairs(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+INLINE __m512i q16_quads(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+INLINE __m512i q16_lanes(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+
+/* Lane i of the result = sum of the lanes of v[i] (the tree keeps block order: checked by the tests). */
+INLINE __m512i q16_block_sums(const __m512i *v) {
+    __m512i pairs[8], quads[4];
+    for (int i = 0; i < 8; i++) pairs[i] = q16_pairs(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; i++) quads[i] = q16_quads(pairs[2 * i], pairs[2 * i + 1]);
+    return q16_lanes(q16_lanes(quads[0], quads[1]), q16_lanes(quads[2], quads[3]));
+}
+
+/* row (Q8_0, k weights) . x (int16 xq with per-block scales xs). */
+static float q16_dot(const uint8_t *row, const int16_t *xq, const float *xs, int k) {
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(Q8_BYTES));
+    __m512 acc = _mm512_setzero_ps();
+    int blocks = k / Q8_BLOCK;
+    for (int b0 = 0; b0 < blocks; b0 += 16) {
+        int n = blocks - b0 < 16 ? blocks - b0 : 16;
+        const uint8_t *blk = row + (size_t)b0 * Q8_BYTES;
+        __m512i v[16];
+        for (int i = 0; i < 16; i++)
+            v[i] = i < n ? _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + i * Q8_BYTES + 2))),
+                                             _mm512_loadu_si512(xq + (size_t)(b0 + i) * Q8_BLOCK))
+                         : _mm512_setzero_si512();
+        __mmask16 live = (__mmask16)((1u << n) - 1);
+        __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, blk, 1);
+        __m512 scales = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw)), _mm512_maskz_loadu_ps(live, xs + b0));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q16_block_sums(v)), scales, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* x[0..32) → q (int16) and its scale: a power of two, so q * scale is x exactly for bf16 values near the max. */
+INLINE void q16_quantize_block(const float *x, int16_t *q, float *scale) {
+    __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    int e = 0;
+    if (!(most > 0.0f) || !isfinite(most)) {  /* zeros (or a non-finite value: keep the fp32 path's NaN) */
+        memset(q, 0, Q8_BLOCK * 2);
+        *scale = most > 0.0f || most != most ? most : 0.0f;
+        return;
+    }
+    frexpf(most, &e);  /* most < 2^e, so x * 2^(15 - e) < 2^15 */
+    __m512 inv = _mm512_set1_ps(ldexpf(1.0f, 15 - e));
+    _mm256_storeu_si256((__m256i *)q, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
+    _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+    *scale = ldexpf(1.0f, e - 15);
+}
+
+static void q16_quantize(const float *x, int16_t *q, float *scales, int k) {
+    for (int b = 0; b < k / Q8_BLOCK; b++) q16_quantize_block(x + b * Q8_BLOCK, q + b * Q8_BLOCK, scales + b);
+}
+#else
+#define HAVE_Q16 0
+#endif
+
 static size_t row_bytes(int type, int k) {
     return type == FT_Q8_0 ? (size_t)(k / Q8_BLOCK) * Q8_BYTES : (size_t)k * (type == FT_BF16 ? 2 : 4);
 }
@@ -375,12 +449,19 @@ typedef struct {
     int bf16_rounding;                    /* round where a bf16 GPU expert rounds: projections, silu, products */
     const uint16_t *xb;                   /* [T, H] x as bf16, or NULL: then the bf16 dot path is off */
     uint16_t *actb;                       /* [P, I] act as bf16 (written in phase 1 when xb is set) */
+    const int16_t *xq;                    /* [T, H] x as int16 with scales xqs [T, H/32], or NULL (Q8_0 gate/up) */
+    const float *xqs;
+    int16_t *actq;                        /* [P, I] act as int16 with scales actqs (written in phase 1), or NULL */
+    float *actqs;
+    int gate_rows;                        /* rows of gate/up per phase-1 task (whole blocks of act with actq) */
 } moe_job;
+
+static int seq_rows;  /* tuning (measured, then removed): dot rows one at a time instead of two interleaved */
 
 static void phase_gate_up(void *ctx, int task) {
     const moe_job *j = ctx;
-    int blocks = (j->inter + ROW_BLOCK - 1) / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK;
-    int r1 = r0 + ROW_BLOCK < j->inter ? r0 + ROW_BLOCK : j->inter, expert = j->experts[e];
+    int blocks = (j->inter + j->gate_rows - 1) / j->gate_rows, e = task / blocks, r0 = (task % blocks) * j->gate_rows;
+    int r1 = r0 + j->gate_rows < j->inter ? r0 + j->gate_rows : j->inter, expert = j->experts[e];
     int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
     size_t gb = row_bytes(j->gate_type, j->hidden), ub = row_bytes(j->up_type, j->hidden);
     const uint8_t *gate = j->gate + expert * j->gate_stride, *up = j->up + expert * j->up_stride;
@@ -395,9 +476,24 @@ static void phase_gate_up(void *ctx, int task) {
         }
         for (int r = r0; r < r1; r++) {
             const void *rows[2] = {gate + r * gb, up + r * ub};
-            if (j->xb) {
-                rows_dots_bf16_n(rows, 2, xbs, j->hidden, nt, gu);
-            } else if (j->gate_type == j->up_type) {  /* the gate and up rows of one unit share activation loads */
+            if (j->xq && nt == 1) {  /* several tokens share the fp32 path's widened weights: faster there */
+#if HAVE_Q16
+                for (int t = 0; t < nt; t++) {
+                    size_t token = (size_t)j->pair_tokens[p0 + t0 + t];
+                    const int16_t *xq = j->xq + token * j->hidden;
+                    const float *xqs = j->xqs + token * (j->hidden / Q8_BLOCK);
+                    gu[t] = q16_dot(rows[0], xq, xqs, j->hidden);
+                    gu[nt + t] = q16_dot(rows[1], xq, xqs, j->hidden);
+                }
+#endif
+            } else if (j->xb) {
+                if (seq_rows) {
+                    rows_dots_bf16_n(rows, 1, xbs, j->hidden, nt, gu);
+                    rows_dots_bf16_n(rows + 1, 1, xbs, j->hidden, nt, gu + nt);
+                } else {
+                    rows_dots_bf16_n(rows, 2, xbs, j->hidden, nt, gu);
+                }
+            } else if (j->gate_type == j->up_type && !seq_rows) {  /* the gate and up rows of one unit share activation loads */
                 rows_dots_n(j->gate_type, rows, 2, xs, j->hidden, nt, gu);
             } else {
                 rows_dots_n(j->gate_type, rows, 1, xs, j->hidden, nt, gu);
@@ -420,6 +516,12 @@ static void phase_gate_up(void *ctx, int task) {
             }
         }
     }
+#if HAVE_Q16
+    if (j->actq)  /* this task owns whole 32-blocks of act (gate_rows is a multiple of 32): quantize them */
+        for (int p = p0; p < p0 + n; p++)
+            q16_quantize(j->act + (size_t)p * j->inter + r0, j->actq + (size_t)p * j->inter + r0,
+                         j->actqs + (size_t)p * (j->inter / Q8_BLOCK) + r0 / Q8_BLOCK, r1 - r0);
+#endif
 }
 
 static void phase_down(void *ctx, int task) {
@@ -439,10 +541,17 @@ static void phase_down(void *ctx, int task) {
                 as[t] = j->act + (size_t)(p0 + t) * j->inter;
                 if (j->actb) abs_[t] = j->actb + (size_t)(p0 + t) * j->inter;
             }
-            for (int h = h0; h < h1; h += 2) {
+            int q16 = j->actq && nt == 1, step = q16 || seq_rows ? 1 : 2;
+            for (int h = h0; h < h1; h += step) {
                 const void *rows[2] = {down + h * db, down + (h + 1) * db};
-                int nr = h + 1 < h1 ? 2 : 1;
-                if (j->actb)
+                int nr = h + 1 < h1 && step == 2 ? 2 : 1;
+                if (q16) {
+#if HAVE_Q16
+                    for (int t = 0; t < nt; t++)
+                        d[t] = q16_dot(rows[0], j->actq + (size_t)(p0 + t) * j->inter,
+                                       j->actqs + (size_t)(p0 + t) * (j->inter / Q8_BLOCK), j->inter);
+#endif
+                } else if (j->actb)
                     rows_dots_bf16_n(rows, nr, abs_, j->inter, nt, d);
                 else
                     rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
@@ -670,7 +779,14 @@ static void moe_task(void *ctx, int task) {
     moe_run *run = ctx;
     if (task < run->phase0_tasks) {
 #if HAVE_AMX
-        amx_pack_x(&run->job, run->xb_amx, run->xp, run->tile_base, task);
+        if (run->xp) amx_pack_x(&run->job, run->xb_amx, run->xp, run->tile_base, task);
+#endif
+#if HAVE_Q16
+        if (run->job.xq) {  /* one token's x quantized for the Q8_0 gate/up rows */
+            const moe_job *j = &run->job;
+            q16_quantize(j->x + (size_t)task * j->hidden, (int16_t *)j->xq + (size_t)task * j->hidden,
+                         (float *)j->xqs + (size_t)task * (j->hidden / Q8_BLOCK), j->hidden);
+        }
 #endif
         atomic_fetch_add(&run->phase0_done, 1);
         return;
@@ -714,6 +830,40 @@ static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
 #endif
 }
 
+static int q16_disabled;  /* tuning (measured, then removed): the int16-activation Q8_0 path off */
+
+/* The int16-activation path for Q8_0 projections of a bf16 model not on tiles: x and act get int16 copies in a
+   scratch buffer (one job at a time), and phase-1 tasks own whole 32-row blocks of act. */
+static void start_q16(moe_job *j, int tokens, int pairs) {
+#if HAVE_Q16
+    int q8_gate_up = j->gate_type == FT_Q8_0 && j->up_type == FT_Q8_0, q8_down = j->down_type == FT_Q8_0;
+    if (!q8_gate_up && !q8_down) return;
+    static uint8_t *buf;
+    static size_t capacity;
+    size_t xq = (size_t)tokens * j->hidden * 2, xs = (size_t)tokens * (j->hidden / Q8_BLOCK) * 4;
+    size_t aq = (size_t)pairs * j->inter * 2, as = (size_t)pairs * (j->inter / Q8_BLOCK) * 4;
+    size_t need = xq + xs + aq + as + 256;
+    if (need > capacity) {
+        free(buf);
+        capacity = need + need / 2;
+        buf = aligned_alloc(64, (capacity + 63) / 64 * 64);
+        if (!buf) { capacity = 0; return; }
+    }
+    uint8_t *at = buf;
+    if (q8_gate_up) {
+        j->xq = (const int16_t *)at, at += (xq + 63) / 64 * 64;
+        j->xqs = (const float *)at, at += (xs + 63) / 64 * 64;
+    }
+    if (q8_down) {
+        j->actq = (int16_t *)at, at += (aq + 63) / 64 * 64;
+        j->actqs = (float *)at;
+        j->gate_rows = Q8_BLOCK;
+    }
+#else
+    (void)j, (void)tokens, (void)pairs;
+#endif
+}
+
 /* Starts y[T, H] = sum over the given experts of routing weight * SwiGLU expert(x) on the pool's workers and
    returns at once (the caller may queue GPU work meanwhile); ft_moe_wait joins in and returns when y is ready.
    Every buffer must stay alive until then. Returns 0, or -1 on bad arguments (nothing started). */
@@ -730,7 +880,7 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     }
     current.job = (moe_job){gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
                             experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden,
-                            inter, bf16_rounding, NULL, NULL};
+                            inter, bf16_rounding, NULL, NULL, NULL, NULL, NULL, NULL, ROW_BLOCK};
     /* the bf16 dot path: bf16 weights, bf16 rounding on (so act is bf16-exact), and the caller's bf16 x */
     if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type == FT_BF16 && up_type == FT_BF16 &&
         down_type == FT_BF16) {
@@ -766,7 +916,9 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
         }
     }
 #endif
-    current.phase1_tasks = n_experts * ((inter + ROW_BLOCK - 1) / ROW_BLOCK);
+    if (!current.xp && current.xb_amx && !q16_disabled) start_q16(&current.job, tokens, pair_offsets[n_experts]);
+    if (current.job.xq) current.phase0_tasks = tokens;
+    current.phase1_tasks = n_experts * ((inter + current.job.gate_rows - 1) / current.job.gate_rows);
     current.phase2_tasks = (hidden + ROW_BLOCK - 1) / ROW_BLOCK;
     atomic_store(&current.phase0_done, 0);
     atomic_store(&current.phase1_done, 0);
@@ -777,6 +929,12 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
 }
 
 /* AMX tuning: the fewest tokens per expert worth tiles, and a switch for measuring without them. */
+/* Tuning switches for measuring variants against each other in one process. */
+void ft_set_tuning(int no_q16, int rows_one_at_a_time) {
+    q16_disabled = no_q16;
+    seq_rows = rows_one_at_a_time;
+}
+
 void ft_set_amx(int min_tokens, int disabled) {
 #if HAVE_AMX
     amx_min_tokens = min_tokens;

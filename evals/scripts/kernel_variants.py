@@ -1,0 +1,99 @@
+"""CPU expert kernel variants compared fairly on a noisy host: every variant is timed once per round, rounds
+interleave, and the table gives each variant's median and best GB/s with the DRAM read probe timed the same way.
+
+    python evals/scripts/kernel_variants.py [--rounds 15] [--threads 15] [--pool-mib 1024] [--out FILE]
+
+Variants are the kernel's tuning knobs (`ft_set_tuning`: the int16-activation Q8_0 path off, rows dotted one at
+a time; AMX on or off), switched between calls in one process, so every variant reads the very same expert pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from freetoken.kernels.cpu_experts.bench import HIDDEN, INTER, PER_CALL, expert_pool
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
+
+# name → (int16-activation Q8_0 path off, rows one at a time, AMX disabled)
+VARIANTS = {
+    "default": (0, 0, 0),
+    "Q8_0 fp32 path": (1, 0, 0),
+    "rows one at a time": (0, 1, 0),
+    "Q8_0 fp32 path, rows one at a time": (1, 1, 0),
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--threads", type=int, default=15)
+    p.add_argument("--pool-mib", type=int, default=1024)
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--formats", nargs="+", default=["BF16", "Q8_0"])
+    p.add_argument("--out")
+    a = p.parse_args()
+    os.environ["FREETOKEN_CPU_THREADS"] = str(a.threads)
+    kernel = CpuExpertKernel.get()
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8)
+    pools = {}
+    for fmt in a.formats:
+        per_expert = 3 * HIDDEN * INTER * {"BF16": 2, "Q8_0": 34 / 32}[fmt]
+        n = max(PER_CALL, int(a.pool_mib * 2**20 / per_expert) // PER_CALL * PER_CALL)
+        pools[fmt] = (expert_pool(fmt, n, gen), n, n * per_expert)
+    xs = {b: torch.randn(b, HIDDEN, generator=gen).bfloat16().float() for b in a.batches}
+
+    def one_pass(fmt: str, batch: int) -> float:
+        (gate, up, down), n, nbytes = pools[fmt]
+        offsets = torch.arange(0, PER_CALL + 1, dtype=torch.int32) * batch
+        tokens = torch.arange(batch, dtype=torch.int32).repeat(PER_CALL)
+        weights = torch.rand(PER_CALL * batch, generator=gen)
+        t0 = time.perf_counter()
+        for c in range(n // PER_CALL):
+            experts = torch.arange(c * PER_CALL, (c + 1) * PER_CALL, dtype=torch.int32)
+            kernel.moe_forward(xs[batch], gate, up, down, experts, offsets, tokens, weights,
+                               round_to=torch.bfloat16)
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    results: dict[tuple, list[float]] = {}
+    for r in range(a.rounds):
+        t0 = time.perf_counter()
+        kernel.read_bytes(probe)
+        results.setdefault(("DRAM read probe", "", 0), []).append(probe.numel() / (time.perf_counter() - t0) / 1e9)
+        for name, (q8_fp32, one_row, amx_off) in VARIANTS.items():
+            kernel.lib.ft_set_tuning(q8_fp32, one_row)
+            kernel.lib.ft_set_amx(2, amx_off)
+            for fmt in pools:
+                if q8_fp32 and fmt != "Q8_0":
+                    continue
+                for batch in a.batches:
+                    if amx_off and batch == 1:  # tiles start at 2 tokens
+                        continue
+                    results.setdefault((name, fmt, batch), []).append(one_pass(fmt, batch))
+        print(f"round {r + 1}/{a.rounds} done", flush=True)
+    kernel.lib.ft_set_tuning(0, 0)
+    kernel.lib.ft_set_amx(2, 0)
+    dram = max(results[("DRAM read probe", "", 0)])
+    lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "
+             f"best DRAM read probe {dram:.1f} GB/s (median {statistics.median(results[('DRAM read probe', '', 0)]):.1f})",
+             "", "| variant | format | batch | median GB/s | best GB/s | best of best probe |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for (name, fmt, batch), v in results.items():
+        if fmt:
+            lines.append(f"| {name} | {fmt} | {batch} | {statistics.median(v):.1f} | {max(v):.1f} | "
+                         f"{max(v) / dram:.0%} |")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
