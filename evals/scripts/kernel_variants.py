@@ -3,8 +3,10 @@ interleave, and the table gives each variant's median and best GB/s with the DRA
 
     python evals/scripts/kernel_variants.py [--rounds 15] [--threads 15] [--pool-mib 1024] [--out FILE]
 
-Variants are the kernel's tuning knobs (`ft_set_tuning`: the int16-activation Q8_0 path off, rows dotted one at
-a time; AMX on or off), switched between calls in one process, so every variant reads the very same expert pool.
+Variants are the kernel's switches (`ft_set_q16`: Q8_0 rows against int16 activations at one token per expert,
+or the fp32 path; `ft_set_amx`: tiles on or off), switched between calls in one process, so every variant reads
+the very same expert pool. (Earlier variants, measured and dropped: software prefetch, Q8_0 through bf16 dot
+products (commit 7389ec5), rows dotted one at a time instead of two interleaved (commit 48d99b5).)
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ import torch
 from freetoken.kernels.cpu_experts.bench import HIDDEN, INTER, PER_CALL, expert_pool
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 
-# name → (int16-activation Q8_0 path off, rows one at a time, AMX disabled)
+# name → (Q8_0 through the fp32 path, AMX disabled)
 VARIANTS = {
-    "default": (0, 0, 0),
-    "Q8_0 fp32 path": (1, 0, 0),
-    "rows one at a time": (0, 1, 0),
-    "Q8_0 fp32 path, rows one at a time": (1, 1, 0),
+    "default": (0, 0),
+    "Q8_0 fp32 path": (1, 0),
+    "AMX off": (0, 1),
 }
 
 
@@ -65,8 +66,8 @@ def main() -> int:
         t0 = time.perf_counter()
         kernel.read_bytes(probe)
         results.setdefault(("DRAM read probe", "", 0), []).append(probe.numel() / (time.perf_counter() - t0) / 1e9)
-        for name, (q8_fp32, one_row, amx_off) in VARIANTS.items():
-            kernel.lib.ft_set_tuning(q8_fp32, one_row)
+        for name, (q8_fp32, amx_off) in VARIANTS.items():
+            kernel.lib.ft_set_q16(int(not q8_fp32))
             kernel.lib.ft_set_amx(2, amx_off)
             for fmt in pools:
                 if q8_fp32 and fmt != "Q8_0":
@@ -76,11 +77,12 @@ def main() -> int:
                         continue
                     results.setdefault((name, fmt, batch), []).append(one_pass(fmt, batch))
         print(f"round {r + 1}/{a.rounds} done", flush=True)
-    kernel.lib.ft_set_tuning(0, 0)
+    kernel.lib.ft_set_q16(1)
     kernel.lib.ft_set_amx(2, 0)
-    dram = max(results[("DRAM read probe", "", 0)])
+    probes = results[("DRAM read probe", "", 0)]
+    dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "
-             f"best DRAM read probe {dram:.1f} GB/s (median {statistics.median(results[('DRAM read probe', '', 0)]):.1f})",
+             f"best DRAM read probe {dram:.1f} GB/s (median {statistics.median(probes):.1f})",
              "", "| variant | format | batch | median GB/s | best GB/s | best of best probe |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for (name, fmt, batch), v in results.items():

@@ -82,7 +82,9 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     lib.ft_has_bf16_dot.argtypes, lib.ft_has_bf16_dot.restype = [], i
     lib.ft_has_amx.argtypes, lib.ft_has_amx.restype = [], i
     lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i], None
-    lib.ft_set_tuning.argtypes, lib.ft_set_tuning.restype = [i, i], None
+    lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
+    lib.ft_set_spin.argtypes, lib.ft_set_spin.restype = [ctypes.c_long], None
+    lib.ft_pool_wake.argtypes, lib.ft_pool_wake.restype = [], None
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_read_bytes.argtypes, lib.ft_read_bytes.restype = [p, ctypes.c_size_t], ctypes.c_uint64

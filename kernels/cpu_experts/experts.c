@@ -55,8 +55,10 @@ typedef uint64_t vu64 __attribute__((vector_size(64)));
 #define CPU_RELAX() ((void)0)
 #endif
 
-/* How long an idle worker spins before sleeping: decode calls the pool once per layer, well within this, and a
-   sleeping worker costs tens of microseconds to wake. Short enough not to starve other work on the cores. */
+/* How long an idle worker spins before sleeping (ft_set_spin): a sleeping worker costs tens of microseconds to
+   wake, all of them together up to ~200 µs (seen as the fixed cost of the CPU model on the H200 host), so an
+   engine whose cores are its own spins through the ~0.5 ms between one layer's experts and the next. The
+   default is short enough not to starve other work sharing the cores. */
 #define SPIN_NS 200000L
 
 INLINE vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
@@ -352,12 +354,13 @@ static struct {
     pthread_cond_t wake;
     pthread_t threads[MAX_THREADS];
     int nworkers;
-    atomic_uint generation;
-    atomic_int next, busy;
+    atomic_uint generation, wake_requests;
+    atomic_int next, busy, sleeping;
+    atomic_long spin_ns;
     task_fn fn;
     void *ctx;
     int ntasks;
-} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .spin_ns = SPIN_NS};
 
 static void run_tasks(void) {
     for (int i; (i = atomic_fetch_add(&pool.next, 1)) < pool.ntasks;) pool.fn(pool.ctx, i);
@@ -374,15 +377,20 @@ static void *worker(void *arg) {
        between must not be mistaken for one already done. */
     unsigned seen = (unsigned)(uintptr_t)arg;
     for (;;) {
-        long until = now_ns() + SPIN_NS;
+        long until = now_ns() + atomic_load(&pool.spin_ns);
         for (int spin = 0; atomic_load(&pool.generation) == seen; spin++) {
             CPU_RELAX();
             if ((spin & 63) == 63 && now_ns() > until) break;
         }
         if (atomic_load(&pool.generation) == seen) {
+            unsigned woken = atomic_load(&pool.wake_requests);
             pthread_mutex_lock(&pool.mu);
-            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+            atomic_fetch_add(&pool.sleeping, 1);
+            while (atomic_load(&pool.generation) == seen && atomic_load(&pool.wake_requests) == woken)
+                pthread_cond_wait(&pool.wake, &pool.mu);
+            atomic_fetch_sub(&pool.sleeping, 1);
             pthread_mutex_unlock(&pool.mu);
+            if (atomic_load(&pool.generation) == seen) continue;  /* woken ahead of a job: spin for it */
         }
         seen = atomic_load(&pool.generation);
         run_tasks();
@@ -405,6 +413,19 @@ int ft_pool_start(int threads) {
     }
     pthread_mutex_unlock(&pool.mu);
     return pool.nworkers + 1;
+}
+
+/* Spin time of idle workers, in nanoseconds. */
+void ft_set_spin(long ns) { atomic_store(&pool.spin_ns, ns > 0 ? ns : 0); }
+
+/* Wakes sleeping workers to spin, ahead of a job the caller is about to post (a hint: their wake-up then
+   overlaps the caller's wait for the GPU instead of delaying the job). Cheap when none sleeps. */
+void ft_pool_wake(void) {
+    if (atomic_load(&pool.sleeping) == 0) return;
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add(&pool.wake_requests, 1);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
 }
 
 /* Posts fn(ctx, 0..ntasks-1) to the workers and returns at once; `parallel_wait` joins in and returns when all
@@ -456,8 +477,6 @@ typedef struct {
     int gate_rows;                        /* rows of gate/up per phase-1 task (whole blocks of act with actq) */
 } moe_job;
 
-static int seq_rows;  /* tuning (measured, then removed): dot rows one at a time instead of two interleaved */
-
 static void phase_gate_up(void *ctx, int task) {
     const moe_job *j = ctx;
     int blocks = (j->inter + j->gate_rows - 1) / j->gate_rows, e = task / blocks, r0 = (task % blocks) * j->gate_rows;
@@ -487,13 +506,8 @@ static void phase_gate_up(void *ctx, int task) {
                 }
 #endif
             } else if (j->xb) {
-                if (seq_rows) {
-                    rows_dots_bf16_n(rows, 1, xbs, j->hidden, nt, gu);
-                    rows_dots_bf16_n(rows + 1, 1, xbs, j->hidden, nt, gu + nt);
-                } else {
-                    rows_dots_bf16_n(rows, 2, xbs, j->hidden, nt, gu);
-                }
-            } else if (j->gate_type == j->up_type && !seq_rows) {  /* the gate and up rows of one unit share activation loads */
+                rows_dots_bf16_n(rows, 2, xbs, j->hidden, nt, gu);
+            } else if (j->gate_type == j->up_type) {  /* the gate and up rows of one unit share activation loads */
                 rows_dots_n(j->gate_type, rows, 2, xs, j->hidden, nt, gu);
             } else {
                 rows_dots_n(j->gate_type, rows, 1, xs, j->hidden, nt, gu);
@@ -541,7 +555,7 @@ static void phase_down(void *ctx, int task) {
                 as[t] = j->act + (size_t)(p0 + t) * j->inter;
                 if (j->actb) abs_[t] = j->actb + (size_t)(p0 + t) * j->inter;
             }
-            int q16 = j->actq && nt == 1, step = q16 || seq_rows ? 1 : 2;
+            int q16 = j->actq && nt == 1, step = q16 ? 1 : 2;  /* two rows interleave on the other paths */
             for (int h = h0; h < h1; h += step) {
                 const void *rows[2] = {down + h * db, down + (h + 1) * db};
                 int nr = h + 1 < h1 && step == 2 ? 2 : 1;
@@ -830,7 +844,7 @@ static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
 #endif
 }
 
-static int q16_disabled;  /* tuning (measured, then removed): the int16-activation Q8_0 path off */
+static int q16_disabled;  /* ft_set_q16(0): the fp32 path instead, to compare against */
 
 /* The int16-activation path for Q8_0 projections of a bf16 model not on tiles: x and act get int16 copies in a
    scratch buffer (one job at a time), and phase-1 tasks own whole 32-row blocks of act. */
@@ -929,11 +943,8 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
 }
 
 /* AMX tuning: the fewest tokens per expert worth tiles, and a switch for measuring without them. */
-/* Tuning switches for measuring variants against each other in one process. */
-void ft_set_tuning(int no_q16, int rows_one_at_a_time) {
-    q16_disabled = no_q16;
-    seq_rows = rows_one_at_a_time;
-}
+/* The int16-activation Q8_0 path on (default) or off, for tests and measurements against the fp32 path. */
+void ft_set_q16(int on) { q16_disabled = !on; }
 
 void ft_set_amx(int min_tokens, int disabled) {
 #if HAVE_AMX

@@ -145,6 +145,16 @@ class CpuExpertKernel:
         # every buffer the workers read or write stays referenced until wait()
         return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act, x_bf16, act_bf16))
 
+    def set_spin(self, seconds: float) -> None:
+        """How long idle workers spin before sleeping (default 200 µs). Waking sleeping workers costs up to
+        ~200 µs on a 16-core host, so an engine that owns its cores spins through the gaps between layers."""
+        self.lib.ft_set_spin(int(seconds * 1e9))
+
+    def wake(self) -> None:
+        """Wakes sleeping workers ahead of a call about to come, so their wake-up overlaps the caller's wait
+        (for the GPU's routing) instead of delaying the call. Cheap when none sleeps."""
+        self.lib.ft_pool_wake()
+
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""
         with self._call_lock:

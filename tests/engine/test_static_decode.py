@@ -12,7 +12,7 @@ from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
-from support.decode_checks import run_fresh, static_window_equals_eager
+from support.decode_checks import interpreter_only, run_fresh, static_window_equals_eager
 
 
 def test_gathered_experts_equal_grouped_experts():
@@ -82,6 +82,7 @@ print("ok")
 """
 
 
+@interpreter_only
 def test_paged_decode_kernel_in_the_static_window_equals_eager_decode(tmp_path):
     """With the "paged-decode" GPU path (on by default), the captured step's attention is the split-KV Triton kernel
     (here under Triton's interpreter, in a fresh process: TRITON_INTERPRET must be set before it is defined)."""

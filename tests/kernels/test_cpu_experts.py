@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -91,11 +93,11 @@ def test_q8_0_against_int16_activations_matches_the_float_path(kernel, tokens, h
     x = x.bfloat16().float()
     routing = _routing(tokens, 5, 2, gen)
     int16 = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    kernel.lib.ft_set_tuning(1, 0)
+    kernel.lib.ft_set_q16(0)
     try:
         float_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     finally:
-        kernel.lib.ft_set_tuning(0, 0)
+        kernel.lib.ft_set_q16(1)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert torch.isfinite(int16).all()
     # bf16 rounding points (projections, silu, products) flip where the two paths land on either side of a tie
@@ -149,6 +151,31 @@ def test_concurrent_callers_are_serialised(kernel):
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda c: kernel.moe_forward(c[0], gate, up, down, *c[1]), cases * 4))
     assert all(torch.allclose(g, want[i % 8], atol=1e-5, rtol=1e-5) for i, g in enumerate(got))
+
+
+def test_woken_and_sleeping_workers_still_run_every_job(kernel):
+    """Workers that sleep at once (no spin), are woken ahead of a job to spin, or are woken with no job coming
+    and fall asleep again, must all still take every job's tasks: each result equals the first."""
+    gen = torch.Generator().manual_seed(5)
+    gate, up = (_matrix("BF16", 4, 64, 96, gen) for _ in range(2))
+    down = _matrix("BF16", 4, 96, 64, gen)
+    x = torch.randn(3, 96, generator=gen)
+    routing = _routing(3, 4, 2, gen)
+    want = kernel.moe_forward(x, gate, up, down, *routing)
+    try:
+        for spin in (0.0, 50e-6, 0.0):
+            kernel.set_spin(spin)
+            for i in range(40):
+                if i % 3 == 0:
+                    time.sleep(1e-3)  # long enough for the workers to sleep
+                if i % 2 == 0:
+                    kernel.wake()
+                if i % 5 == 0:
+                    kernel.wake()  # a wake-up with no job behind it
+                    time.sleep(1e-4)
+                assert torch.equal(kernel.moe_forward(x, gate, up, down, *routing), want)
+    finally:
+        kernel.set_spin(200e-6)
 
 
 @pytest.mark.parametrize("tokens", [2, 7, 16, 17, 40])

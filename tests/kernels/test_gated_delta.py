@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from support.decode_checks import run_fresh  # noqa: E402
+from support.decode_checks import interpreter_only, run_fresh  # noqa: E402
 
 # Head dims that are and are not powers of two (masked lanes), several value blocks, 1 and 5 tokens, a state
 # that must be left as it was.
@@ -64,6 +64,7 @@ CARRY_CHECK = textwrap.dedent("""
 """)
 
 
+@interpreter_only
 def test_the_chunk_loop_kernel_equals_the_reference_under_the_interpreter():
     run_fresh(CARRY_CHECK, "cpu", interpret=True)
 
@@ -73,6 +74,7 @@ def test_the_chunk_loop_kernel_equals_the_reference_compiled_on_cuda():
     run_fresh(CARRY_CHECK, "cuda", interpret=False)
 
 
+@interpreter_only
 def test_the_recurrent_kernel_equals_the_reference_under_the_interpreter():
     run_fresh(CHECK, "cpu", interpret=True)
 

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from freetoken.kernels.paged_decode.kernel import BLOCK_N, splits_for, supports  # noqa: E402
-from support.decode_checks import run_fresh  # noqa: E402
+from support.decode_checks import interpreter_only, run_fresh  # noqa: E402
 
 # Grouped-query layouts (8, 1 and 3 query heads per KV head), bf16 and fp32, windows with several splits, one
 # whose later splits lie wholly past the valid length, slots in random order, garbage in the slots past it, and
@@ -49,6 +49,7 @@ CHECK = textwrap.dedent("""
 """)
 
 
+@interpreter_only
 def test_interpreted_kernel_matches_the_reference():
     run_fresh(CHECK, "cpu", interpret=True)
 

@@ -70,17 +70,26 @@ def expert_matrices(layer: LayerExperts | QuantizedExperts) -> tuple[ExpertMatri
 
 
 class CpuExpertRunner:
+    SPIN_S = 2e-3  # a layer-step is ~1 ms on the H200 host; the gap between two layers' CPU shares ~0.5 ms
+
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], dtype: torch.dtype, share_cores: bool):
         """`share_cores`: leave one core to the thread that drives the GPU."""
         self.host, self.dtype = host, dtype
         threads = max(1, default_threads() - 1) if share_cores else None
         self.kernel = CpuExpertKernel.get(threads=threads)
+        if share_cores and self.kernel is not None:  # the cores are the engine's: no sleeping between layers
+            self.kernel.set_spin(self.SPIN_S)
         self.matrices = {layer: expert_matrices(le) for layer, le in host.items()}
         self._kernel_layers = {layer for layer, m in self.matrices.items()
                                if self.kernel is not None and self.kernel.supports(*m)}
         first = next(iter(self.matrices.values()))
         self._workspace = _Workspace(first[0].data.shape[0], 64, first[0].shape[0]) if self._kernel_layers else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
+
+    def wake(self) -> None:
+        """Called before waiting for a layer's routing: sleeping kernel workers start spinning meanwhile."""
+        if self.kernel is not None:
+            self.kernel.wake()
 
     @property
     def uses_kernel(self) -> bool:

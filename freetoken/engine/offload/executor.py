@@ -202,6 +202,8 @@ class OffloadedExpertExecutor(PrefillPath):
         the CPU result: the CPU, the copy engine and the GPU work at the same time. The next layer's prefetch
         comes last (see run_boundary)."""
         t0 = time.perf_counter()
+        if self.miss_path != "copy":
+            self.cpu.wake()
         next_layer = self._prefetch_target(layer)
         predicted = None
         if next_layer is not None:
@@ -379,6 +381,8 @@ class OffloadedExpertExecutor(PrefillPath):
         GPU share from `replay_experts()` and the CPU share from the static buffer."""
         t0 = time.perf_counter()
         io, layer = self._graph_io, boundary.layer
+        if self.miss_path != "copy":
+            self.cpu.wake()  # its workers' wake-up overlaps the wait for the routing below
         self._issue_deferred_prefetch(layer)
         self._collect_copy_timings()
         if self.device.type == "cuda":
