@@ -223,6 +223,10 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             print(_format_row(rows[-1]), file=sys.stderr, flush=True)
             if miss_path == "auto":
                 print(f"  planner after the run: {executor.planner.describe()}", file=sys.stderr, flush=True)
+            if before is not None and (starts := after.cpu_starts - before.cpu_starts):
+                delay = (after.cpu_start_delay_seconds - before.cpu_start_delay_seconds) / starts
+                print(f"  CPU share started {delay * 1e6:.0f} µs after the routing reached the host (mean of "
+                      f"{starts} layer-steps)", file=sys.stderr, flush=True)
             del executor
             lm.experts = None
             attach_experts(lm.model, None)

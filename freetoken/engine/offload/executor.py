@@ -116,6 +116,7 @@ class OffloadedExpertExecutor(PrefillPath):
         self._prefetch_done: list = []  # completion of the last prefetch's copies (the link's backlog)
         self._prefetch_seconds = 0.0  # their predicted copy time
         self._deferred_prefetch: tuple | None = None  # (layer, experts, room, event): queued at the next boundary
+        self._cpu_started_at: float | None = None  # when this layer-step's CPU share started (diagnostics)
         # Prefill: while a long chunk's layer computes, the next layer's experts stream (prefill.py), so the link
         # works through that layer's attention. Off by default: within noise of plain streaming on the H200
         # (evals/results/p1-prefill-ahead-h200.md), and it wants a staging ring of two layers' experts.
@@ -278,6 +279,7 @@ class OffloadedExpertExecutor(PrefillPath):
         if to_cpu:  # after the copies, which take the host ~3 µs each to queue; starting the CPU takes longer
             on_cpu = self.cpu.start_pairs(layer, x, to_cpu, [pairs_of[e] for e in to_cpu], weights, x_bf16=x_bf16,
                                           out=cpu_out)
+            self._cpu_started_at = time.perf_counter()
         if slot_of:
             copier.wait_all()
         zero = self.zero_slot
@@ -428,6 +430,10 @@ class OffloadedExpertExecutor(PrefillPath):
     def _count_step_time(self, start: float, routed: float, cpu_wait: float) -> None:
         c = self.counters
         c.layer_steps += 1
+        if self._cpu_started_at is not None:
+            c.cpu_starts += 1
+            c.cpu_start_delay_seconds += self._cpu_started_at - routed
+            self._cpu_started_at = None
         c.gpu_wait_seconds += routed - start
         c.cpu_wait_seconds += cpu_wait
         c.host_seconds += time.perf_counter() - routed - cpu_wait

@@ -30,6 +30,8 @@ class CacheCounters:
     gpu_wait_seconds: float = 0.0  # blocked until the layer's routing reached the host
     cpu_wait_seconds: float = 0.0  # blocked on the CPU share after queueing everything else
     host_seconds: float = 0.0  # the rest: planning, queueing copies and graphs, starting the CPU, prefetch
+    cpu_starts: int = 0  # layer-steps that started a CPU share
+    cpu_start_delay_seconds: float = 0.0  # from the routing on the host to the CPU share started, summed
 
     @property
     def hit_rate(self) -> float:
