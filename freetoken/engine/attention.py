@@ -28,9 +28,13 @@ class SequenceAttention:
         self.positions = torch.arange(seq.length, seq.length + n_new, device=device)
         self._pending_state: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """`sinks` [H] (gpt-oss: a learnt logit per head in every softmax's denominator), `window`: each token
+        sees only its last `window` positions (itself included)."""
         keys, values = self.cache.update(layer, self.seq, k, v)  # [L + T, Hkv, D]
-        return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.seq.length)
+        return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.seq.length, sinks=sinks,
+                                window=window)
 
     def recurrent_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
         """A recurrent layer's state after the committed tokens (None before its first token)."""
@@ -60,12 +64,14 @@ class BatchAttention:
         self.positions = torch.cat([torch.arange(s.length, s.length + n) for s, n in zip(seqs, counts, strict=True)]
                                    ).to(device)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         outs = []
         for i, seq in enumerate(self.seqs):
             a, b = self.bounds[i], self.bounds[i + 1]
             keys, values = self.cache.update(layer, seq, k[a:b], v[a:b])
-            outs.append(causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length))
+            outs.append(causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length, sinks=sinks,
+                                         window=window))
         return torch.cat(outs)
 
     def recurrent_state(self, layer: int):
@@ -85,11 +91,15 @@ class BatchAttention:
             self.cache.commit(seq, n)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """q [T, H, D] at positions past..past+T-1; k, v [past + T, Hkv, D] → [T, H, D].
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+                     sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """q [T, H, D] at positions past..past+T-1; k, v [past + T, Hkv, D] → [T, H, D]. `sinks` [H], `window`:
+    see `SequenceAttention.attend`.
 
     Inputs go to SDPA as 4-D [1, heads, tokens, D]: its fused kernels (flash, memory-efficient) take only 4-D
     inputs, and the math fallback materialises [H, T, L + T] scores (32 GB for a 16k-token chunk)."""
+    if sinks is not None or window is not None:
+        return _masked_attention(q, k, v, past, sinks, window)
     t = q.shape[0]
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, tokens, D]
     if t == 1:
@@ -100,6 +110,53 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
         group = qh.shape[1] // kh.shape[1]
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, past + t))
+    return out[0].transpose(0, 1)
+
+
+SINK_QUERY_ROWS = 2048  # queries per SDPA call with an explicit mask: bounds the [rows, L] mask of a long chunk
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, sinks: torch.Tensor | None,
+                      window: int | None) -> torch.Tensor:
+    """`causal_attention` with attention sinks and/or a sliding window: an explicit mask, queries in blocks."""
+    t, n = q.shape[0], k.shape[0]
+    key_pos = torch.arange(n, device=q.device)
+    outs = []
+    for lo in range(0, t, SINK_QUERY_ROWS):
+        hi = min(t, lo + SINK_QUERY_ROWS)
+        query_pos = torch.arange(past + lo, past + hi, device=q.device)[:, None]
+        visible = key_pos[None, :] <= query_pos
+        if window is not None:
+            visible &= key_pos[None, :] > query_pos - window
+        # keys no query of the block sees are left out (a window's old keys): less work, same result
+        first = 0 if window is None else max(0, past + lo - window + 1)
+        outs.append(sink_attention(q[lo:hi], k[first:past + hi], v[first:past + hi], visible[:, first:past + hi],
+                                   sinks))
+    return torch.cat(outs)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [T, H, D] over k, v [L, Hkv, D] where `visible` [T, L] (bool) allows → [T, H, D]; with `sinks` [H] each
+    head's softmax also counts exp(sink) in its denominator (gpt-oss), i.e. a virtual key of logit `sink` and
+    value 0. SDPA takes that key as one more key: the queries gain a coordinate sink·√D (padded to a multiple of
+    8 dimensions, which the fused kernels want), the keys a coordinate 0 and the virtual key 1, so its logit is
+    exactly the sink at the unchanged scale 1/√D. Every query sees it."""
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    scale = d ** -0.5
+    mask = visible
+    if sinks is not None:
+        pad = (-(d + 1)) % 8
+        column = (sinks.to(q.dtype) / scale)[None, :, None].expand(t, h, 1)
+        q = torch.cat((q, column, q.new_zeros(t, h, pad)), dim=-1)
+        sink_key = k.new_zeros(1, hkv, d + 1 + pad)
+        sink_key[..., d] = 1
+        k = torch.cat((sink_key, torch.cat((k, k.new_zeros(k.shape[0], hkv, 1 + pad)), dim=-1)))
+        v = torch.cat((v.new_zeros(1, hkv, v.shape[-1]), v))
+        mask = torch.cat((visible.new_ones(t, 1), visible), dim=1)
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, tokens, D']
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[None, None], scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
@@ -165,16 +222,23 @@ class StaticDecodeAttention:
             else:  # first use: the buffers are allocated here, before any capture
                 self._state[layer] = tuple(t.clone() for t in state)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool.index_copy_(0, self.write_slot, k.to(k_pool.dtype))
         v_pool.index_copy_(0, self.write_slot, v.to(v_pool.dtype))
-        paged = self._paged_kernel(q)
+        plain = sinks is None and window is None
+        paged = self._paged_kernel(q) if plain else None
         if paged is not None:  # reads the window's rows in place (no gather), the window split across the SMs
             return paged(q, k_pool, v_pool, self.read_slots, self.positions)
         keys = k_pool.index_select(0, self.read_slots).to(q.dtype)  # [W, Hkv, D]
         values = v_pool.index_select(0, self.read_slots).to(q.dtype)
-        return static_decode_attention(q, keys, values, self.key_positions <= self.positions)
+        valid = self.key_positions <= self.positions
+        if plain:
+            return static_decode_attention(q, keys, values, valid)
+        if window is not None:
+            valid = valid & (self.key_positions > self.positions - window)
+        return sink_attention(q, keys, values, valid[None, :], sinks)
 
 
 def static_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -18,17 +18,43 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.engine import gpu_paths
+from freetoken.kernels.cpu_experts.reference import ExpertForm
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+PLAIN = ExpertForm()  # plain SwiGLU, no biases
+
+
+def apply_experts(form: ExpertForm | None, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  down: torch.Tensor, experts: torch.Tensor | int | None = None) -> torch.Tensor:
+    """The expert function over batched matmuls: x [..., n, H] times gate/up [..., H, I] and down [..., I, H]
+    (already oriented for matmul), the biases of `experts` (ids broadcasting over the leading dims) added."""
+    g, u = x @ gate, x @ up
+    if form is None or form is PLAIN:
+        return (F.silu(g) * u) @ down
+    if form.gate_bias is not None:
+        g = g + _bias(form.gate_bias, experts, g)
+        u = u + _bias(form.up_bias, experts, u)
+    y = form.activate(g, u) @ down
+    return y + _bias(form.down_bias, experts, y) if form.down_bias is not None else y
+
+
+def _bias(bias: torch.Tensor, experts, like: torch.Tensor) -> torch.Tensor:
+    """bias rows of `experts` shaped to add to `like` [..., n, F]: one row per leading index, broadcast over n."""
+    rows = bias[experts].to(like.dtype)
+    return rows.unsqueeze(-2) if rows.dim() < like.dim() else rows
+
+
 @dataclass(slots=True)
 class LayerExperts:
-    """Stacked weights of one layer's routed experts, in HF orientation (out_features, in_features)."""
+    """Stacked weights of one layer's routed experts, in HF orientation (out_features, in_features). `form`: what
+    the experts compute besides the matmuls (None: plain SwiGLU)."""
 
     gate_proj: torch.Tensor  # [E, I, H]
     up_proj: torch.Tensor  # [E, I, H]
     down_proj: torch.Tensor  # [E, H, I]
+    form: ExpertForm | None = None
 
     @property
     def num_experts(self) -> int:
@@ -50,9 +76,17 @@ class ExpertExecutor(Protocol):
         ...
 
 
-def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU expert: x [n, H]; gate, up [I, H]; down [H, I]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               form: ExpertForm | None = None, expert: int | None = None) -> torch.Tensor:
+    """One expert: x [n, H]; gate, up [I, H]; down [H, I]; `form` (with the expert's id for its biases) where it
+    is not plain SwiGLU."""
+    if form is None or form is PLAIN:
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    g, u = F.linear(x, gate), F.linear(x, up)
+    if form.gate_bias is not None:
+        g, u = g + form.gate_bias[expert].to(g.dtype), u + form.up_bias[expert].to(u.dtype)
+    y = F.linear(form.activate(g, u), down)
+    return y + form.down_bias[expert].to(y.dtype) if form.down_bias is not None else y
 
 
 @dataclass(slots=True)
@@ -82,11 +116,12 @@ def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_expe
 
 
 def run_groups(hidden: torch.Tensor, groups: list[ExpertGroup],
-               weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+               weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               form: ExpertForm | None = None) -> torch.Tensor:
     """Runs each expert once on its tokens; `weights_of(e)` gives (gate, up, down) wherever they live."""
     out = torch.zeros_like(hidden)
     for g in groups:
-        y = expert_mlp(hidden[g.tokens], *weights_of(g.expert))
+        y = expert_mlp(hidden[g.tokens], *weights_of(g.expert), form, g.expert)
         out.index_add_(0, g.tokens, y * g.weights[:, None])
     return out
 
@@ -99,7 +134,7 @@ def host_ints_to(device: torch.device, values: list[int]) -> torch.Tensor:
 
 
 def run_groups_padded(hidden: torch.Tensor, groups: list[ExpertGroup], experts: LayerExperts, slots: list[int],
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, form: ExpertForm | None = None) -> None:
     """Adds to `out` the experts at `slots` of `experts` applied to their groups, as one padded batched matmul:
     ~15 launches for the lot where `run_groups` takes ~9 per expert — what bounds a short prefill chunk, whose
     experts have tens of tokens each, is the host launching work, not the GPU doing it. Each expert's tokens are
@@ -120,8 +155,8 @@ def run_groups_padded(hidden: torch.Tensor, groups: list[ExpertGroup], experts: 
     ids = host_ints_to(device, slots)
     x = hidden[tokens]  # [G, n, H]
     gate, up, down = (w[ids].transpose(1, 2) for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
-    h = F.silu(torch.bmm(x, gate)) * torch.bmm(x, up)  # [G, n, I]
-    y = torch.bmm(h, down) * weights[:, :, None]  # [G, n, H]
+    ids_of_experts = host_ints_to(device, [g.expert for g in groups]) if form is not None else None
+    y = apply_experts(form, x, gate, up, down, ids_of_experts) * weights[:, :, None]  # [G, n, H]
     out.index_add_(0, tokens.view(-1), y.view(-1, y.shape[-1]))
 
 
@@ -136,12 +171,12 @@ def grouped_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids
     matmul (`run_groups_padded`): the launches, not the arithmetic, are then what costs."""
     groups = group_by_expert(topk_ids, topk_weights, experts.num_experts, hidden.dtype)
     if not padded or not groups or max(len(g.tokens) for g in groups) > PADDED_MAX_TOKENS:
-        return run_groups(hidden, groups, experts.weights_of)
+        return run_groups(hidden, groups, experts.weights_of, experts.form)
     per_group = max(1, PADDED_GROUP_BYTES // (experts.nbytes() // experts.num_experts))
     out = torch.zeros_like(hidden)
     for i in range(0, len(groups), per_group):
         part = groups[i:i + per_group]
-        run_groups_padded(hidden, part, experts, [g.expert for g in part], out)
+        run_groups_padded(hidden, part, experts, [g.expert for g in part], out, experts.form)
     return out
 
 
@@ -157,23 +192,28 @@ def grouped_mm_available(hidden: torch.Tensor) -> bool:
 
 
 def sorted_expert_forward(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,
-                          topk_weights: torch.Tensor) -> torch.Tensor:
+                          topk_weights: torch.Tensor, form: ExpertForm | None = None,
+                          expert_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Every (token, k) pair at once through grouped matmuls (torch._grouped_mm), pairs sorted by the stack row
     their id names: ~10 launches per layer and no host synchronisation, where `grouped_expert_forward` launches
     ~9 per expert after a sync (a 16k-token chunk: the GPU busy 57% of the time, elementwise and index_add_ as
-    costly as the matmuls). `ids` [N, K] index the stacks' first dimension: experts, or an executor's slots."""
+    costly as the matmuls). `ids` [N, K] index the stacks' first dimension: experts, or an executor's slots;
+    `expert_ids` [N, K]: the experts they hold, for `form`'s biases (default: `ids`, the stacks are experts)."""
     n = ids.shape[0]
+    form = stacks.form if form is None else form
+    expert_ids = ids if expert_ids is None else expert_ids
     if n <= GROUPED_MM_TOKENS:
-        return _sorted_pass(stacks, hidden, ids, topk_weights)
-    return torch.cat([_sorted_pass(stacks, hidden[i:i + GROUPED_MM_TOKENS], ids[i:i + GROUPED_MM_TOKENS],
-                                   topk_weights[i:i + GROUPED_MM_TOKENS]) for i in range(0, n, GROUPED_MM_TOKENS)])
+        return _sorted_pass(stacks, hidden, ids, topk_weights, form, expert_ids)
+    step = GROUPED_MM_TOKENS
+    return torch.cat([_sorted_pass(stacks, hidden[i:i + step], ids[i:i + step], topk_weights[i:i + step], form,
+                                   expert_ids[i:i + step]) for i in range(0, n, step)])
 
 
 GROUPED_MM_GROUPS = 1023  # torch._grouped_mm takes fewer than 1,024 groups (stack rows) per call
 
 
-def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> torch.Tensor:
+def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
+                 form: ExpertForm | None, expert_ids: torch.Tensor) -> torch.Tensor:
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by stack row
@@ -181,8 +221,9 @@ def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,
     ends = torch.cumsum(torch.bincount(flat, minlength=rows), 0).to(torch.int32)  # group g ends here
     x = hidden[order // k]  # [N*K, H]
     gate, up, down = (w.transpose(1, 2) for w in (stacks.gate_proj, stacks.up_proj, stacks.down_proj))
+    biased = None if form is None or form is PLAIN else (form, expert_ids.reshape(-1)[order])
     if rows <= GROUPED_MM_GROUPS:
-        y = _grouped_ffn(x, gate, up, down, ends)
+        y = _grouped_ffn(x, gate, up, down, ends, biased)
     else:  # more rows (an executor's slots) than one call takes: a call per window of rows, whose pairs are a
         # contiguous run of the sorted ones; cutting x there needs the windows' bounds on the host (one sync)
         cuts = [0, *ends[GROUPED_MM_GROUPS - 1:rows - 1:GROUPED_MM_GROUPS].tolist(), n * k]
@@ -190,28 +231,49 @@ def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,
         for w, (lo, hi) in enumerate(itertools.pairwise(cuts)):
             if hi > lo:
                 rows_w = slice(w * GROUPED_MM_GROUPS, (w + 1) * GROUPED_MM_GROUPS)
-                y[lo:hi] = _grouped_ffn(x[lo:hi], gate[rows_w], up[rows_w], down[rows_w], ends[rows_w] - lo)
+                part = None if biased is None else (form, biased[1][lo:hi])
+                y[lo:hi] = _grouped_ffn(x[lo:hi], gate[rows_w], up[rows_w], down[rows_w], ends[rows_w] - lo, part)
     y = y * topk_weights.reshape(-1)[order].to(hidden.dtype)[:, None]
     pairs = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, k) order: a permutation, no atomics
     return pairs.view(n, k, -1).sum(dim=1)
 
 
 def _grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 ends: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of rows sorted by group, group g's rows ending at ends[g] (weights [G, in, out])."""
-    h = F.silu(torch._grouped_mm(x, gate, offs=ends)) * torch._grouped_mm(x, up, offs=ends)  # [rows, I]
-    return torch._grouped_mm(h, down, offs=ends)
+                 ends: torch.Tensor, biased: tuple[ExpertForm, torch.Tensor] | None = None) -> torch.Tensor:
+    """SwiGLU of rows sorted by group, group g's rows ending at ends[g] (weights [G, in, out]). `biased`: a form
+    and the expert id of each row, for families that are not plain SwiGLU."""
+    g, u = torch._grouped_mm(x, gate, offs=ends), torch._grouped_mm(x, up, offs=ends)  # [rows, I]
+    if biased is None:
+        return torch._grouped_mm(F.silu(g) * u, down, offs=ends)
+    form, experts = biased
+    if form.gate_bias is not None:
+        g, u = g + form.gate_bias[experts].to(g.dtype), u + form.up_bias[experts].to(u.dtype)
+    y = torch._grouped_mm(form.activate(g, u), down, offs=ends)
+    return y + form.down_bias[experts].to(y.dtype) if form.down_bias is not None else y
 
 
 def gathered_expert_forward(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                            topk_weights: torch.Tensor) -> torch.Tensor:
+                            topk_weights: torch.Tensor, form: ExpertForm | None = None,
+                            expert_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Runs every (token, expert) pair as one batched matmul over gathered weights: no host synchronisation,
-    so it can be captured in a CUDA graph. Copies K experts' weights per token: meant for decode (small N)."""
+    so it can be captured in a CUDA graph. Copies K experts' weights per token: meant for decode (small N).
+    `topk_ids` index the stacks (experts, or an executor's slots); `expert_ids`: the experts they hold, for
+    `form`'s biases (default: `topk_ids`)."""
     n, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     x = hidden.repeat_interleave(k, dim=0)[:, :, None]  # [N*K, H, 1]
-    h = F.silu(torch.bmm(experts.gate_proj[ids], x)) * torch.bmm(experts.up_proj[ids], x)  # [N*K, I, 1]
-    y = torch.bmm(experts.down_proj[ids], h)[:, :, 0]  # [N*K, H]
+    form = experts.form if form is None else form
+    if form is None or form is PLAIN:
+        h = F.silu(torch.bmm(experts.gate_proj[ids], x)) * torch.bmm(experts.up_proj[ids], x)  # [N*K, I, 1]
+        y = torch.bmm(experts.down_proj[ids], h)[:, :, 0]  # [N*K, H]
+    else:
+        owners = ids if expert_ids is None else expert_ids.reshape(-1)
+        g, u = torch.bmm(experts.gate_proj[ids], x)[:, :, 0], torch.bmm(experts.up_proj[ids], x)[:, :, 0]
+        if form.gate_bias is not None:
+            g, u = g + form.gate_bias[owners].to(g.dtype), u + form.up_bias[owners].to(u.dtype)
+        y = torch.bmm(experts.down_proj[ids], form.activate(g, u)[:, :, None])[:, :, 0]
+        if form.down_bias is not None:
+            y = y + form.down_bias[owners].to(y.dtype)
     return (y * topk_weights.reshape(-1, 1).to(y.dtype)).view(n, k, -1).sum(dim=1)
 
 
@@ -226,32 +288,33 @@ class ResidentExpertExecutor:
 
     def __init__(self, layers: dict[int, LayerExperts]):
         self.layers = layers
-        self._cpu: tuple | None = None  # (kernel, {layer: matrices}) once looked up; kernel None when unavailable
+        self._cpu: tuple | None = None  # (kernel, {layer: matrices}, {layer: form}) once looked up; kernel None
+        # when unavailable
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         if hidden.is_cuda and (topk_ids.numel() <= self.GATHER_PAIRS or torch.cuda.is_current_stream_capturing()):
             return gathered_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
         if hidden.device.type == "cpu" and topk_ids.numel() <= self.CPU_KERNEL_PAIRS:
-            kernel, matrices = self._cpu_kernel()
+            kernel, matrices, forms = self._cpu_kernel()
             if kernel is not None:
                 from freetoken.engine.offload.cpu_experts import kernel_expert_forward
 
-                return kernel_expert_forward(kernel, matrices[layer], hidden, topk_ids, topk_weights)
+                return kernel_expert_forward(kernel, matrices[layer], hidden, topk_ids, topk_weights, forms[layer])
         if grouped_mm_available(hidden):
-            return sorted_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
+            return sorted_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)  # reads the form
         return grouped_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights, padded=hidden.is_cuda)
 
     def _cpu_kernel(self):
         if self._cpu is None:
             from freetoken.engine.offload.cpu_experts import expert_matrices
-            from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
+            from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, kernel_form
 
             kernel = CpuExpertKernel.get()
             matrices = {layer: expert_matrices(le) for layer, le in self.layers.items()}
             if kernel is None or not all(kernel.supports(*m) for m in matrices.values()):
                 kernel = None
-            self._cpu = (kernel, matrices)
+            self._cpu = (kernel, matrices, {layer: kernel_form(le.form) for layer, le in self.layers.items()})
         return self._cpu
 
     def nbytes(self) -> int:

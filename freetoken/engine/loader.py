@@ -134,6 +134,8 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     items = list(ckpt.tensors(family.MODEL_TYPE, dtype, device, raw_experts=raw_experts))
     if (rename := getattr(family, "checkpoint_name", None)) is not None:  # the family's names; None: not loaded
         items = [(new, load) for name, load in items if (new := rename(name, args)) is not None]
+    if (expand := getattr(family, "checkpoint_items", None)) is not None:  # tensors the family cuts or fuses
+        items = expand(items, args)
     # On a terminal the bar redraws often; in a log (no TTY) it writes a line every few seconds at most.
     interactive = sys.stderr.isatty()
     bar = tqdm(total=len(items), desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False,
@@ -154,6 +156,9 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     place_all(placer, items, parallel, done)
     bar.close()
     layers = placer.finish()
+    if layers is not None and hasattr(model, "expert_forms"):  # biases and activation beside the stacks
+        for layer, form in model.expert_forms().items():
+            layers[layer].form = form
     experts = build_executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy,
                              prefill_ahead=prefill_ahead)
     attach_experts(model, experts)

@@ -78,13 +78,13 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.ft_pool_start.argtypes, lib.ft_pool_start.restype = [i], i
-    lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i, p, p]
+    f = ctypes.c_float
+    lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i, p, p,
+                                 p, p, p, i, f, f]
     lib.ft_has_bf16_dot.argtypes, lib.ft_has_bf16_dot.restype = [], i
     lib.ft_has_amx.argtypes, lib.ft_has_amx.restype = [], i
     lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i], None
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
-    lib.ft_set_spin.argtypes, lib.ft_set_spin.restype = [ctypes.c_long], None
-    lib.ft_pool_wake.argtypes, lib.ft_pool_wake.restype = [], None
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_read_bytes.argtypes, lib.ft_read_bytes.restype = [p, ctypes.c_size_t], ctypes.c_uint64

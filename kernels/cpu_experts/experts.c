@@ -55,10 +55,9 @@ typedef uint64_t vu64 __attribute__((vector_size(64)));
 #define CPU_RELAX() ((void)0)
 #endif
 
-/* How long an idle worker spins before sleeping (ft_set_spin): a sleeping worker costs tens of microseconds to
-   wake, all of them together up to ~200 µs (seen as the fixed cost of the CPU model on the H200 host), so an
-   engine whose cores are its own spins through the ~0.5 ms between one layer's experts and the next. The
-   default is short enough not to starve other work sharing the cores. */
+/* How long an idle worker spins before sleeping: a sleeping worker costs tens of microseconds to wake. Short
+   enough not to starve other work on the cores (spinning 2 ms instead made the H200 host's decode slower:
+   evals/results/d1-qwen3-30b-a3b-bf16-1k-h200.md, commit 9dbf165). */
 #define SPIN_NS 200000L
 
 INLINE vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
@@ -354,13 +353,12 @@ static struct {
     pthread_cond_t wake;
     pthread_t threads[MAX_THREADS];
     int nworkers;
-    atomic_uint generation, wake_requests;
-    atomic_int next, busy, sleeping;
-    atomic_long spin_ns;
+    atomic_uint generation;
+    atomic_int next, busy;
     task_fn fn;
     void *ctx;
     int ntasks;
-} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .spin_ns = SPIN_NS};
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
 static void run_tasks(void) {
     for (int i; (i = atomic_fetch_add(&pool.next, 1)) < pool.ntasks;) pool.fn(pool.ctx, i);
@@ -377,20 +375,15 @@ static void *worker(void *arg) {
        between must not be mistaken for one already done. */
     unsigned seen = (unsigned)(uintptr_t)arg;
     for (;;) {
-        long until = now_ns() + atomic_load(&pool.spin_ns);
+        long until = now_ns() + SPIN_NS;
         for (int spin = 0; atomic_load(&pool.generation) == seen; spin++) {
             CPU_RELAX();
             if ((spin & 63) == 63 && now_ns() > until) break;
         }
         if (atomic_load(&pool.generation) == seen) {
-            unsigned woken = atomic_load(&pool.wake_requests);
             pthread_mutex_lock(&pool.mu);
-            atomic_fetch_add(&pool.sleeping, 1);
-            while (atomic_load(&pool.generation) == seen && atomic_load(&pool.wake_requests) == woken)
-                pthread_cond_wait(&pool.wake, &pool.mu);
-            atomic_fetch_sub(&pool.sleeping, 1);
+            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
             pthread_mutex_unlock(&pool.mu);
-            if (atomic_load(&pool.generation) == seen) continue;  /* woken ahead of a job: spin for it */
         }
         seen = atomic_load(&pool.generation);
         run_tasks();
@@ -413,19 +406,6 @@ int ft_pool_start(int threads) {
     }
     pthread_mutex_unlock(&pool.mu);
     return pool.nworkers + 1;
-}
-
-/* Spin time of idle workers, in nanoseconds. */
-void ft_set_spin(long ns) { atomic_store(&pool.spin_ns, ns > 0 ? ns : 0); }
-
-/* Wakes sleeping workers to spin, ahead of a job the caller is about to post (a hint: their wake-up then
-   overlaps the caller's wait for the GPU instead of delaying the job). Cheap when none sleeps. */
-void ft_pool_wake(void) {
-    if (atomic_load(&pool.sleeping) == 0) return;
-    pthread_mutex_lock(&pool.mu);
-    atomic_fetch_add(&pool.wake_requests, 1);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.mu);
 }
 
 /* Posts fn(ctx, 0..ntasks-1) to the workers and returns at once; `parallel_wait` joins in and returns when all
@@ -475,7 +455,46 @@ typedef struct {
     int16_t *actq;                        /* [P, I] act as int16 with scales actqs (written in phase 1), or NULL */
     float *actqs;
     int gate_rows;                        /* rows of gate/up per phase-1 task (whole blocks of act with actq) */
+    /* the expert function where it is not plain SwiGLU: fp32 biases by expert id (gate/up [E, I], down [E, H],
+       or NULL) and gpt-oss's clamped SwiGLU, (clamp(u, ±limit) + 1) * g * sigmoid(alpha * g), g = min(g, limit) */
+    const float *gate_bias, *up_bias, *down_bias;
+    int clamped;
+    float alpha, limit;
 } moe_job;
+
+/* act of one (row, pair) from its gate and up dots: silu(g) * u, or the job's form (biases, clamped SwiGLU).
+   With bf16 rounding it rounds where a bf16 GPU expert rounds: the dots, (then the biased values,) the result. */
+INLINE float expert_act(const moe_job *j, int expert, int row, float g, float u) {
+    if (!j->gate_bias && !j->clamped) {
+        if (!j->bf16_rounding) return g / (1.0f + expf(-g)) * u;
+        g = round_bf16(g);
+        return round_bf16(round_bf16(g / (1.0f + expf(-g))) * round_bf16(u));
+    }
+    if (j->bf16_rounding) g = round_bf16(g), u = round_bf16(u);
+    if (j->gate_bias) {
+        g += j->gate_bias[(size_t)expert * j->inter + row];
+        u += j->up_bias[(size_t)expert * j->inter + row];
+        if (j->bf16_rounding) g = round_bf16(g), u = round_bf16(u);
+    }
+    float a;
+    if (j->clamped) {
+        g = fminf(g, j->limit);
+        u = fmaxf(fminf(u, j->limit), -j->limit);
+        a = (u + 1.0f) * (g / (1.0f + expf(-j->alpha * g)));
+    } else {
+        a = g / (1.0f + expf(-g)) * u;
+    }
+    return j->bf16_rounding ? round_bf16(a) : a;
+}
+
+/* One pair's contribution to output row h: its down dot (plus the expert's bias) times its routing weight. */
+INLINE float expert_out(const moe_job *j, int expert, int h, float v, float w) {
+    if (j->down_bias) {
+        v = j->bf16_rounding ? round_bf16(v) : v;
+        v += j->down_bias[(size_t)expert * j->hidden + h];
+    }
+    return j->bf16_rounding ? round_bf16(round_bf16(v) * round_bf16(w)) : v * w;
+}
 
 static void phase_gate_up(void *ctx, int task) {
     const moe_job *j = ctx;
@@ -514,13 +533,7 @@ static void phase_gate_up(void *ctx, int task) {
                 rows_dots_n(j->up_type, rows + 1, 1, xs, j->hidden, nt, gu + nt);
             }
             for (int t = 0; t < nt; t++) {
-                float g = gu[t], u = gu[nt + t], a;
-                if (j->bf16_rounding) {
-                    g = round_bf16(g);
-                    a = round_bf16(round_bf16(g / (1.0f + expf(-g))) * round_bf16(u));
-                } else {
-                    a = g / (1.0f + expf(-g)) * u;
-                }
+                float a = expert_act(j, expert, r, gu[t], gu[nt + t]);
                 j->act[(size_t)(p0 + t0 + t) * j->inter + r] = a;
                 if (j->actb) {  /* a is a bf16 value here (bf16 rounding is on): its top half is exact */
                     uint32_t bits;
@@ -571,8 +584,7 @@ static void phase_down(void *ctx, int task) {
                     rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
                 for (int r = 0; r < nr; r++)
                     for (int t = 0; t < nt; t++) {
-                        float w = j->pair_weights[p0 + t], v = d[r * nt + t];
-                        v = j->bf16_rounding ? round_bf16(round_bf16(v) * round_bf16(w)) : v * w;
+                        float v = expert_out(j, j->experts[e], h + r, d[r * nt + t], j->pair_weights[p0 + t]);
                         j->y[(size_t)j->pair_tokens[p0 + t] * j->hidden + h + r] += v;
                     }
             }
@@ -739,8 +751,7 @@ static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, co
                 int row = r0 + r, t = tile * AMX_TOKENS + c;
                 float a = 0.0f;
                 if (t < n) {
-                    float gv = round_bf16(g[r][c]);
-                    a = round_bf16(round_bf16(gv / (1.0f + expf(-gv))) * round_bf16(u[r][c]));
+                    a = expert_act(j, expert, row, g[r][c], u[r][c]);  /* bf16 rounding is on with tiles */
                     j->act[(size_t)(p0 + t) * j->inter + row] = a;
                 }
                 uint32_t bits;
@@ -767,7 +778,7 @@ static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile
             for (int r = 0; r < ROW_BLOCK; r++)
                 for (int c = 0; c < AMX_TOKENS && tile * AMX_TOKENS + c < n; c++) {
                     int p = p0 + tile * AMX_TOKENS + c;
-                    float v = round_bf16(round_bf16(d[r][c]) * round_bf16(j->pair_weights[p]));
+                    float v = expert_out(j, j->experts[e], h0 + r, d[r][c], j->pair_weights[p]);
                     j->y[(size_t)j->pair_tokens[p] * j->hidden + h0 + r] += v;
                 }
         }
@@ -878,7 +889,8 @@ static void start_q16(moe_job *j, int tokens, int pairs) {
 #endif
 }
 
-/* Starts y[T, H] = sum over the given experts of routing weight * SwiGLU expert(x) on the pool's workers and
+/* Starts y[T, H] = sum over the given experts of routing weight * expert(x) (SwiGLU, or the form the bias and
+   clamp arguments give: see expert_act) on the pool's workers and
    returns at once (the caller may queue GPU work meanwhile); ft_moe_wait joins in and returns when y is ready.
    Every buffer must stay alive until then. Returns 0, or -1 on bad arguments (nothing started). */
 int ft_moe_start(const void *gate, const void *up, const void *down,
@@ -887,14 +899,17 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
                  const int32_t *experts, int n_experts, const int32_t *pair_offsets,
                  const int32_t *pair_tokens, const float *pair_weights,
                  const float *x, float *act, float *y, int tokens, int hidden, int inter, int bf16_rounding,
-                 const uint16_t *xb, uint16_t *actb) {
+                 const uint16_t *xb, uint16_t *actb, const float *gate_bias, const float *up_bias,
+                 const float *down_bias, int clamped, float alpha, float limit) {
+    if (!gate_bias != !up_bias) return -1;
     for (int i = 0; i < 3; i++) {
         int type = (int[]){gate_type, up_type, down_type}[i], k = i < 2 ? hidden : inter;
         if (type < FT_F32 || type > FT_Q8_0 || (type == FT_Q8_0 && k % Q8_BLOCK)) return -1;
     }
     current.job = (moe_job){gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
                             experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden,
-                            inter, bf16_rounding, NULL, NULL, NULL, NULL, NULL, NULL, ROW_BLOCK};
+                            inter, bf16_rounding, NULL, NULL, NULL, NULL, NULL, NULL, ROW_BLOCK,
+                            gate_bias, up_bias, down_bias, clamped, alpha, limit};
     /* the bf16 dot path: bf16 weights, bf16 rounding on (so act is bf16-exact), and the caller's bf16 x */
     if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type == FT_BF16 && up_type == FT_BF16 &&
         down_type == FT_BF16) {

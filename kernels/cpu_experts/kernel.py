@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from freetoken.kernels.cpu_experts import build
-from freetoken.kernels.cpu_experts.reference import KERNEL_FORMATS, ExpertMatrix
+from freetoken.kernels.cpu_experts.reference import KERNEL_FORMATS, ExpertForm, ExpertMatrix
 
 _TYPE_CODES = {"F32": 0, "BF16": 1, "Q8_0": 2}
 
@@ -25,6 +25,28 @@ def default_threads() -> int:
     if value := os.environ.get("FREETOKEN_CPU_THREADS"):
         return max(1, int(value))
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def kernel_form(form: ExpertForm | None) -> ExpertForm | None:
+    """`form` with its biases as the kernel reads them (contiguous fp32 on the CPU), None for plain SwiGLU.
+    Callers that launch often convert once and pass the result to `launch`."""
+    if form is None or (form.gate_bias is None and form.down_bias is None and not form.clamped):
+        return None
+    if (form.gate_bias is None) != (form.up_bias is None):
+        raise ValueError("the CPU expert kernel takes gate and up biases together")
+    biases = (form.gate_bias, form.up_bias, form.down_bias)
+    if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()) for t in biases):
+        return form
+    host = form.to("cpu", torch.float32)
+    return ExpertForm(*(None if t is None else t.contiguous() for t in (host.gate_bias, host.up_bias, host.down_bias)),
+                      form.clamped, form.alpha, form.limit)
+
+
+def _form_args(form: ExpertForm | None) -> tuple:
+    if form is None:
+        return None, None, None, 0, 1.0, 0.0
+    ptr = [None if t is None else t.data_ptr() for t in (form.gate_bias, form.up_bias, form.down_bias)]
+    return (*ptr, int(form.clamped), float(form.alpha), float(form.limit))
 
 
 def _default_build_dir():
@@ -79,16 +101,19 @@ class CpuExpertKernel:
 
     def moe_forward(self, x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
                     experts: torch.Tensor, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
-                    pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32) -> torch.Tensor:
+                    pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32,
+                    form: ExpertForm | None = None) -> torch.Tensor:
         """Same contract as `reference.moe_forward`; index tensors int32, weights and x fp32, all on the CPU.
         `round_to=torch.bfloat16` rounds where a bf16 GPU expert rounds (projection outputs, silu, products),
         so offloaded results track the resident ones more closely."""
-        return self.start(x, gate, up, down, experts, pair_offsets, pair_tokens, pair_weights, round_to).wait()
+        return self.start(x, gate, up, down, experts, pair_offsets, pair_tokens, pair_weights, round_to,
+                          form=form).wait()
 
     def start(self, x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
               experts: torch.Tensor, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
               pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32, *,
-              x_bf16: torch.Tensor | None = None, out: torch.Tensor | None = None) -> PendingExperts:
+              x_bf16: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              form: ExpertForm | None = None) -> PendingExperts:
         """`moe_forward` started on the pool's workers; returns at once. Call `.wait()` for the result; until
         then no other call may use the kernel (the lock is held). `x_bf16`: x in bf16, from a caller that knows x
         holds bf16 values exactly (a bf16 model's activations; skips checking it). `out`: a [T, H] fp32 buffer
@@ -113,7 +138,7 @@ class CpuExpertKernel:
             else:
                 actb = torch.empty(pair_tokens.numel(), inter, dtype=torch.bfloat16)
         return self.launch(x, gate, up, down, experts, experts.numel(), pair_offsets, pair_tokens, pair_weights,
-                           act, y, round_to, xb, actb)
+                           act, y, round_to, xb, actb, kernel_form(form))
 
     def wants_bf16_activations(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
                                round_to: torch.dtype) -> bool:
@@ -124,10 +149,12 @@ class CpuExpertKernel:
     def launch(self, x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
                experts: torch.Tensor, n_experts: int, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
                pair_weights: torch.Tensor, act: torch.Tensor, y: torch.Tensor, round_to: torch.dtype,
-               x_bf16: torch.Tensor | None, act_bf16: torch.Tensor | None) -> PendingExperts:
+               x_bf16: torch.Tensor | None, act_bf16: torch.Tensor | None,
+               form: ExpertForm | None = None) -> PendingExperts:
         """`start` without checks or conversions, for callers that keep their own buffers (the decode hot path):
         every tensor contiguous on the CPU in the kernel's dtypes (int32 indices, fp32 x/weights/act/y, bf16
-        x_bf16/act_bf16 or None), the first `n_experts` entries of `experts` used, act [pairs, I], y [T, H]."""
+        x_bf16/act_bf16 or None; `form` as `kernel_form` returns it), the first `n_experts` entries of
+        `experts` used, act [pairs, I], y [T, H]."""
         t, h = x.shape
         inter = gate.shape[0]
         strides = [m.data.stride(0) * m.data.element_size() for m in (gate, up, down)]
@@ -138,22 +165,13 @@ class CpuExpertKernel:
             experts.data_ptr(), n_experts, pair_offsets.data_ptr(), pair_tokens.data_ptr(),
             pair_weights.data_ptr(), x.data_ptr(), act.data_ptr(), y.data_ptr(), t, h, inter,
             int(round_to == torch.bfloat16), None if x_bf16 is None else x_bf16.data_ptr(),
-            None if act_bf16 is None else act_bf16.data_ptr())
+            None if act_bf16 is None else act_bf16.data_ptr(), *_form_args(form))
         if rc != 0:
             self._call_lock.release()
             raise ValueError(f"CPU expert kernel rejected the shapes (hidden {h}, intermediate {inter})")
         # every buffer the workers read or write stays referenced until wait()
-        return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act, x_bf16, act_bf16))
-
-    def set_spin(self, seconds: float) -> None:
-        """How long idle workers spin before sleeping (default 200 µs). Waking sleeping workers costs up to
-        ~200 µs on a 16-core host, so an engine that owns its cores spins through the gaps between layers."""
-        self.lib.ft_set_spin(int(seconds * 1e9))
-
-    def wake(self) -> None:
-        """Wakes sleeping workers ahead of a call about to come, so their wake-up overlaps the caller's wait
-        (for the GPU's routing) instead of delaying the call. Cheap when none sleeps."""
-        self.lib.ft_pool_wake()
+        return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act, x_bf16, act_bf16,
+                                        form))
 
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""

@@ -44,20 +44,59 @@ class ExpertMatrix:
         return self.data[e].float()
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertForm:
+    """What an expert computes besides its three matmuls, where a family differs from plain SwiGLU
+    (silu(x Wg) * (x Wu), then W_down): per-expert biases on the projections (gate/up [E, I], down [E, H], by
+    expert id, never by cache slot) and gpt-oss's clamped SwiGLU, (clamp(u, ±limit) + 1) · g · σ(αg) with
+    g = min(g, limit). The engine's GPU paths, this reference and the fast kernel all read it."""
+
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    clamped: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if not self.clamped:
+            return F.silu(g) * u
+        g = g.clamp(max=self.limit)
+        return (u.clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ExpertForm:
+        def move(t):
+            return None if t is None else t.to(device, dtype or t.dtype)
+
+        return ExpertForm(move(self.gate_bias), move(self.up_bias), move(self.down_bias), self.clamped, self.alpha,
+                          self.limit)
+
+
 def moe_forward(x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
                 experts: torch.Tensor, pair_offsets: torch.Tensor, pair_tokens: torch.Tensor,
-                pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32) -> torch.Tensor:
-    """x [T, H] fp32 → y [T, H] fp32 = Σ_pairs weight · down(silu(gate x) · up x). `round_to` rounds the
-    projections' outputs, the silu and the products to that dtype, where a GPU expert in that dtype rounds."""
+                pair_weights: torch.Tensor, round_to: torch.dtype = torch.float32,
+                form: ExpertForm | None = None) -> torch.Tensor:
+    """x [T, H] fp32 → y [T, H] fp32 = Σ_pairs weight · down(silu(gate x) · up x) (or `form`'s function).
+    `round_to` rounds the projections' outputs, the silu and the products to that dtype, where a GPU expert in
+    that dtype rounds (with a `form`: the dots, the biased values, the activation, the weighted output)."""
     def r(t: torch.Tensor) -> torch.Tensor:
         return t.to(round_to).float()
 
+    f = form
     y = torch.zeros_like(x, dtype=torch.float32)
     for i, e in enumerate(experts.tolist()):
         lo, hi = int(pair_offsets[i]), int(pair_offsets[i + 1])
         tokens = pair_tokens[lo:hi].long()
         h = x[tokens].float()
-        act = r(r(F.silu(r(F.linear(h, gate.expert(e))))) * r(F.linear(h, up.expert(e))))
+        g, u = r(F.linear(h, gate.expert(e))), r(F.linear(h, up.expert(e)))
+        if f is None or (f.gate_bias is None and not f.clamped):
+            act = r(r(F.silu(g)) * u)
+        else:
+            if f.gate_bias is not None:
+                g, u = r(g + f.gate_bias[e].float()), r(u + f.up_bias[e].float())
+            act = r(f.activate(g, u))
         out = F.linear(act, down.expert(e))
+        if f is not None and f.down_bias is not None:
+            out = r(out) + f.down_bias[e].float()
         y.index_add_(0, tokens, r(r(out) * r(pair_weights[lo:hi, None].float())))
     return y

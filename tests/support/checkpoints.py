@@ -30,6 +30,7 @@ from transformers import (
     DeepseekV3Config,
     GenerationConfig,
     Glm4MoeConfig,
+    GptOssConfig,
     LlamaConfig,
     MixtralConfig,
     PreTrainedConfig,
@@ -161,6 +162,15 @@ def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool
                                 q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                 v_head_dim=12, rope_interleave=True,
                                 rope_parameters=_deepseek_rope(rope))
+    if family == "gpt_oss":
+        # Sliding (window 8, shorter than the test prompt) and full attention alternating, sinks, biases, YaRN
+        # without truncation; a SwiGLU limit low enough that both clamps bite.
+        return GptOssConfig(**_COMMON, head_dim=16, intermediate_size=32, num_hidden_layers=4, num_local_experts=8,
+                            num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.5, attention_bias=True,
+                            layer_types=["sliding_attention", "full_attention"] * 2,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                             "original_max_position_embeddings": 64})
     if family == "mixtral":
         return MixtralConfig(**_COMMON, intermediate_size=64, num_hidden_layers=2, head_dim=16, num_local_experts=8,
                              num_experts_per_tok=2, rope_parameters=_rope_parameters("default", 1e6))
@@ -227,6 +237,8 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen) * _STD
+            if name.endswith("sinks"):  # gpt-oss's per-head sink logits: large enough to matter
+                noise = noise * 5
             p.copy_(1.0 + noise if "norm" in name else noise)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a selection bias (sigmoid routers) that must count

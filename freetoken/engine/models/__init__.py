@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from freetoken.engine.models import deepseek_v3, glm4_moe, llama, mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from freetoken.engine.models import (
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    llama,
+    mixtral,
+    qwen2_moe,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from freetoken.errors import UnsupportedArchitectureError
 
 FAMILIES: dict[str, ModuleType] = {
-    model_type: m for m in (llama, qwen3_moe, qwen2_moe, mixtral, qwen3_next, qwen3_5_moe, glm4_moe, deepseek_v3)
+    model_type: m
+    for m in (llama, qwen3_moe, qwen2_moe, mixtral, qwen3_next, qwen3_5_moe, glm4_moe, deepseek_v3, gpt_oss)
     for model_type in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))  # a family may answer to several names
 }
 

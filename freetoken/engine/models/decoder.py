@@ -77,8 +77,12 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ctx.attend(self.layer_idx, q, k, v)
+        out = self.attend(ctx, q, k, v)
         return self.o_proj(out.reshape(t, a.n_heads * a.head_dim))
+
+    def attend(self, ctx: AttentionContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The context's attention over the cache (a family with sinks or windows passes them here)."""
+        return ctx.attend(self.layer_idx, q, k, v)
 
 
 AttentionContext = SequenceAttention | StaticDecodeAttention | BatchAttention

@@ -17,7 +17,7 @@ import torch
 
 from freetoken.engine.experts import ExpertGroup, LayerExperts, run_groups
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
-from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, default_threads
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, default_threads, kernel_form
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
 
 
@@ -56,10 +56,11 @@ def routed_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor):
 
 
 def kernel_expert_forward(kernel: CpuExpertKernel, matrices: tuple[ExpertMatrix, ...], hidden: torch.Tensor,
-                          topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                          topk_ids: torch.Tensor, topk_weights: torch.Tensor, form=None) -> torch.Tensor:
     """Routed experts of CPU-resident weights through the native kernel (decode-sized batches): same contract as
     `ExpertExecutor.forward`, in the hidden state's dtype."""
-    y = kernel.moe_forward(hidden.float(), *matrices, *routed_pairs(topk_ids, topk_weights), round_to=hidden.dtype)
+    y = kernel.moe_forward(hidden.float(), *matrices, *routed_pairs(topk_ids, topk_weights), round_to=hidden.dtype,
+                           form=form)
     return y.to(hidden.dtype)
 
 
@@ -70,26 +71,19 @@ def expert_matrices(layer: LayerExperts | QuantizedExperts) -> tuple[ExpertMatri
 
 
 class CpuExpertRunner:
-    SPIN_S = 2e-3  # a layer-step is ~1 ms on the H200 host; the gap between two layers' CPU shares ~0.5 ms
-
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], dtype: torch.dtype, share_cores: bool):
         """`share_cores`: leave one core to the thread that drives the GPU."""
         self.host, self.dtype = host, dtype
         threads = max(1, default_threads() - 1) if share_cores else None
         self.kernel = CpuExpertKernel.get(threads=threads)
-        if share_cores and self.kernel is not None:  # the cores are the engine's: no sleeping between layers
-            self.kernel.set_spin(self.SPIN_S)
         self.matrices = {layer: expert_matrices(le) for layer, le in host.items()}
+        # each layer's biases and activation where not plain SwiGLU, converted once for the kernel (fp32, host)
+        self.forms = {layer: kernel_form(le.form) for layer, le in host.items()}
         self._kernel_layers = {layer for layer, m in self.matrices.items()
                                if self.kernel is not None and self.kernel.supports(*m)}
         first = next(iter(self.matrices.values()))
         self._workspace = _Workspace(first[0].data.shape[0], 64, first[0].shape[0]) if self._kernel_layers else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
-
-    def wake(self) -> None:
-        """Called before waiting for a layer's routing: sleeping kernel workers start spinning meanwhile."""
-        if self.kernel is not None:
-            self.kernel.wake()
 
     @property
     def uses_kernel(self) -> bool:
@@ -123,7 +117,8 @@ class CpuExpertRunner:
             pending = self.kernel.start(
                 x, gate, up, down, torch.tensor(experts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
                 torch.tensor(tokens, dtype=torch.int32), torch.tensor(pair_weights, dtype=torch.float32),
-                round_to=self.dtype, x_bf16=x_bf16 if self.dtype == torch.bfloat16 else None, out=out)
+                round_to=self.dtype, x_bf16=x_bf16 if self.dtype == torch.bfloat16 else None, out=out,
+                form=self.forms[layer])
             return _Started(lambda: (pending.wait(), pending.seconds))
         groups = [ExpertGroup(e, torch.tensor([t for t, _ in p]), torch.tensor([weights[t][k] for t, k in p]))
                   for e, p in zip(experts, pairs, strict=True)]
@@ -150,7 +145,7 @@ class CpuExpertRunner:
         y = out if out is not None else torch.empty(x.shape, dtype=torch.float32)
         return kernel.launch(x, gate, up, down, ws.experts, len(experts), ws.offsets, ws.tokens, ws.weights,
                              ws.act, y, self.dtype, x_bf16 if wants_bf16 else None,
-                             ws.act_bf16 if wants_bf16 else None)
+                             ws.act_bf16 if wants_bf16 else None, self.forms[layer])
 
     def _run(self, layer: int, x: torch.Tensor, groups: list[ExpertGroup]) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
@@ -161,10 +156,11 @@ class CpuExpertRunner:
             y = self.kernel.moe_forward(x, gate, up, down, experts, counts.cumsum(0).to(torch.int32),
                                         torch.cat([g.tokens for g in groups]),
                                         torch.cat([g.weights for g in groups]),
-                                        round_to=self.dtype)
+                                        round_to=self.dtype, form=self.forms[layer])
         else:
             host = self.host[layer]
             weights_of = host.weights_of if isinstance(host, LayerExperts) else \
                 (lambda e: host.weights_of(e, self.dtype))
-            y = run_groups(x.to(self.dtype), groups, weights_of).float()
+            form = self.host[layer].form
+            y = run_groups(x.to(self.dtype), groups, weights_of, None if form is None else form.to("cpu")).float()
         return y, time.perf_counter() - t0

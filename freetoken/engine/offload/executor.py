@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from freetoken.engine.experts import LayerExperts, gathered_expert_forward
+from freetoken.engine.experts import ExpertForm, LayerExperts, gathered_expert_forward
 from freetoken.engine.offload import cudart
 from freetoken.engine.offload.cpu_experts import CpuExpertRunner
 from freetoken.engine.offload.expert_cache import ExpertCache
@@ -77,6 +77,7 @@ class GraphBoundary:
     hidden: torch.Tensor
     topk_weights: torch.Tensor
     predicts: bool  # the segment also captured the next layer's predicted experts
+    topk_ids: torch.Tensor | None = None  # the experts routed to (for families with expert biases)
 
 
 class OffloadedExpertExecutor(PrefillPath):
@@ -117,6 +118,7 @@ class OffloadedExpertExecutor(PrefillPath):
         self._prefetch_seconds = 0.0  # their predicted copy time
         self._deferred_prefetch: tuple | None = None  # (layer, experts, room, event): queued at the next boundary
         self._cpu_started_at: float | None = None  # when this layer-step's CPU share started (diagnostics)
+        self._forms: dict[int, ExpertForm | None] = {}  # per layer, on the device (form_of)
         # Prefill: while a long chunk's layer computes, the next layer's experts stream (prefill.py), so the link
         # works through that layer's attention. Off by default: within noise of plain streaming on the H200
         # (evals/results/p1-prefill-ahead-h200.md), and it wants a staging ring of two layers' experts.
@@ -124,6 +126,27 @@ class OffloadedExpertExecutor(PrefillPath):
         self._chunk_ahead = None  # (layer, {expert: _Ahead}) streamed by the previous layer of a chunk
         self._graph_io: _GraphIO | None = None  # allocated by prepare_graph_io for captured decode
         self.slots_version = 0  # bumped when the slot tensors are reallocated (captured graphs read them)
+
+    def form_of(self, layer: int) -> ExpertForm | None:
+        """The layer's expert form on the compute device, None for plain SwiGLU. Its bias tables have one more
+        row, zeros, for pairs the device does not compute (see `_bias_owners`)."""
+        if layer not in self._forms:
+            form = self.host[layer].form
+            if form is not None and form.gate_bias is not None:
+                form = form.to(self.device)
+                form = replace(form, **{name: torch.cat((t, t.new_zeros(1, t.shape[1])))
+                                        for name in ("gate_bias", "up_bias", "down_bias")
+                                        if (t := getattr(form, name)) is not None})
+            self._forms[layer] = form
+        return self._forms[layer]
+
+    def _bias_owners(self, form: ExpertForm | None, slot_map: torch.Tensor,
+                     topk_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Whose biases each pair of a gathered step adds: its expert, or the zero row for pairs pointing at the
+        zero slot (computed on the CPU, which adds their biases itself). No host sync: capturable."""
+        if form is None or form.gate_bias is None or topk_ids is None:
+            return None
+        return torch.where(slot_map == self.zero_slot, self.num_experts, topk_ids)
 
     def set_routers(self, routers: dict[int, tuple[torch.Tensor, int]]) -> None:
         """layer → (router weight [E, H], top-k), for predicting the next layer's experts."""
@@ -203,8 +226,6 @@ class OffloadedExpertExecutor(PrefillPath):
         the CPU result: the CPU, the copy engine and the GPU work at the same time. The next layer's prefetch
         comes last (see run_boundary)."""
         t0 = time.perf_counter()
-        if self.miss_path != "copy":
-            self.cpu.wake()
         next_layer = self._prefetch_target(layer)
         predicted = None
         if next_layer is not None:
@@ -216,7 +237,9 @@ class OffloadedExpertExecutor(PrefillPath):
         out = None
         if step.on_gpu:
             slot_map = torch.tensor(step.slot_map).to(hidden.device, non_blocking=True)
-            out = gathered_expert_forward(self.slots, hidden, slot_map, topk_weights)
+            form = self.form_of(layer)
+            out = gathered_expert_forward(self.slots, hidden, slot_map, topk_weights, form,
+                                          self._bias_owners(form, slot_map, topk_ids))
             self.copier.release(*step.staged)
         cpu_wait = 0.0
         if step.on_cpu is not None:
@@ -368,11 +391,13 @@ class OffloadedExpertExecutor(PrefillPath):
         if next_layer is not None:
             weight, k = self._routers[next_layer]
             io.predicted[:, :k].copy_(torch.topk(hidden @ weight.t(), k, dim=-1).indices, non_blocking=True)
-        return GraphBoundary(layer, hidden, topk_weights, next_layer is not None)
+        return GraphBoundary(layer, hidden, topk_weights, next_layer is not None, topk_ids)
 
     def capture_experts(self, boundary: GraphBoundary) -> torch.Tensor:
         """Captured as its own graph: every pair of the step from the slot the host wrote into the slot map."""
-        return gathered_expert_forward(self.slots, boundary.hidden, self._graph_io.slot_map, boundary.topk_weights)
+        slot_map, form = self._graph_io.slot_map, self.form_of(boundary.layer)
+        return gathered_expert_forward(self.slots, boundary.hidden, slot_map, boundary.topk_weights, form,
+                                       self._bias_owners(form, slot_map, boundary.topk_ids))
 
     def capture_combine(self, boundary: GraphBoundary, gpu_out: torch.Tensor) -> torch.Tensor:
         """Captured at the head of the next segment: adds the CPU share, as `_forward_gathered` does."""
@@ -383,8 +408,6 @@ class OffloadedExpertExecutor(PrefillPath):
         GPU share from `replay_experts()` and the CPU share from the static buffer."""
         t0 = time.perf_counter()
         io, layer = self._graph_io, boundary.layer
-        if self.miss_path != "copy":
-            self.cpu.wake()  # its workers' wake-up overlaps the wait for the routing below
         self._issue_deferred_prefetch(layer)
         self._collect_copy_timings()
         if self.device.type == "cuda":

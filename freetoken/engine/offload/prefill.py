@@ -55,6 +55,7 @@ class PrefillPath:
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
+        self._form = self.form_of(layer)  # the layer's biases and activation, for the computes below
         staged_ahead = self._take_staged_ahead(layer)  # decode's budget-0 prefetch (a decode step cut short)
         ahead = self._take_chunk_ahead(layer)
         self._count_prefetch_use(layer, [g.expert for g in groups])
@@ -129,7 +130,7 @@ class PrefillPath:
         if streamed:
             self.copier.wait_all()  # the copy stream holds this layer's copies and nothing after them yet
         slot_ids = host_ints_to(hidden.device, table)[topk_ids]
-        out = sorted_expert_forward(self.slots, hidden, slot_ids, topk_weights)
+        out = sorted_expert_forward(self.slots, hidden, slot_ids, topk_weights, self._form, topk_ids)
         self.copier.release(*(a.ring for _, a in streamed if a.ring is not None))
         return out
 
@@ -244,8 +245,9 @@ class PrefillPath:
         for i in range(0, len(pairs), group):
             part = pairs[i:i + group]
             if len(part) > 1:
-                run_groups_padded(hidden, [g for g, _ in part], self.slots, [slot for _, slot in part], out)
+                run_groups_padded(hidden, [g for g, _ in part], self.slots, [slot for _, slot in part], out,
+                                  self._form)
             else:
                 for g, slot in part:
-                    y = expert_mlp(hidden[g.tokens], *self.slots.weights_of(slot))
+                    y = expert_mlp(hidden[g.tokens], *self.slots.weights_of(slot), self._form, g.expert)
                     out.index_add_(0, g.tokens, y * g.weights[:, None])

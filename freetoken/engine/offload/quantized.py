@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.engine.experts import ExpertForm
 from freetoken.kernels.gguf_dequant.reference import dequantize
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -23,6 +24,7 @@ class QuantizedExperts:
     raw: dict[str, torch.Tensor]  # projection → [E, B] uint8
     type_names: dict[str, str]  # projection → GGUF type ("Q8_0", "Q4_K", ...)
     shapes: dict[str, tuple[int, int]]  # projection → (out, in) of one expert: gate/up (I, H), down (H, I)
+    form: ExpertForm | None = None  # biases and activation where not plain SwiGLU (see experts.ExpertForm)
 
     @property
     def num_experts(self) -> int:

@@ -1,0 +1,134 @@
+"""gpt-oss against transformers on a tiny random checkpoint written with transformers' own config class: attention
+sinks, sliding-window layers (a window shorter than the prompt), biases on every projection, a biased router, the
+clamped SwiGLU with expert biases, YaRN without truncation. fp32 logits within 1e-4, 32 greedy tokens equal to
+`generate`, across prefill chunks, with the experts offloaded below the pool, batched, and from the static decode
+window. The MXFP4 layout OpenAI ships (blocks + scales) loads to the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.generator import Generator
+from freetoken.engine.loader import load_model
+from freetoken.engine.sampling import SamplingParams
+from support.checkpoints import divergence_report, hf_greedy, hf_logits, prompt_ids, write_hf_checkpoint
+
+GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    reference = write_hf_checkpoint("gpt_oss", path)
+    return path, reference, hf_greedy(reference, prompt_ids(), 32)
+
+
+@pytest.fixture(scope="module")
+def lm(checkpoint):
+    return load_model(checkpoint[0], device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_the_model_reads_its_layers_and_experts(lm):
+    layers = lm.model.model.layers
+    assert [layer.self_attn.window for layer in layers] == [8, None, 8, None]
+    assert lm.moe_spec.moe_layers == (0, 1, 2, 3) and lm.moe_spec.top_k == 2
+    form = lm.experts.layers[0].form
+    assert form.clamped and form.limit == 1.5 and form.gate_bias.shape == (8, 32) and form.down_bias.shape == (8, 64)
+
+
+def test_prefill_logits_match_transformers(checkpoint, lm):
+    ids = prompt_ids()
+    assert len(ids) > 3 * 8  # well past the sliding window
+    torch.testing.assert_close(lm.prefill_logits(ids), hf_logits(checkpoint[1], ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(lm.prefill_logits([5]), hf_logits(checkpoint[1], [5]), atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_match_transformers(checkpoint, lm):
+    _, reference, expected = checkpoint
+    ours = Generator(lm).generate_ids(prompt_ids(), GREEDY_32)
+    assert ours == expected, divergence_report(reference, prompt_ids(), ours, expected)
+
+
+def test_greedy_across_prefill_chunks_and_pages(checkpoint, lm):
+    """Chunks of 5 into pages of 4: each chunk's window reaches back into the previous chunks."""
+    _, reference, expected = checkpoint
+    ours = Generator(lm, prefill_chunk=5, page_size=4).generate_ids(prompt_ids(), GREEDY_32)
+    assert ours == expected, divergence_report(reference, prompt_ids(), ours, expected)
+
+
+def test_offloaded_experts_give_the_same_greedy_tokens(checkpoint):
+    """A cache of 5 slots for 32 routed experts, misses computed on the CPU kernel (biases, clamped SwiGLU)."""
+    path, reference, expected = checkpoint
+    probe = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    per_expert = probe.moe_spec.bytes_per_expert(torch.float32)
+    for miss_path in ("copy", "cpu"):
+        lm = load_model(path, device="cpu", dtype=torch.float32, progress=False, expert_cache=5 * per_expert)
+        lm.experts.miss_path = miss_path
+        ours = Generator(lm).generate_ids(prompt_ids(), GREEDY_32)
+        assert ours == expected, f"{miss_path}: " + divergence_report(reference, prompt_ids(), ours, expected)
+        counters = lm.experts.counters
+        assert counters.misses > 0 and (counters.evictions > 0 or miss_path == "cpu")
+
+
+def test_batched_sequences_match_their_single_runs(lm):
+    """Two prompts of different lengths in one forward (continuous batching): each one's last logits equal its
+    own run's, windows and sinks applied per sequence."""
+    prompts = [prompt_ids(), prompt_ids("<|im_start|>user\nHow many trees grow by the river?<|im_end|>\n")]
+    alone = [lm.prefill_logits(p)[-1] for p in prompts]
+    cache = lm.new_cache(page_size=4)
+    seqs = [cache.new_sequence() for _ in prompts]
+    with torch.inference_mode():
+        logits = lm.forward_batch(torch.tensor([t for p in prompts for t in p]), cache, seqs,
+                                  [len(p) for p in prompts])
+    for got, want in zip(logits, alone, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_static_decode_window_equals_eager_decode(lm):
+    """What a captured decode step runs (sinks and the sliding window masked in the static window), eagerly."""
+    from support.decode_checks import static_window_equals_eager
+
+    static_window_equals_eager(lm, window=64, steps=6, tol=1e-5)
+
+
+def test_mxfp4_checkpoints_load_to_the_same_model(checkpoint, tmp_path):
+    """OpenAI's layout: experts as MXFP4 blocks [E, out, in/32, 16] and scales [E, out, in/32], out-by-in, gate
+    and up rows interleaved. Random codes are written that way and, dequantized, into the transformers model:
+    both give the same logits."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from freetoken.kernels.mxfp4.reference import dequantize_mxfp4
+
+    path, reference, _ = checkpoint
+    gen = torch.Generator().manual_seed(7)
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    model = reference.__class__(reference.config).eval()
+    model.load_state_dict(reference.state_dict())
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)  # [E, in, out]
+            e, inp, out = param.shape
+            blocks = torch.randint(0, 256, (e, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
+            scales = torch.randint(124, 128, (e, out, inp // 32), dtype=torch.uint8, generator=gen)
+            with torch.no_grad():
+                param.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[key]
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(path / name, tmp_path / name)
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    ids = prompt_ids()
+    torch.testing.assert_close(loaded.prefill_logits(ids), hf_logits(model, ids), atol=1e-4, rtol=0)
