@@ -17,6 +17,9 @@ from freetoken.engine.loader import LoadedModel, attach_experts, build_executor,
 from freetoken.engine.models import family_for
 from freetoken.engine.offload.quantized import QuantizedExperts
 
+_GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
+
 SHAPES: dict[str, dict] = {
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
@@ -59,6 +62,27 @@ SHAPES: dict[str, dict] = {
         first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, max_position_embeddings=131072,
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
                                             "partial_rotary_factor": 0.5},
+    ),
+    # gpt-oss-20b / -120b (OpenAI's config.json): sinks, sliding window 128 on every other layer, biases, YaRN;
+    # experts 2880×2880 with biases and the clamped SwiGLU. 20b: 38 GB of bf16 experts; 120b: 229 GB, so
+    # --layers (or the MXFP4 format, not yet kept packed) on a 128 GB host.
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, swiglu_limit=7.0, attention_bias=True, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_GPT_OSS_ROPE,
+    ),
+    "gpt-oss-120b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4,
+        sliding_window=128, swiglu_limit=7.0, attention_bias=True, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_GPT_OSS_ROPE,
+    ),
+    "tiny-gpt-oss": dict(
+        model_type="gpt_oss", vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=64, num_local_experts=16, num_experts_per_tok=4,
+        sliding_window=16, swiglu_limit=7.0, attention_bias=True, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_parameters=_GPT_OSS_ROPE,
     ),
     # Both new routers and attentions small enough for a CPU test run.
     "tiny-mla": dict(
@@ -187,6 +211,9 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
     else:
         host = host_experts(spec, dtype, torch.device("cpu") if offload else device,
                             pin=offload and device.type == "cuda", seed=seed + 1)
+    if hasattr(model, "expert_forms"):  # expert biases and activation (gpt-oss), random like the other weights
+        for layer, form in model.expert_forms().items():
+            host[layer].form = form
     experts = build_executor(host, spec, dtype, device, expert_cache, policy, miss_path)
     attach_experts(model, experts)
     model.eval()

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from freetoken.engine.experts import (
+    ExpertForm,
     LayerExperts,
+    gathered_expert_forward,
     group_by_expert,
     grouped_expert_forward,
     run_groups,
@@ -72,3 +74,32 @@ def test_sorted_grouped_matmuls_equal_one_expert_at_a_time(dtype, tokens, groups
     got = sorted_expert_forward(stacks, hidden, ids, weights)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("path", ["padded", "sorted", "gathered"])
+def test_every_batched_path_applies_the_expert_form(path):
+    """gpt-oss's experts (biases by expert id, clamped SwiGLU) on the batched paths, whose stacks are indexed by
+    slot while the biases are indexed by expert: each equals one expert at a time."""
+    gen = torch.Generator().manual_seed(2)
+    e, h, i = 6, 16, 24
+    form = ExpertForm(*(torch.randn(shape, generator=gen) for shape in ((e, i), (e, i), (e, h))), clamped=True,
+                      limit=0.9)
+    experts = LayerExperts(*(torch.randn(shape, generator=gen) * 0.3 for shape in ((e, i, h), (e, i, h), (e, h, i))),
+                           form=form)
+    hidden = torch.randn(11, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(11)])
+    weights = torch.rand(11, 2, generator=gen)
+    want = run_groups(hidden, group_by_expert(ids, weights, e, hidden.dtype), experts.weights_of, form)
+    plain = run_groups(hidden, group_by_expert(ids, weights, e, hidden.dtype), experts.weights_of)
+    slots = LayerExperts(*(torch.flip(w, dims=[0]) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)))
+    slot_ids = e - 1 - ids  # the same experts at other stack rows, as in an expert cache
+    if path == "padded":
+        got = torch.zeros_like(hidden)
+        groups = group_by_expert(ids, weights, e, hidden.dtype)
+        run_groups_padded(hidden, groups, slots, [e - 1 - g.expert for g in groups], got, form)
+    elif path == "sorted":
+        got = sorted_expert_forward(slots, hidden, slot_ids, weights, form, ids)
+    else:
+        got = gathered_expert_forward(slots, hidden, slot_ids, weights, form, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (plain - want).abs().max() > 0.1

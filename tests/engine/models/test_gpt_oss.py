@@ -132,3 +132,17 @@ def test_mxfp4_checkpoints_load_to_the_same_model(checkpoint, tmp_path):
     loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
     ids = prompt_ids()
     torch.testing.assert_close(loaded.prefill_logits(ids), hf_logits(model, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graphs_and_offloaded_experts_give_the_greedy_tokens(checkpoint):
+    """On the GPU: decode captured in CUDA graphs (sinks and windows in the static window, the gathered experts'
+    biases), and offloaded with the misses split between copies and the CPU kernel, both as transformers."""
+    path, reference, expected = checkpoint
+    lm = load_model(path, device="cuda", dtype=torch.float32, progress=False)
+    assert Generator(lm, cuda_graphs=True).generate_ids(prompt_ids(), GREEDY_32) == expected
+    per_expert = lm.moe_spec.bytes_per_expert(torch.float32)
+    offloaded = load_model(path, device="cuda", dtype=torch.float32, progress=False, expert_cache=5 * per_expert)
+    for graphs in (False, True):
+        ours = Generator(offloaded, cuda_graphs=graphs).generate_ids(prompt_ids(), GREEDY_32)
+        assert ours == expected, f"graphs={graphs}: " + divergence_report(reference, prompt_ids(), ours, expected)
