@@ -11,6 +11,7 @@ where the format writes them as JSON (json_schema.py). Nothing outside a call is
 - `Llama3Calls`: a reply that opens with `{` (or `<|python_tag|>`) is one `{"name", "parameters"}` call and then
   the end; any other reply is free text.
 - `DeepseekCalls` (DeepSeek V3/R1/V3.1): `<｜tool▁calls▁begin｜>` then `NAME<｜tool▁sep｜>{…}` calls.
+- `HarmonyCalls` (gpt-oss): a message header `to=functions.NAME … <|message|>`, then `{…}` and the reply's end.
 Calls are recognised by their head spelled as the chat templates write it (`{"name": "x", "arguments": `).
 """
 
@@ -31,7 +32,7 @@ DEEPSEEK_OPEN, DEEPSEEK_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁call
 DEEPSEEK_CALL, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 CALL_MARKERS = {"hermes": CALL_OPEN, "qwen-xml": CALL_OPEN, "glm": CALL_OPEN, "mistral-json": MISTRAL_OPEN,
                 "mistral-args": MISTRAL_OPEN, "llama3": "", "deepseek": DEEPSEEK_OPEN,
-                "deepseek-fenced": DEEPSEEK_OPEN}
+                "deepseek-fenced": DEEPSEEK_OPEN, "harmony": "to=functions."}
 
 
 def opening_of(opener: str, call_format: str) -> str | None:
@@ -386,6 +387,68 @@ class DeepseekCalls(CallsInText):
                 self.mode = self.AFTER
             else:  # the calls' end
                 self.mode = self.DONE
+        return True
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode in (self.FREE, self.DONE)
+
+    @property
+    def must_end(self) -> bool:
+        return self.mode == self.DONE
+
+
+HARMONY_OPEN, HARMONY_MESSAGE = "to=functions.", "<|message|>"
+# how a Harmony call header goes on after the tool's name, up to its body (the recipient in the channel part,
+# as gpt-oss writes it, or in the role part before the channel)
+HARMONY_HEADER_ENDS = (" <|constrain|>json<|message|>", " json<|message|>", "<|message|>",
+                       "<|channel|>commentary <|constrain|>json<|message|>", "<|channel|>commentary json<|message|>")
+
+
+class HarmonyCalls(CallsInText):
+    """gpt-oss's Harmony replies: free text (its messages' headers and bodies) until a header names a recipient
+    `to=functions.NAME`; NAME must be an offered tool, the header runs on to `<|message|>`, the body is the JSON
+    arguments (valid under the tool's schema), and then the reply ends (`<|call|>` is a stop token)."""
+
+    FREE, NAME, ARGS, DONE = range(4)
+    OPEN = HARMONY_OPEN
+
+    def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = ()) -> None:
+        self.names = names
+        self.schemas = {n: compile_schema(text) for n, text in schemas}
+        self.mode, self.tail, self.pending, self.json = self.FREE, "", "", None
+        self._start_opened(opened, sorted(names))
+
+    def copy(self) -> HarmonyCalls:
+        other = HarmonyCalls.__new__(HarmonyCalls)
+        other.names, other.schemas = self.names, self.schemas
+        other.mode, other.tail, other.pending, other.spaces = self.mode, self.tail, self.pending, self.spaces
+        other.json = None if self.json is None else self.json.copy()
+        return other
+
+    def _open(self) -> None:
+        self.mode, self.pending = self.NAME, ""
+
+    def _call_char(self, c: str) -> bool:
+        if self.mode == self.DONE:
+            return glue_space(self, c) is True
+        if self.mode == self.ARGS:
+            if not self.json.feed(c):
+                return False
+            if self.json.complete:
+                self.mode = self.DONE
+            return True
+        pending = self.pending + c
+        options = [n + end for n in self.names for end in HARMONY_HEADER_ENDS]  # the name, the header's rest
+        if not any(o.startswith(pending) for o in options):
+            return False
+        self.pending = pending
+        if pending in options:
+            name = next(n for n in self.names if pending.startswith(n) and pending[len(n):] in HARMONY_HEADER_ENDS)
+            schema = self.schemas.get(name)
+            self.mode, self.pending = self.ARGS, ""
+            self.json = JsonPrefix() if schema is None else SchemaPrefix(schema)
         return True
 
     @property

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from freetoken.engine.call_languages import DeepseekCalls, HermesCalls, Llama3Calls, MistralCalls
+from freetoken.engine.call_languages import DeepseekCalls, HarmonyCalls, HermesCalls, Llama3Calls, MistralCalls
 from freetoken.engine.json_prefix import JsonPrefix
 from freetoken.engine.json_schema import Node, SchemaPrefix, compile_schema
 from freetoken.engine.sampling import Sampler, SamplingParams
@@ -99,6 +99,8 @@ def language_for(params: SamplingParams) -> Language:
         return MistralCalls(params.call_opening, names, params.call_schemas, args=params.call_format == "mistral-args")
     if params.call_format == "llama3":
         return Llama3Calls(params.call_opening, names, params.call_schemas)
+    if params.call_format == "harmony":
+        return HarmonyCalls(params.call_opening, names, params.call_schemas)
     raise ValueError(f"no constrained language for call format {params.call_format!r}")
 
 

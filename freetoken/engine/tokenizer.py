@@ -56,6 +56,8 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 KEPT_MARKERS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]",
                           "[CALL_ID]", "<|python_tag|>"})
+# gpt-oss's Harmony message structure (special tokens of its vocabulary): kept where the vocabulary has them
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>")
 # Tokens that close a block inside a message — a reasoning block, a tool call (Hermes/Qwen JSON, Qwen3-Coder XML),
 # a tool result rendered inline: semantic boundaries for checkpoints where the vocabulary has them as one token.
 BLOCK_END_MARKERS = ("</think>", "</tool_call>", "</function>", "</tool_response>")
@@ -148,7 +150,8 @@ class Tokenizer:
         eos_ids = frozenset(extra_eos | set(_end_of_turn_ids(backend, special)))
         # markers of reasoning and tool calls stay in decoded text even where a vocabulary flags them special
         # (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): the server's output parser reads them
-        special = frozenset(i for i in special if backend.id_to_token(i) not in KEPT_MARKERS)
+        kept = KEPT_MARKERS | (set(HARMONY_MARKERS) if backend.token_to_id("<|channel|>") is not None else set())
+        special = frozenset(i for i in special if backend.id_to_token(i) not in kept)
         bos = backend.id_to_token(bos_id) if bos_id is not None else None
         eos = backend.id_to_token(eos_id) if eos_id is not None else None
         compiled: dict[str, ChatTemplate] = {}

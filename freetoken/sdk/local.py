@@ -34,7 +34,8 @@ from freetoken.errors import FreeTokenError
 from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.reply import Reply, ReplyStats
 from freetoken.server.engine import constrained_format, offered_schemas, offered_tools
-from freetoken.server.output import OutputParser, text_parameters
+from freetoken.server.harmony import reply_parser
+from freetoken.server.output import text_parameters
 from freetoken.server.tool_choice import call_syntax
 
 
@@ -161,7 +162,9 @@ class Session(Conversation):
             cache.truncate(self._seq, common)  # history past an edit, or the end of the last reply, recomputed
             common_reused = common
         self._tokens = prompt[:common]
-        parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=bool(self.tools),
+        template = lm.tokenizer.chat_template
+        parser = reply_parser(harmony=template is not None and call_syntax(template.source) == "harmony",
+                              in_reasoning=text.rstrip().endswith("<think>"), tools=bool(self.tools),
                               text_params=text_parameters(offered_schemas(self.tools or ())))
         generated, parts, last = [], [], None
         try:

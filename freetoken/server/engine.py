@@ -31,6 +31,7 @@ from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
 from freetoken.errors import FreeTokenError
+from freetoken.server.harmony import HarmonyParser, reply_parser
 from freetoken.server.output import OutputParser, text_parameters
 from freetoken.server.tool_choice import ToolChoice, call_opener, call_syntax, with_tools_described
 
@@ -50,10 +51,11 @@ class ChatPrompt:
     call_format: str = ""
     call_tools: tuple[tuple[str, tuple[str, ...]], ...] = ()
     call_schemas: tuple[tuple[str, str], ...] = ()  # (name, parameters schema) of tools whose schema is usable
+    harmony: bool = False  # rendered by a Harmony template (gpt-oss): channels, not tags, mark the parts
 
-    def parser(self) -> OutputParser:
-        return OutputParser(in_reasoning=self.in_reasoning, tools=self.tools, prefix=self.opener,
-                            text_params=text_parameters(self.call_schemas))
+    def parser(self) -> OutputParser | HarmonyParser:
+        return reply_parser(harmony=self.harmony, in_reasoning=self.in_reasoning, tools=self.tools,
+                            prefix=self.opener, text_params=text_parameters(self.call_schemas))
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """`params` with the reply's tool calls constrained to calls of the offered tools where the model writes
@@ -189,7 +191,8 @@ class ServingEngine:
         opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
         return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),
                           call_format=constrained_format(syntax) if tools else "",
-                          call_tools=offered_tools(tools or ()), call_schemas=offered_schemas(tools or ()))
+                          call_tools=offered_tools(tools or ()), call_schemas=offered_schemas(tools or ()),
+                          harmony=template is not None and call_syntax(template.source) == "harmony")
 
     def check_fits(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.context_length:

@@ -103,7 +103,7 @@ class OutputParser:
                 [THINK_OPEN] + ([TOOL_OPEN, *_HELD_TO_THE_END] if self.tools else [])
             found = [(self.buffer.find(t), t) for t in tags if self.buffer.find(t) >= 0]
             if not found:
-                keep = _partial_tag(self.buffer, tags)
+                keep = partial_tag(self.buffer, tags)
                 emit, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                 self._emit_text(parts, emit)
                 return parts
@@ -289,7 +289,7 @@ def _tagged_arguments(pairs: list[tuple[str, str]], texts: frozenset[str]) -> di
     return args
 
 
-def _partial_tag(text: str, tags: list[str]) -> int:
+def partial_tag(text: str, tags: list[str]) -> int:
     """Length of the longest suffix of `text` that could be the start of one of `tags`."""
     best = 0
     for tag in tags:

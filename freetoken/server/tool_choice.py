@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.engine.call_languages import call_head
+from freetoken.engine.tokenizer import HARMONY_MARKERS
 from freetoken.server.errors import APIError
+
+_, _, CHANNEL, MESSAGE, CONSTRAIN = HARMONY_MARKERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +77,10 @@ def _checked(choice: ToolChoice, names: list[str]) -> ToolChoice:
 def call_syntax(template_source: str) -> str:
     """The tool-call syntax a chat template teaches: "mistral-args", "mistral-json", "qwen-xml", "glm",
     "deepseek" (V3.1's `NAME<｜tool▁sep｜>{…}`), "deepseek-fenced" (V3/R1's `function<｜tool▁sep｜>NAME` and a
-    json fence), "hermes", "llama3", or "none" (the template never renders tools)."""
+    json fence), "harmony" (gpt-oss: `<|channel|>commentary to=functions.NAME`), "hermes", "llama3", or "none"
+    (the template never renders tools)."""
+    if CHANNEL in template_source and MESSAGE in template_source:
+        return "harmony"
     if "tool▁calls▁begin" in template_source:
         return "deepseek-fenced" if "```json" in template_source else "deepseek"
     if "<arg_key>" in template_source:
@@ -107,6 +113,8 @@ def call_opener(choice: ToolChoice, syntax: str, in_reasoning: bool = False) -> 
         opener = "<tool_call>" + (f"{name}\n" if name else "")
     elif syntax == "deepseek":
         opener = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + (f"{name}<｜tool▁sep｜>" if name else "")
+    elif syntax == "harmony":  # the prompt ends with <|start|>assistant: the reply's first header is the call's
+        opener = f"{CHANNEL}commentary to=functions." + (f"{name} {CONSTRAIN}json{MESSAGE}" if name else "")
     elif syntax == "deepseek-fenced":
         opener = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>" + \
             (f"{name}\n```json\n" if name else "")

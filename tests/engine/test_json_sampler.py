@@ -206,6 +206,25 @@ def test_deepseek_calls_are_offered_tools_with_schema_arguments_then_the_end():
     assert fenced.feed("now\n```json\n{}\n```" + e + "<｜tool▁calls▁end｜>") and fenced.must_end
 
 
+def test_harmony_calls_name_an_offered_tool_then_schema_arguments_then_the_end():
+    """gpt-oss: the reply's messages are free; a header naming `to=functions.NAME` must name an offered tool, run
+    on to `<|message|>` (either placement of the recipient), then the arguments under the schema, then the end."""
+    from freetoken.engine.call_languages import HarmonyCalls
+
+    calls = HarmonyCalls(names=("read_file", "now"), schemas=(("read_file", READ_SCHEMA),))
+    assert calls.feed("<|channel|>analysis<|message|>Reading the file.<|end|><|start|>assistant") and calls.can_end
+    assert calls.feed("<|channel|>commentary to=functions.") and not calls.can_end
+    assert not calls.copy().feed("rm -rf") and not calls.copy().feed("read_file <|constrain|>json<|message|>[")
+    assert not calls.copy().feed('read_file <|constrain|>json<|message|>{"limit": 3}')  # lacks the required path
+    assert calls.feed('read_file <|constrain|>json<|message|>{"path": "a.py"}') and calls.must_end
+    in_role = HarmonyCalls(names=("now",))
+    assert in_role.feed("<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{}")
+    assert in_role.must_end
+    forced = HarmonyCalls(opened="", names=("now",))  # the prompt wrote "<|channel|>commentary to=functions."
+    assert not forced.can_end and forced.feed(" <|constrain|>json<|message|>{}") is False
+    assert forced.feed("now <|constrain|>json<|message|>{}") and forced.must_end
+
+
 def test_mistral_calls_json_lists_and_name_args_forms():
     schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
     listed = MistralCalls(names=("get_weather", "f"), schemas=(("get_weather", schema),))

@@ -2,7 +2,8 @@
 Qwen3-Next: Gated DeltaNet layers beside full attention, offloaded experts): an agent's growing conversation
 reuses the snapshot the last turn left (cached tokens reported, the same answer as a cold server gives),
 streaming works in both protocols, a forced tool call comes back parsed. A tiny GLM-4.5 with a template in its
-call format: a forced call in that format, constrained and parsed."""
+call format: a forced call in that format, constrained and parsed; likewise a tiny gpt-oss with a Harmony
+template."""
 
 from __future__ import annotations
 
@@ -119,5 +120,47 @@ def test_a_forced_call_in_glms_format_through_the_server(tmp_path):
             call = reply.choices[0].message.tool_calls[0]
             assert call.function.name == "set_units"
             assert json.loads(call.function.arguments) in ({"units": "metric"}, {"units": "imperial"})
+    finally:
+        server.stop()
+
+
+# A Harmony-style template (gpt-oss): messages as <|start|>role…<|message|>…<|end|>, tools taught in the developer
+# message, calls as a commentary message to=functions.NAME.
+HARMONY_TEMPLATE = (
+    "{%- if tools %}<|start|>developer<|message|># Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|><|end|>"
+    "{% endif %}"
+    "{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_a_forced_call_in_harmony_through_the_server(tmp_path):
+    """gpt-oss writes calls as Harmony messages: a tiny gpt_oss model with such a template answers a forced call
+    (constrained: an offered name after to=functions., the schema's enum in its JSON) and the server returns it
+    parsed from the channel header, in both protocols."""
+    write_hf_checkpoint("gpt_oss", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    tok = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": HARMONY_TEMPLATE}))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    server = start_server(load_model(tmp_path, progress=False), "tiny")
+    try:
+        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        for choice in ("required", {"type": "function", "function": {"name": "set_units"}}):
+            reply = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Units?"}],
+                                                tools=[UNITS], tool_choice=choice, temperature=0, max_tokens=300)
+            assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
+            call = reply.choices[0].message.tool_calls[0]
+            assert call.function.name == "set_units"
+            assert json.loads(call.function.arguments) in ({"units": "metric"}, {"units": "imperial"})
+        ant = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        tool = {"name": "set_units", "description": "Units", "input_schema": UNITS["function"]["parameters"]}
+        msg = ant.messages.create(model="tiny", max_tokens=300, tools=[tool], tool_choice={"type": "any"},
+                                  messages=[{"role": "user", "content": "Units?"}])
+        assert msg.stop_reason == "tool_use"
+        assert [b.input for b in msg.content if b.type == "tool_use"][0] in ({"units": "metric"},
+                                                                             {"units": "imperial"})
     finally:
         server.stop()
