@@ -252,14 +252,16 @@ def _add_resident_work(rows: list[Row], ceilings: Ceilings, upper: str = "reside
 
 
 def _on_device(le: LayerExperts | QuantizedExperts, device: torch.device, dtype: torch.dtype) -> LayerExperts:
-    """Every expert of a layer, dense on the device (quantized ones dequantized there)."""
+    """Every expert of a layer, dense on the device (quantized ones dequantized there), with its form (biases,
+    activation) on the device too."""
+    form = None if le.form is None else le.form.to(device)
     if isinstance(le, LayerExperts):
-        return LayerExperts(le.gate_proj.to(device), le.up_proj.to(device), le.down_proj.to(device))
+        return LayerExperts(le.gate_proj.to(device), le.up_proj.to(device), le.down_proj.to(device), form)
     stacks = []
     for p in PROJECTIONS:
         raw = le.raw[p].to(device)
         stacks.append(torch.stack([le.dequantized(e, p, dtype, raw[e]) for e in range(le.num_experts)]))
-    return LayerExperts(*stacks)
+    return LayerExperts(*stacks, form)
 
 
 def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, executor) -> Row:

@@ -34,10 +34,11 @@ def test_synthetic_model_is_seeded_and_offloading_is_lossless():
     assert offloaded.experts.counters.evictions > 0
 
 
-@pytest.mark.parametrize("shape", ["tiny-hybrid", "tiny-mla"])
+@pytest.mark.parametrize("shape", ["tiny-hybrid", "tiny-mla", "tiny-gpt-oss"])
 def test_the_new_families_shapes_decode_under_every_strategy(shape, tmp_path):
-    """The synthetic Qwen3-Next structure (DeltaNet layers with recurrent state, shared expert) and DeepSeek-V3's
-    (latent attention, grouped sigmoid routing): every miss path gives the resident run's tokens."""
+    """The synthetic Qwen3-Next structure (DeltaNet layers with recurrent state, shared expert), DeepSeek-V3's
+    (latent attention, grouped sigmoid routing) and gpt-oss's (sinks, windows, expert biases): every miss path
+    gives the resident run's tokens."""
     out = tmp_path / "shape.md"
     argv = ["--shape", shape, "--device", "cpu", "--dtype", "float32", "--context", "40", "--tokens", "5",
             "--budgets", "0", "--strategies", "resident,copy,cpu,auto", "--probe-mib", "64", "--out", str(out)]
@@ -154,3 +155,15 @@ def test_recurrent_shapes_refuse_the_graph_row_and_decode_eagerly(tmp_path):
                  "2", "--budgets", "0", "--strategies", "resident,auto", "--probe-mib", "64", "--out", str(out)]) == 0
     text = out.read_text()
     assert "every row decodes eagerly" in text and "floor = resident time +" in text
+
+
+def test_the_resident_rows_experts_keep_their_form():
+    """The bench's resident baseline copies each layer's experts to the device: gpt-oss's biases and clamped
+    SwiGLU must come along (without them its row computed another function: seen on the H200)."""
+    from freetoken.bench.decode import _on_device
+    from freetoken.bench.synthetic import build_synthetic
+
+    lm = build_synthetic("tiny-gpt-oss", device="cpu", dtype=torch.float32, expert_cache=1 << 20)
+    moved = _on_device(lm.experts.host[0], torch.device("cpu"), torch.float32)
+    assert moved.form is not None and moved.form.clamped
+    torch.testing.assert_close(moved.form.down_bias, lm.experts.host[0].form.down_bias)
