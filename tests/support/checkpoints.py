@@ -260,6 +260,9 @@ def write_hf_checkpoint(family: str, path: Path, *, seed: int = 0, rope: str = "
     config = tiny_config(family, rope=rope, tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "gpt_oss":  # transformers before 5.2x hard-code the clamp (7.0, every release's value)
+        for layer in model.model.layers:
+            layer.mlp.experts.alpha, layer.mlp.experts.limit = config.swiglu_alpha, config.swiglu_limit
     _randomize(model, seed)
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
