@@ -17,6 +17,7 @@ Calls are recognised by their head spelled as the chat templates write it (`{"na
 
 from __future__ import annotations
 
+import copy
 import json
 from abc import ABC, abstractmethod
 
@@ -317,7 +318,39 @@ class Llama3Calls:
         return self.mode == self.END
 
 
-class DeepseekCalls(CallsInText):
+class CallsThenTheEnd(CallsInText):
+    """A language whose calls (of `names`, arguments under `schemas`) end the reply: DONE, where only the end
+    may follow. State: the literal being matched (`pending`) and the current arguments' JSON (`json`)."""
+
+    DONE: int
+
+    def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
+                 schemas: tuple[tuple[str, str], ...] = ()) -> None:
+        self.names = names
+        self.schemas = {n: compile_schema(text) for n, text in schemas}
+        self.mode, self.tail, self.pending, self.json = self.FREE, "", "", None
+        self._start_opened(opened, sorted(names))
+
+    def copy(self):
+        other = copy.copy(self)  # names and compiled schemas are shared, never changed
+        other.json = None if self.json is None else self.json.copy()
+        return other
+
+    def _arguments(self, name: str):
+        """The JSON reader of `name`'s arguments: its schema's where it has a usable one."""
+        schema = self.schemas.get(name)
+        return JsonPrefix() if schema is None else SchemaPrefix(schema)
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode in (self.FREE, self.DONE)
+
+    @property
+    def must_end(self) -> bool:
+        return self.mode == self.DONE
+
+
+class DeepseekCalls(CallsThenTheEnd):
     """Free text until `<｜tool▁calls▁begin｜>`, then one or more calls of offered tools, each
     `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>` (V3.1) or, `fenced`,
     `…begin｜>function<｜tool▁sep｜>NAME` + a ```json fence around the arguments (V3, R1), then
@@ -328,17 +361,8 @@ class DeepseekCalls(CallsInText):
 
     def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
                  schemas: tuple[tuple[str, str], ...] = (), fenced: bool = False) -> None:
-        self.names, self.fenced = names, fenced
-        self.schemas = {n: compile_schema(text) for n, text in schemas}
-        self.mode, self.tail, self.pending, self.json = self.FREE, "", "", None
-        self._start_opened(opened, sorted(names))
-
-    def copy(self) -> DeepseekCalls:
-        other = DeepseekCalls.__new__(DeepseekCalls)
-        other.names, other.fenced, other.schemas = self.names, self.fenced, self.schemas
-        other.mode, other.tail, other.pending, other.spaces = self.mode, self.tail, self.pending, self.spaces
-        other.json = None if self.json is None else self.json.copy()
-        return other
+        self.fenced = fenced
+        super().__init__(opened, names, schemas)
 
     def _open(self) -> None:
         self.mode, self.pending = self.BEGIN, ""
@@ -377,8 +401,7 @@ class DeepseekCalls(CallsInText):
             if self.mode == self.NAME:
                 name = pending.removeprefix("function" + DEEPSEEK_SEP) if self.fenced else pending
                 name = name.removesuffix("\n```json\n" if self.fenced else DEEPSEEK_SEP)
-                schema = self.schemas.get(name)
-                self.mode, self.json = self.ARGS, JsonPrefix() if schema is None else SchemaPrefix(schema)
+                self.mode, self.json = self.ARGS, self._arguments(name)
             elif pending == DEEPSEEK_CALL:
                 self.mode = self.NAME
             elif pending == "```":
@@ -389,14 +412,6 @@ class DeepseekCalls(CallsInText):
                 self.mode = self.DONE
         return True
 
-    @property
-    def can_end(self) -> bool:
-        return self.mode in (self.FREE, self.DONE)
-
-    @property
-    def must_end(self) -> bool:
-        return self.mode == self.DONE
-
 
 HARMONY_OPEN, HARMONY_MESSAGE = "to=functions.", "<|message|>"
 # how a Harmony call header goes on after the tool's name, up to its body (the recipient in the channel part,
@@ -405,27 +420,13 @@ HARMONY_HEADER_ENDS = (" <|constrain|>json<|message|>", " json<|message|>", "<|m
                        "<|channel|>commentary <|constrain|>json<|message|>", "<|channel|>commentary json<|message|>")
 
 
-class HarmonyCalls(CallsInText):
+class HarmonyCalls(CallsThenTheEnd):
     """gpt-oss's Harmony replies: free text (its messages' headers and bodies) until a header names a recipient
     `to=functions.NAME`; NAME must be an offered tool, the header runs on to `<|message|>`, the body is the JSON
     arguments (valid under the tool's schema), and then the reply ends (`<|call|>` is a stop token)."""
 
     FREE, NAME, ARGS, DONE = range(4)
     OPEN = HARMONY_OPEN
-
-    def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
-                 schemas: tuple[tuple[str, str], ...] = ()) -> None:
-        self.names = names
-        self.schemas = {n: compile_schema(text) for n, text in schemas}
-        self.mode, self.tail, self.pending, self.json = self.FREE, "", "", None
-        self._start_opened(opened, sorted(names))
-
-    def copy(self) -> HarmonyCalls:
-        other = HarmonyCalls.__new__(HarmonyCalls)
-        other.names, other.schemas = self.names, self.schemas
-        other.mode, other.tail, other.pending, other.spaces = self.mode, self.tail, self.pending, self.spaces
-        other.json = None if self.json is None else self.json.copy()
-        return other
 
     def _open(self) -> None:
         self.mode, self.pending = self.NAME, ""
@@ -446,15 +447,5 @@ class HarmonyCalls(CallsInText):
         self.pending = pending
         if pending in options:
             name = next(n for n in self.names if pending.startswith(n) and pending[len(n):] in HARMONY_HEADER_ENDS)
-            schema = self.schemas.get(name)
-            self.mode, self.pending = self.ARGS, ""
-            self.json = JsonPrefix() if schema is None else SchemaPrefix(schema)
+            self.mode, self.pending, self.json = self.ARGS, "", self._arguments(name)
         return True
-
-    @property
-    def can_end(self) -> bool:
-        return self.mode in (self.FREE, self.DONE)
-
-    @property
-    def must_end(self) -> bool:
-        return self.mode == self.DONE

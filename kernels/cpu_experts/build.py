@@ -1,4 +1,5 @@
-"""Compiles `experts.c` for this machine on first use and loads it; None where no C compiler is available.
+"""Compiles `experts.c` (with the parts it includes) for this machine on first use and loads it; None where no C
+compiler is available.
 
 The kernel is built with `-march=native` so it uses every vector extension of the CPU it runs on (AVX-512-BF16 on
 Sapphire Rapids, AVX2 on a laptop, NEON on Arm). That only makes sense on the machine itself, so the build
@@ -21,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("experts.c")
+PARTS = ("dots.h", "q16.h", "pool.h", "amx.h")  # included by experts.c (one translation unit)
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 
 
@@ -43,7 +45,8 @@ def _cpu_flags() -> str:
 
 def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    material = "\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()])
+    sources = [SOURCE.read_text(), *(SOURCE.with_name(part).read_text() for part in PARTS)]
+    material = "\n".join([*sources, " ".join(FLAGS), version, _cpu_flags()])
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 

@@ -100,30 +100,6 @@ GLM_TEMPLATE = (
 )
 
 
-def test_a_forced_call_in_glms_format_through_the_server(tmp_path):
-    """GLM-4.5 writes calls in its own tag format: a tiny glm4_moe model with such a template answers a forced
-    call in it (constrained: an offered name, its schema's keys, an enum's value) and the server returns it
-    parsed."""
-    write_hf_checkpoint("glm4_moe", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    tok = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": GLM_TEMPLATE}))
-    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
-    server = start_server(load_model(tmp_path, progress=False), "tiny")
-    try:
-        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        for choice in ("required", {"type": "function", "function": {"name": "set_units"}}):
-            reply = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Units?"}],
-                                                tools=[UNITS], tool_choice=choice, temperature=0, max_tokens=300)
-            assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
-            call = reply.choices[0].message.tool_calls[0]
-            assert call.function.name == "set_units"
-            assert json.loads(call.function.arguments) in ({"units": "metric"}, {"units": "imperial"})
-    finally:
-        server.stop()
-
-
 # A Harmony-style template (gpt-oss): messages as <|start|>role…<|message|>…<|end|>, tools taught in the developer
 # message, calls as a commentary message to=functions.NAME.
 HARMONY_TEMPLATE = (
@@ -135,15 +111,16 @@ HARMONY_TEMPLATE = (
 )
 
 
-def test_a_forced_call_in_harmony_through_the_server(tmp_path):
-    """gpt-oss writes calls as Harmony messages: a tiny gpt_oss model with such a template answers a forced call
-    (constrained: an offered name after to=functions., the schema's enum in its JSON) and the server returns it
-    parsed from the channel header, in both protocols."""
-    write_hf_checkpoint("gpt_oss", tmp_path)
+@pytest.mark.parametrize("family, template", [("glm4_moe", GLM_TEMPLATE), ("gpt_oss", HARMONY_TEMPLATE)])
+def test_a_forced_call_in_the_models_own_format_through_the_server(family, template, tmp_path):
+    """GLM-4.5 writes calls in its own tag format, gpt-oss as Harmony messages: a tiny model of each family with
+    such a template answers a forced call in it (constrained: an offered name, its schema's keys, an enum's value)
+    and the server returns it parsed, in both protocols."""
+    write_hf_checkpoint(family, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     tok = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": HARMONY_TEMPLATE}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": template}))
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
     server = start_server(load_model(tmp_path, progress=False), "tiny")
     try:

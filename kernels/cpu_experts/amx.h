@@ -1,0 +1,195 @@
+/* Part of experts.c (included once, where it stands): one layer's experts on AMX tiles. */
+
+/* ---- AMX (Sapphire Rapids and later): 16 rows x 32 weights x 16 tokens per tile instruction ----
+   With tiles the arithmetic is nearly free, so the kernel stays bound by DRAM reads at any decode batch and
+   stays far ahead of the vector path for the 20-100 tokens per expert of a short prefill chunk. An expert's
+   tokens are packed in tiles of 16 into the VNNI layout a B tile wants ([K/2][16 tokens][2], unused token columns
+   zero), the tiles of all experts back to back (`tile_base[e]` is expert e's first): phase 0 packs x, phase 1
+   writes act packed. Each 16-row weight block is read from DRAM once; further token tiles find it in L2 (Q8_0
+   blocks are then dequantized once per block into a bf16 copy). Used for bf16 activations of bf16 models. */
+#if HAVE_AMX
+enum { AMX_TOKENS = 16, AMX_Q8_MIN_TOKENS = 6 };
+static int amx_min_tokens = 2, amx_disabled;  /* tuning: fewest tokens worth tiles; a switch to measure without */
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_permitted(void) {  /* the kernel must enable the tile state for this process, once */
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* Tiles 0-1 accumulators, 2-3 weights, 4 activations. Loaded at every use and released after it: other code on
+   the same thread (oneDNN inside torch uses AMX too) releases the tiles when it is done, which would leave a
+   configuration cached per thread dangling (the next tile instruction would fault). */
+static void amx_configure(void) {
+    tile_config cfg = {.palette = 1};
+    for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+static uint16_t *amx_scratch(size_t elements) {  /* one job at a time: a growing buffer serves every job */
+    static uint16_t *buf;
+    static size_t capacity;
+    if (elements > capacity) {
+        free(buf);
+        capacity = elements + elements / 2;
+        buf = aligned_alloc(64, (capacity * 2 + 63) / 64 * 64);
+        if (!buf) capacity = 0;
+    }
+    return buf;
+}
+
+/* Expert e's tokens as B tiles: tile i of e holds its tokens 16i..16i+15 as [k/2][t][k%2] = x[token][k]. */
+static void amx_pack_x(const moe_job *j, const uint16_t *xb, uint16_t *xp, const int32_t *tile_base, int e) {
+    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
+    size_t tile_elems = (size_t)j->hidden * AMX_TOKENS;
+    uint16_t *dst = xp + tile_base[e] * tile_elems;
+    memset(dst, 0, (tile_base[e + 1] - tile_base[e]) * tile_elems * 2);
+    for (int t = 0; t < n; t++) {
+        const uint16_t *src = xb + (size_t)j->pair_tokens[p0 + t] * j->hidden;
+        uint16_t *tile = dst + (t / AMX_TOKENS) * tile_elems + (t % AMX_TOKENS) * 2;
+        for (int k = 0; k < j->hidden; k++) tile[(size_t)(k / 2) * AMX_TOKENS * 2 + (k & 1)] = src[k];
+    }
+}
+
+/* Q8_0 rows r..r+15, block kc, as bf16 at `tile` (16 rows, `pitch` elements apart): q * d rounded to bf16,
+   exactly the weights a bf16 GPU expert computes with after dequantization. One Q8_0 block is one tile row. */
+static void amx_q8_tile(const uint8_t *w, size_t stride, int kc, uint16_t *tile, size_t pitch) {
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *blk = w + r * stride + (size_t)kc * Q8_BYTES;
+        __m512 d = _mm512_set1_ps(f16_scalar(blk));
+        __m512bh b = _mm512_cvtne2ps_pbh((__m512)(load_q8((const int8_t *)blk + 2 + LANES) * (vf)d),
+                                         (__m512)(load_q8((const int8_t *)blk + 2) * (vf)d));
+        _mm512_storeu_si512(tile + r * pitch, (__m512i)b);
+    }
+}
+
+/* A 16-row block of Q8_0 weights over k columns as bf16 rows (a per-thread buffer, `which` of two), for blocks
+   used by several token tiles: each Q8_0 block is then dequantized once, not once per tile. Returns the rows;
+   their stride is k * 2 bytes. */
+static const uint8_t *amx_dequant_rows(const uint8_t *w, size_t stride, int k, int which) {
+    static __thread uint16_t *buf[2];
+    static __thread size_t capacity[2];
+    size_t need = (size_t)16 * k;
+    if (need > capacity[which]) {
+        free(buf[which]);
+        buf[which] = aligned_alloc(64, (need * 2 + 63) / 64 * 64);
+        capacity[which] = buf[which] ? need : 0;
+        if (!buf[which]) return NULL;
+    }
+    for (int kc = 0; kc < k / 32; kc++) amx_q8_tile(w, stride, kc, buf[which] + (size_t)kc * 32, k);
+    return (const uint8_t *)buf[which];
+}
+
+/* Loads weight tile `t` for rows at w (stride bytes per row), k-chunk kc of 32, from bf16 or Q8_0 rows. */
+static inline void amx_load_weights(int t, int type, const uint8_t *w, size_t stride, int kc, uint16_t *scratch) {
+    if (type == FT_Q8_0) {
+        amx_q8_tile(w, stride, kc, scratch, 32);
+        if (t == 2) _tile_loadd(2, scratch, 64); else _tile_loadd(3, scratch, 64);
+    } else if (t == 2) {
+        _tile_loadd(2, w + (size_t)kc * 64, stride);
+    } else {
+        _tile_loadd(3, w + (size_t)kc * 64, stride);
+    }
+}
+
+/* out[r][t] (16 x 16) = rows r0..r0+15 of w (stride bytes per row) . packed activations over k weights. */
+static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const uint16_t *packed, int k, float *out) {
+    uint16_t scratch[16 * 32] __attribute__((aligned(64)));
+    amx_configure();
+    _tile_zero(0);
+    for (int kc = 0; kc < k / 32; kc++) {
+        amx_load_weights(2, type, w, stride, kc, scratch);
+        _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+        _tile_dpbf16ps(0, 2, 4);
+    }
+    _tile_stored(0, out, 64);
+    _tile_release();
+}
+
+static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
+                               const uint16_t *packed, int k, float *out0, float *out1) {
+    uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
+    amx_configure();
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int kc = 0; kc < k / 32; kc++) {
+        _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+        amx_load_weights(2, t0, w0, s0, kc, scratch0);
+        amx_load_weights(3, t1, w1, s1, kc, scratch1);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, out0, 64);
+    _tile_stored(1, out1, 64);
+    _tile_release();
+}
+
+/* A 16-row weight block for `tiles` token tiles: Q8_0 rows dequantized once when several tiles share them.
+   Sets *type/*stride to how the returned rows are read. */
+static const uint8_t *amx_block_rows(const uint8_t *w, int *type, size_t *stride, int k, int tiles, int which) {
+    if (*type != FT_Q8_0 || tiles < 2) return w;
+    const uint8_t *rows = amx_dequant_rows(w, *stride, k, which);
+    if (!rows) return w;
+    *type = FT_BF16;
+    *stride = (size_t)k * 2;
+    return rows;
+}
+
+static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, const int32_t *tile_base, int task) {
+    int blocks = j->inter / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK, expert = j->experts[e];
+    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
+    int gt = j->gate_type, ut = j->up_type;
+    size_t gb = row_bytes(gt, j->hidden), ub = row_bytes(ut, j->hidden);
+    const uint8_t *gate = amx_block_rows(j->gate + expert * j->gate_stride + r0 * gb, &gt, &gb, j->hidden, tiles, 0);
+    const uint8_t *up = amx_block_rows(j->up + expert * j->up_stride + r0 * ub, &ut, &ub, j->hidden, tiles, 1);
+    float g[16][16], u[16][16];
+    for (int tile = 0; tile < tiles; tile++) {
+        size_t base = (size_t)(tile_base[e] + tile);
+        amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, j->hidden,
+                           &g[0][0], &u[0][0]);
+        uint16_t *dst = actp + base * j->inter * AMX_TOKENS;
+        for (int r = 0; r < ROW_BLOCK; r++)
+            for (int c = 0; c < AMX_TOKENS; c++) {
+                int row = r0 + r, t = tile * AMX_TOKENS + c;
+                float a = 0.0f;
+                if (t < n) {
+                    a = expert_act(j, expert, row, g[r][c], u[r][c]);  /* bf16 rounding is on with tiles */
+                    j->act[(size_t)(p0 + t) * j->inter + row] = a;
+                }
+                uint32_t bits;
+                memcpy(&bits, &a, 4);
+                dst[(size_t)(row / 2) * AMX_TOKENS * 2 + c * 2 + (row & 1)] = (uint16_t)(bits >> 16);
+            }
+    }
+}
+
+static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile_base, int task) {
+    int h0 = task * ROW_BLOCK;
+    float d[16][16];
+    for (int h = h0; h < h0 + ROW_BLOCK; h++)
+        for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
+    for (int e = 0; e < j->n_experts; e++) {
+        int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
+        int dt = j->down_type;
+        size_t db = row_bytes(dt, j->inter);
+        const uint8_t *down = amx_block_rows(j->down + j->experts[e] * j->down_stride + h0 * db, &dt, &db,
+                                             j->inter, tiles, 0);
+        for (int tile = 0; tile < tiles; tile++) {
+            amx_rows_x_tokens(dt, down, db, actp + (size_t)(tile_base[e] + tile) * j->inter * AMX_TOKENS,
+                              j->inter, &d[0][0]);
+            for (int r = 0; r < ROW_BLOCK; r++)
+                for (int c = 0; c < AMX_TOKENS && tile * AMX_TOKENS + c < n; c++) {
+                    int p = p0 + tile * AMX_TOKENS + c;
+                    float v = expert_out(j, j->experts[e], h0 + r, d[r][c], j->pair_weights[p]);
+                    j->y[(size_t)j->pair_tokens[p] * j->hidden + h0 + r] += v;
+                }
+        }
+    }
+}
+#endif

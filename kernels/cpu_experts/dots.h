@@ -1,0 +1,208 @@
+/* Part of experts.c (included once, where it stands): weight rows dotted with activations on the vector
+   units, for every format (fp32 activations; bf16 x bf16 where AVX-512-BF16 is there). */
+
+INLINE vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+
+INLINE vf load_bf16(const uint16_t *p) {  /* bf16 is the top half of an f32 */
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
+    vu16 h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu32) << 16);
+#endif
+}
+
+/* GCC scalarises a generic int8 → float vector conversion, so x86 gets the widening instructions by name. */
+INLINE vf load_q8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+    vf v;
+    memcpy(&v, halves, sizeof v);
+    return v;
+#else
+    vi8 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
+#endif
+}
+
+INLINE float bf16_scalar(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* Rounds to the nearest bf16 (ties to even), for callers whose GPU path rounds there too. */
+INLINE float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE float f16_scalar(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else {  /* subnormal: renormalise */
+        int shift = 0;
+        while (!(man & 0x400)) { man <<= 1; shift++; }
+        u = sign | ((uint32_t)(113 - shift) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE float hsum(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+#endif
+}
+
+/* out[r * TILE + t] = rows[r] . xs[t] for r < nr, t < nt. nr and nt are compile-time constants at every call
+   site (always_inline), so the nr * nt accumulators live in registers; two rows give the FMA units independent
+   chains even at batch 1 and share each activation load. k is the row length in weights. */
+INLINE void rows_dots(int type, const void *const *rows, int nr, const float *const *xs, int k, int nt,
+                      float *out) {
+    vf acc[2][TILE], acc_hi[2][TILE];  /* Q8_0: a block's two halves accumulate apart (independent FMAs) */
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) acc[r][t] = acc_hi[r][t] = (vf){0};
+    int kv = 0;
+    if (type == FT_Q8_0 && nt == 1) {
+        /* one token: the block's two halves dotted first, then scaled into the sum (3 vector ops per block and
+           row instead of 4: the scale multiplies one partial sum, not both weight halves) */
+        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += Q8_BYTES) {
+            vf x0 = load_f32(xs[0] + kv), x1 = load_f32(xs[0] + kv + LANES);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *blk = (const uint8_t *)rows[r] + b;
+                vf s = load_q8((const int8_t *)blk + 2) * x0;
+                s += load_q8((const int8_t *)blk + 2 + LANES) * x1;
+                if (b / Q8_BYTES & 1) acc_hi[r][0] += s * f16_scalar(blk);
+                else acc[r][0] += s * f16_scalar(blk);
+            }
+        }
+        for (int r = 0; r < nr; r++) acc[r][0] += acc_hi[r][0];
+    } else if (type == FT_Q8_0) {
+        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += Q8_BYTES) {
+            vf x0[TILE], x1[TILE];
+            for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *blk = (const uint8_t *)rows[r] + b;
+                vf d = (vf){0} + f16_scalar(blk);
+                vf w0 = load_q8((const int8_t *)blk + 2) * d, w1 = load_q8((const int8_t *)blk + 2 + LANES) * d;
+                for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t], acc_hi[r][t] += w1 * x1[t];
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < nt; t++) acc[r][t] += acc_hi[r][t];
+    } else {
+        for (; kv + LANES <= k; kv += LANES) {
+            vf x[TILE];
+            for (int t = 0; t < nt; t++) x[t] = load_f32(xs[t] + kv);
+            for (int r = 0; r < nr; r++) {
+                vf w = type == FT_BF16 ? load_bf16((const uint16_t *)rows[r] + kv)
+                                       : load_f32((const float *)rows[r] + kv);
+                for (int t = 0; t < nt; t++) acc[r][t] += w * x[t];
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) {
+            float s = hsum(acc[r][t]);
+            for (int j = kv; j < k; j++)  /* tail of rows whose length is not a multiple of LANES */
+                s += (type == FT_BF16 ? bf16_scalar(((const uint16_t *)rows[r])[j]) : ((const float *)rows[r])[j])
+                     * xs[t][j];
+            out[r * TILE + t] = s;
+        }
+}
+
+/* rows_dots over any number of tokens, in tiles of TILE; each row is read from DRAM once, later tiles find it
+   in L1. nr is 1 or 2; both rows have the same format. */
+static void rows_dots_n(int type, const void *const *rows, int nr, const float *const *xs, int k, int n,
+                        float *out) {
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        int nt = n - t0 < TILE ? n - t0 : TILE;
+        float tile[2 * TILE];
+#define CASES(NR)                                                                              \
+    switch (nt) {                                                                             \
+        case 1: rows_dots(type, rows, NR, xs + t0, k, 1, tile); break;                        \
+        case 2: rows_dots(type, rows, NR, xs + t0, k, 2, tile); break;                        \
+        case 3: rows_dots(type, rows, NR, xs + t0, k, 3, tile); break;                        \
+        default: rows_dots(type, rows, NR, xs + t0, k, 4, tile); break;                       \
+    }
+#define FORMATS(NR)                       \
+    if (type == FT_Q8_0) { CASES(NR) }    \
+    else if (type == FT_BF16) { CASES(NR) } \
+    else { CASES(NR) }
+        if (nr == 2) { FORMATS(2) } else { FORMATS(1) }
+#undef FORMATS
+#undef CASES
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < nt; t++) out[r * n + t0 + t] = tile[r * TILE + t];
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* bf16 weights times bf16 activations with vdpbf16ps: 32 products per instruction, exact in fp32, no widening.
+   Used when the model runs in bf16, where the activations are bf16 values anyway. */
+INLINE void rows_dots_bf16(const void *const *rows, int nr, const uint16_t *const *xs, int k, int nt, float *out) {
+    __m512 acc[2][TILE];
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) acc[r][t] = _mm512_setzero_ps();
+    int kv = 0;
+    for (; kv + 32 <= k; kv += 32) {
+        __m512bh x[TILE];
+        for (int t = 0; t < nt; t++) x[t] = (__m512bh)_mm512_loadu_si512(xs[t] + kv);
+        for (int r = 0; r < nr; r++) {
+            __m512bh w = (__m512bh)_mm512_loadu_si512((const uint16_t *)rows[r] + kv);
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w, x[t]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) {
+            float s = _mm512_reduce_add_ps(acc[r][t]);
+            for (int j = kv; j < k; j++) s += bf16_scalar(((const uint16_t *)rows[r])[j]) * bf16_scalar(xs[t][j]);
+            out[r * TILE + t] = s;
+        }
+}
+
+static void rows_dots_bf16_n(const void *const *rows, int nr, const uint16_t *const *xs, int k, int n, float *out) {
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        int nt = n - t0 < TILE ? n - t0 : TILE;
+        float tile[2 * TILE];
+#define CASES(NR)                                                               \
+    switch (nt) {                                                              \
+        case 1: rows_dots_bf16(rows, NR, xs + t0, k, 1, tile); break;          \
+        case 2: rows_dots_bf16(rows, NR, xs + t0, k, 2, tile); break;          \
+        case 3: rows_dots_bf16(rows, NR, xs + t0, k, 3, tile); break;          \
+        default: rows_dots_bf16(rows, NR, xs + t0, k, 4, tile); break;         \
+    }
+        if (nr == 2) { CASES(2) } else { CASES(1) }
+#undef CASES
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < nt; t++) out[r * n + t0 + t] = tile[r * TILE + t];
+    }
+}
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+static void rows_dots_bf16_n(const void *const *rows, int nr, const uint16_t *const *xs, int k, int n, float *out) {
+    (void)rows, (void)nr, (void)xs, (void)k, (void)n, (void)out;  /* never called: xb is NULL without it */
+}
+#endif
