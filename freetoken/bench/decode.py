@@ -93,7 +93,8 @@ def measure_ceilings(device: torch.device, expert_format: str, dtype: torch.dtyp
 
     # sized as the executor sizes it: one core left to the thread driving the GPU
     kernel = CpuExpertKernel.get(threads=max(1, default_threads() - 1) if device.type == "cuda" else None)
-    fmt = "Q8_0" if expert_format == "Q8_0" else {torch.bfloat16: "BF16", torch.float32: "F32"}.get(dtype, "BF16")
+    fmt = expert_format if expert_format in ("Q8_0", "MXFP4") else \
+        {torch.bfloat16: "BF16", torch.float32: "F32"}.get(dtype, "BF16")
     if kernel is None:
         return Ceilings(h2d_bandwidth(device), float("nan"), float("nan"))
     gen = torch.Generator().manual_seed(0)
@@ -313,7 +314,7 @@ def result_header(title: str, verb: str, a: argparse.Namespace) -> list[str]:
     layers = a.layers or SHAPES[a.shape]["num_hidden_layers"]
     return [
         f"# {title}, synthetic {a.shape} ({layers} layers), {a.dtype}"
-        f"{', Q8_0 experts in host memory' if a.expert_format == 'Q8_0' else ''}, {device}",
+        f"{f', {a.expert_format} experts in host memory' if a.expert_format != 'dense' else ''}, {device}",
         "",
         f"- date: {dt.date.today().isoformat()}; torch {torch.__version__}; commit: {a.commit}",
         f"- command: `{shlex.join(['ft', 'bench', verb, *a.argv])}`",
@@ -360,7 +361,7 @@ def _gb(value: float | None) -> str:
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """The options of every synthetic-model `ft bench` run besides the model: seed, expert format, result."""
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"],
+    p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0", "MXFP4"],
                    help="host-memory format of the experts (dense = --dtype)")
     p.add_argument("--commit", default="unknown", help="commit hash to record in the result")
     p.add_argument("--out", type=Path, default=None, help="write the Markdown table here")

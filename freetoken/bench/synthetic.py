@@ -202,12 +202,12 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
         if skew:
             _skew_router_(model, skew, gen)
     offload = expert_cache is not None
-    if expert_format not in ("dense", "Q8_0"):
-        raise ValueError(f"expert_format must be 'dense' or 'Q8_0', got {expert_format!r}")
-    if expert_format == "Q8_0" and not offload:
-        raise ValueError("Q8_0 experts are a host-memory format: give an expert_cache")
-    if expert_format == "Q8_0":
-        host = q8_0_host_experts(spec, pin=device.type == "cuda", seed=seed + 1)
+    if expert_format not in ("dense", "Q8_0", "MXFP4"):
+        raise ValueError(f"expert_format must be 'dense', 'Q8_0' or 'MXFP4', got {expert_format!r}")
+    if expert_format != "dense" and not offload:
+        raise ValueError(f"{expert_format} experts are a host-memory format: give an expert_cache")
+    if expert_format != "dense":
+        host = quantized_host_experts(spec, expert_format, pin=device.type == "cuda", seed=seed + 1)
     else:
         host = host_experts(spec, dtype, torch.device("cpu") if offload else device,
                             pin=offload and device.type == "cuda", seed=seed + 1)
@@ -241,8 +241,9 @@ def host_experts(spec, dtype: torch.dtype, device: torch.device, pin: bool, seed
     return layers
 
 
-def q8_0_host_experts(spec, pin: bool, seed: int) -> dict[int, QuantizedExperts]:
-    """Random Q8_0 blocks (fp16 scale + 32 int8 weights), scaled like the dense experts; built in place."""
+def quantized_host_experts(spec, fmt: str, pin: bool, seed: int) -> dict[int, QuantizedExperts]:
+    """Random blocks of `fmt` ("Q8_0": an fp16 scale + 32 int8 weights; "MXFP4": an E8M0 scale byte + 32 four-bit
+    codes), scaled like the dense experts; built in place."""
     gen = torch.Generator().manual_seed(seed)
     h, i, e = spec.hidden_size, spec.expert_intermediate_size, spec.num_experts
     shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
@@ -251,12 +252,13 @@ def q8_0_host_experts(spec, pin: bool, seed: int) -> dict[int, QuantizedExperts]
     for layer in spec.moe_layers:
         raw = {}
         for p, (out, inp) in shapes.items():
-            blocks = out * inp // 32
-            data = torch.empty((e, blocks, 34), dtype=torch.uint8, pin_memory=pin)
+            blocks, size = out * inp // 32, 34 if fmt == "Q8_0" else 17
+            data = torch.empty((e, blocks, size), dtype=torch.uint8, pin_memory=pin)
             data.random_(0, 256, generator=gen)
-            # int8 uniform in [-128, 127] has std ≈ 74; the scale maps that onto the target std
-            scale = torch.tensor([stds[p] / 74.0], dtype=torch.float16).view(torch.uint8)
-            data[:, :, :2] = scale
-            raw[p] = data.view(e, blocks * 34)
-        layers[layer] = QuantizedExperts(raw, dict.fromkeys(shapes, "Q8_0"), shapes)
+            if fmt == "Q8_0":  # int8 uniform in [-128, 127] has std ≈ 74; the scale maps that onto the target
+                data[:, :, :2] = torch.tensor([stds[p] / 74.0], dtype=torch.float16).view(torch.uint8)
+            else:  # uniform codes ±{0, 1, 2, 3, 4, 6, 8, 12} have std ≈ 5.85; the power of two nearest the target
+                data[:, :, 0] = 128 + round(math.log2(stds[p] / 5.85))
+            raw[p] = data.view(e, blocks * size)
+        layers[layer] = QuantizedExperts(raw, dict.fromkeys(shapes, fmt), shapes)
     return layers

@@ -13,7 +13,7 @@ import torch
 # Bytes per block and elements per block of the GGUF formats we read (ggml's block layouts).
 _GGUF_BLOCKS: dict[str, tuple[int, int]] = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
-    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17),
 }
 
 

@@ -135,7 +135,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     if (rename := getattr(family, "checkpoint_name", None)) is not None:  # the family's names; None: not loaded
         items = [(new, load) for name, load in items if (new := rename(name, args)) is not None]
     if (expand := getattr(family, "checkpoint_items", None)) is not None:  # tensors the family cuts or fuses
-        items = expand(items, args)
+        items = expand(items, args, keep_packed=offload)  # offloaded quantized experts stay in their format
     # On a terminal the bar redraws often; in a log (no TTY) it writes a line every few seconds at most.
     interactive = sys.stderr.isatty()
     bar = tqdm(total=len(items), desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False,

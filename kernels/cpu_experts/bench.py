@@ -34,12 +34,21 @@ def random_q8_0(experts: int, out: int, inp: int, std: float, gen: torch.Generat
     return raw.reshape(experts, -1).contiguous()
 
 
+def random_mxfp4(experts: int, out: int, inp: int, gen: torch.Generator) -> torch.Tensor:
+    """[E, bytes] of ggml MXFP4 blocks: random codes, scale 2^-8 (std ≈ 0.023, like the other formats' 0.02)."""
+    blocks = torch.randint(0, 256, (experts, out * inp // 32, 17), dtype=torch.uint8, generator=gen)
+    blocks[:, :, 0] = 120
+    return blocks.reshape(experts, -1)
+
+
 def expert_pool(fmt: str, experts: int, gen: torch.Generator,
                 pin: bool = False) -> tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]:
     """`pin`: in page-locked memory, as the engine's host store keeps them (needs CUDA)."""
     shapes = ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))
     if fmt == "Q8_0":
         mats = [ExpertMatrix(random_q8_0(experts, o, i, 0.02, gen), "Q8_0", (o, i)) for o, i in shapes]
+    elif fmt == "MXFP4":
+        mats = [ExpertMatrix(random_mxfp4(experts, o, i, gen), "MXFP4", (o, i)) for o, i in shapes]
     else:
         dtype = {"BF16": torch.bfloat16, "F32": torch.float32}[fmt]
         mats = [ExpertMatrix.of((torch.randn(experts, o, i, generator=gen) * 0.02).to(dtype)) for o, i in shapes]
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'format':<7}{'batch':>6}{'impl':>12}{'GB/s':>9}{'of DRAM':>9}")
     for fmt in a.formats:
-        per_expert = 3 * HIDDEN * INTER * {"BF16": 2, "F32": 4, "Q8_0": 34 / 32}[fmt]
+        per_expert = 3 * HIDDEN * INTER * {"BF16": 2, "F32": 4, "Q8_0": 34 / 32, "MXFP4": 17 / 32}[fmt]
         pool = max(PER_CALL, int(a.pool_mib * 2**20 / per_expert) // PER_CALL * PER_CALL)
         impls = ["kernel"] + (["torch-bf16"] if a.torch_baseline and fmt == "BF16" else [])
         for batch in a.batches:

@@ -65,6 +65,30 @@ INLINE float f16_scalar(const uint8_t *p) {
     return f;
 }
 
+/* The 16 values one half of an MXFP4 block codes (`high`: the high nibbles, values 16..31), unscaled: the
+doubled e2m1 codes ±{0, 1, 2, 3, 4, 6, 8, 12}. */
+INLINE vf load_mxfp4(const uint8_t *qs, int high) {
+    static const int8_t codes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#if defined(__AVX512F__) && defined(__SSSE3__)
+    __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    __m128i nib = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0F));
+    __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)codes), nib);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+#else
+    vf out;
+    for (int i = 0; i < LANES; i++) out[i] = codes[high ? qs[i] >> 4 : qs[i] & 0x0F];
+    return out;
+#endif
+}
+
+/* An MXFP4 block's scale, 2^(e - 128) (ggml's E8M0 halved, the codes being doubled), exactly. */
+INLINE float mxfp4_scale(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 INLINE float hsum(vf v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)v);
@@ -98,6 +122,19 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
             }
         }
         for (int r = 0; r < nr; r++) acc[r][0] += acc_hi[r][0];
+    } else if (type == FT_MXFP4) {
+        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += MX_BYTES) {
+            vf x0[TILE], x1[TILE];
+            for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *blk = (const uint8_t *)rows[r] + b;
+                vf d = (vf){0} + mxfp4_scale(blk[0]);
+                vf w0 = load_mxfp4(blk + 1, 0) * d, w1 = load_mxfp4(blk + 1, 1) * d;
+                for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t], acc_hi[r][t] += w1 * x1[t];
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < nt; t++) acc[r][t] += acc_hi[r][t];
     } else if (type == FT_Q8_0) {
         for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += Q8_BYTES) {
             vf x0[TILE], x1[TILE];
@@ -148,6 +185,7 @@ static void rows_dots_n(int type, const void *const *rows, int nr, const float *
     }
 #define FORMATS(NR)                       \
     if (type == FT_Q8_0) { CASES(NR) }    \
+    else if (type == FT_MXFP4) { CASES(NR) } \
     else if (type == FT_BF16) { CASES(NR) } \
     else { CASES(NR) }
         if (nr == 2) { FORMATS(2) } else { FORMATS(1) }

@@ -18,6 +18,8 @@ Block layouts (little-endian, fp16 scales), as ggml's block structs:
     Q4_K  d, dmin, scales[12] (6-bit sc/min pairs), qs[128]   x = d*sc[s] * q - dmin*min[s]
     Q5_K  Q4_K plus qh[32] holding each value's 5th bit (bit s of qh[l] for sub-block s)
     Q6_K  ql[128] low nibbles, qh[64] high 2 bits, scales[16] int8, d      x = d*sc[s] * (q - 32)
+    MXFP4 e (E8M0 scale byte), qs[16] nibbles (lo = 0..15, hi = 16..31)   x = 2^(e-128) * KVALUES[q] (doubled
+          e2m1: ±{0, 1, 2, 3, 4, 6, 8, 12}; gpt-oss's experts)
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "MXFP4": (32, 17),
 }
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -140,6 +143,16 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return scale.unsqueeze(-1) * q.reshape(-1, 16, 16)
 
 
+# MXFP4's 4-bit codes: e2m1 (sign, 2 exponent bits, 1 mantissa bit) doubled, as ggml tabulates them
+MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(MXFP4_KVALUES, dtype=torch.float32, device=blocks.device)
+    q = table[_nibbles(blocks[:, 1:]).reshape(-1, 32).long()]
+    return q * torch.ldexp(torch.ones_like(q[:, :1]), blocks[:, :1].float() - 128)
+
+
 _DECODERS = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
@@ -147,4 +160,5 @@ _DECODERS = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "MXFP4": _mxfp4,
 }

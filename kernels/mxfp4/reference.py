@@ -12,6 +12,16 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 BLOCK = 32  # values sharing a scale
 
 
+def to_gguf_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's layout (blocks [..., G, 16], values 2j and 2j+1 in byte j; scales [..., G]) → ggml's MXFP4 blocks
+    [..., G, 17]: the scale byte (the same exponent: ggml doubles the codes and halves the scale), then value j
+    in the low and value j + 16 in the high nibble of byte j. Lossless."""
+    b = blocks.to(torch.uint8)
+    values = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)  # [..., G, 32] codes in order
+    packed = values[..., :16] | (values[..., 16:] << 4)
+    return torch.cat((scales.to(torch.uint8)[..., None], packed), dim=-1)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """blocks uint8 [..., G, 16], scales uint8 [..., G] → values [..., G × 32] in `dtype`."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:

@@ -101,23 +101,25 @@ def test_cache_replay_counts_decode_hits_of_a_recorded_trace():
     assert all(0.0 < r < 1.0 for r in rates)
 
 
-def test_bench_decode_with_q8_0_host_experts_is_lossless_and_moves_q8_0_bytes(tmp_path):
+@pytest.mark.parametrize("fmt, shape", [("Q8_0", "tiny-moe"), ("MXFP4", "tiny-gpt-oss")])
+def test_bench_decode_with_quantized_host_experts_is_lossless(fmt, shape, tmp_path):
     out = tmp_path / "d1.md"
-    argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--context", "48", "--tokens", "4",
-            "--budgets", "0", "--strategies", "resident,copy,cpu,auto", "--expert-format", "Q8_0", "--probe-mib", "64",
+    argv = ["--shape", shape, "--device", "cpu", "--dtype", "float32", "--context", "48", "--tokens", "4",
+            "--budgets", "0", "--strategies", "resident,copy,cpu,auto", "--expert-format", fmt, "--probe-mib", "64",
             "--out", str(out)]
     assert main(argv) == 0
     table = out.read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 4 and all(r.split("|")[12].strip() == "yes" for r in rows)
-    assert "Q8_0 experts in host memory" in table
+    assert f"{fmt} experts in host memory" in table
 
 
-def test_q8_0_synthetic_experts_dequantize_to_the_intended_scale():
-    lm = build_synthetic("tiny-moe", dtype=torch.float32, expert_cache=0, expert_format="Q8_0")
+@pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4"])
+def test_quantized_synthetic_experts_dequantize_to_the_intended_scale(fmt):
+    lm = build_synthetic("tiny-moe", dtype=torch.float32, expert_cache=0, expert_format=fmt)
     host = next(iter(lm.experts.host.values()))
     gate = host.dequantized(0, "gate_proj", torch.float32)
-    assert gate.shape == (64, 128) and 0.015 < gate.std().item() < 0.025
+    assert gate.shape == (64, 128) and 0.015 < gate.std().item() < 0.03
 
 
 def test_transformers_accelerate_baseline_runs_the_same_weights(tmp_path):

@@ -10,6 +10,7 @@ from freetoken.kernels.cpu_experts import build, reference
 from freetoken.kernels.cpu_experts.bench import random_q8_0
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
+from freetoken.kernels.mxfp4.reference import to_gguf_blocks
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,11 @@ def kernel():
 def _matrix(fmt: str, experts: int, out: int, inp: int, gen: torch.Generator) -> ExpertMatrix:
     if fmt == "Q8_0":
         return ExpertMatrix(random_q8_0(experts, out, inp, 0.1, gen), "Q8_0", (out, inp))
+    if fmt == "MXFP4":  # random codes, scales near 2^-4 (values up to 0.75) and a few tiny (subnormal) ones
+        blocks = torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(121, 125, (experts, out, inp // 32), dtype=torch.uint8, generator=gen)
+        scales[0, 0, 0], scales[-1, -1, -1] = 0, 1
+        return ExpertMatrix(to_gguf_blocks(blocks, scales).reshape(experts, -1), "MXFP4", (out, inp))
     dtype = {"F32": torch.float32, "BF16": torch.bfloat16}[fmt]
     return ExpertMatrix.of((torch.randn(experts, out, inp, generator=gen) * 0.1).to(dtype))
 
@@ -40,7 +46,8 @@ def _routing(tokens: int, experts: int, k: int, gen: torch.Generator):
             torch.tensor(pair_tokens, dtype=torch.int32), torch.rand(len(pair_tokens), generator=gen))
 
 
-@pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("Q8_0", "BF16", "F32")])
+@pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("MXFP4",) * 3,
+                                     ("Q8_0", "BF16", "F32"), ("MXFP4", "MXFP4", "BF16")])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 11])
 @pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
 def test_kernel_matches_the_reference(kernel, formats, tokens, round_to):
@@ -77,7 +84,7 @@ def test_bf16_activations_take_the_bf16_dot_path_and_match(kernel, tokens, hidde
     assert uses_bf16_dot == kernel.bf16_dot
 
 
-@pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3])
+@pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("MXFP4",) * 3])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clamped", [False, True])
@@ -143,7 +150,7 @@ def test_unsupported_formats_are_refused(kernel):
     gen = torch.Generator().manual_seed(0)
     half = ExpertMatrix.of(torch.randn(2, 8, 32, generator=gen).half())
     assert not kernel.supports(half, half, half)
-    with pytest.raises(ValueError, match="F32/BF16/Q8_0"):
+    with pytest.raises(ValueError, match="F32/BF16/Q8_0/MXFP4"):
         kernel.moe_forward(torch.randn(1, 32), half, half, half, *_routing(1, 2, 1, gen))
 
 

@@ -6,8 +6,9 @@ linear router (softmax over the top-k logits) to experts with biases and a clamp
 HF checkpoints store each layer's experts fused and transposed: `mlp.experts.gate_up_proj` [E, H, 2I] (gate and up
 interleaved along the last dimension), `down_proj` [E, I, H], their biases [E, 2I] / [E, H]; OpenAI's releases
 store them as MXFP4 (`*_blocks` [E, out, in/32, 16] + `*_scales` [E, out, in/32], out-by-in, gate and up rows
-interleaved). `checkpoint_items` turns either into the engine's stacks [E, I, H] / [E, H, I] (MXFP4 dequantized
-at load for now: kept packed is still to come).
+interleaved). `checkpoint_items` turns either into the engine's stacks [E, I, H] / [E, H, I]; MXFP4 experts stay
+MXFP4 in host memory when offloaded (repacked into ggml's block layout, 17 bytes per 32 weights: what the copier
+and the CPU kernel read), and are dequantized at load when resident.
 
 Shapes: N tokens, Hd hidden, E experts, K experts per token, I expert intermediate.
 """
@@ -27,7 +28,7 @@ from freetoken.engine.experts import ExpertExecutor, ExpertForm
 from freetoken.engine.models.common_args import decoder_args, num_experts
 from freetoken.engine.models.decoder import Attention, DecoderArgs, DecoderLayer, DecoderModel
 from freetoken.errors import ModelLoadError
-from freetoken.kernels.mxfp4.reference import dequantize_mxfp4
+from freetoken.kernels.mxfp4.reference import dequantize_mxfp4, to_gguf_blocks
 
 MODEL_TYPE = "gpt_oss"
 
@@ -120,10 +121,11 @@ class Model(DecoderModel):
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_blocks|_scales|_bias)?")
 
 
-def checkpoint_items(items: list, args: ModelArgs) -> list:
+def checkpoint_items(items: list, args: ModelArgs, keep_packed: bool = False) -> list:
     """The checkpoint's (name, load) items under the engine's names: router → `mlp.gate`; fused experts split
     into the stacked `model.layers.N.experts.{gate,up,down}_proj` the loader keeps in its expert store (MXFP4
-    pairs of blocks and scales dequantized); the fused gate/up bias split in two."""
+    pairs of blocks and scales dequantized, or with `keep_packed` kept as ggml MXFP4 blocks); the fused gate/up
+    bias split in two."""
     out, packed = [], {}
     for name, load in items:
         m = _EXPERTS.fullmatch(name)
@@ -153,15 +155,34 @@ def checkpoint_items(items: list, args: ModelArgs) -> list:
             raise ModelLoadError(f"layer {layer} {proj}: an MXFP4 tensor without its {lacking}; the files are "
                                  "incomplete")
         prefix = f"model.layers.{layer}.experts"
+        uses = 1 if proj == "down_proj" else 2
         # [E, out, in]; gate_up_proj's rows interleave gate and up
-        values = _Shared(lambda parts=parts: dequantize_mxfp4(parts["_blocks"](), parts["_scales"]()),
-                         1 if proj == "down_proj" else 2)
-        if proj == "down_proj":
-            out.append((f"{prefix}.down_proj", lambda *_, v=values: v()))
-        else:
-            out.append((f"{prefix}.gate_proj", lambda *_, v=values: v()[:, 0::2]))
-            out.append((f"{prefix}.up_proj", lambda *_, v=values: v()[:, 1::2]))
+        pair = _Shared(lambda parts=parts: (parts["_blocks"](), parts["_scales"]()), uses)
+        rows = {"down_proj": slice(None)} if proj == "down_proj" else {"gate_proj": slice(0, None, 2),
+                                                                       "up_proj": slice(1, None, 2)}
+        for name, picked in rows.items():
+            load = _packed_rows(pair, picked) if keep_packed else \
+                (lambda *_, p=pair, r=picked: dequantize_mxfp4(*(t[:, r] for t in p())))
+            out.append((f"{prefix}.{name}", load))
     return out
+
+
+def _packed_rows(pair, rows: slice):
+    """A loader of rows `rows` of an MXFP4 projection as a `RawTensor` in ggml's MXFP4 layout ([E, out, in])."""
+    from freetoken.engine.checkpoints import RawTensor  # (checkpoints imports the families)
+
+    def load(*_):
+        blocks, scales = (t[:, rows] for t in pair())
+        e, out, groups, _ = blocks.shape
+        packed = to_gguf_blocks(blocks, scales)  # [E, out, G, 17]
+
+        def read_into(dest):
+            dest.reshape(-1)[:] = packed.reshape(-1).numpy()
+            return dest
+
+        return RawTensor("MXFP4", (e, out, groups * 32), packed.numel(), read_into)
+
+    return load
 
 
 class _Shared:

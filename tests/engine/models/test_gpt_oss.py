@@ -92,10 +92,11 @@ def test_the_static_decode_window_equals_eager_decode(lm):
     static_window_equals_eager(lm, window=64, steps=6, tol=1e-5)
 
 
-def test_mxfp4_checkpoints_load_to_the_same_model(checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(checkpoint, tmp_path_factory):
     """OpenAI's layout: experts as MXFP4 blocks [E, out, in/32, 16] and scales [E, out, in/32], out-by-in, gate
-    and up rows interleaved. Random codes are written that way and, dequantized, into the transformers model:
-    both give the same logits."""
+    and up rows interleaved. Random codes are written that way and, dequantized, into a copy of the
+    transformers model (the reference)."""
     import json
     import shutil
 
@@ -104,6 +105,7 @@ def test_mxfp4_checkpoints_load_to_the_same_model(checkpoint, tmp_path):
     from freetoken.kernels.mxfp4.reference import dequantize_mxfp4
 
     path, reference, _ = checkpoint
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     gen = torch.Generator().manual_seed(7)
     tensors = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -116,22 +118,28 @@ def test_mxfp4_checkpoints_load_to_the_same_model(checkpoint, tmp_path):
         experts = layer.mlp.experts
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(experts, name)  # [E, in, out]
-            e, inp, out = param.shape
-            blocks = torch.randint(0, 256, (e, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
-            scales = torch.randint(124, 128, (e, out, inp // 32), dtype=torch.uint8, generator=gen)
+            e, inp, width = param.shape
+            blocks = torch.randint(0, 256, (e, width, inp // 32, 16), dtype=torch.uint8, generator=gen)
+            scales = torch.randint(124, 128, (e, width, inp // 32), dtype=torch.uint8, generator=gen)
             with torch.no_grad():
                 param.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
             key = f"model.layers.{i}.mlp.experts.{name}"
             del tensors[key]
             tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
-    save_file(tensors, tmp_path / "model.safetensors")
+    save_file(tensors, out / "model.safetensors")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                                          "model.layers.*.mlp.router"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(path / name, tmp_path / name)
-    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+        shutil.copy(path / name, out / name)
+    return out, model
+
+
+def test_mxfp4_checkpoints_load_to_the_same_model(mxfp4_checkpoint):
+    """Resident: the MXFP4 experts dequantized at load give the reference's logits."""
+    path, model = mxfp4_checkpoint
+    loaded = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     ids = prompt_ids()
     torch.testing.assert_close(loaded.prefill_logits(ids), hf_logits(model, ids), atol=1e-4, rtol=0)
 
@@ -148,3 +156,18 @@ def test_on_cuda_graphs_and_offloaded_experts_give_the_greedy_tokens(checkpoint)
     for graphs in (False, True):
         ours = Generator(offloaded, cuda_graphs=graphs).generate_ids(prompt_ids(), GREEDY_32)
         assert ours == expected, f"graphs={graphs}: " + divergence_report(reference, prompt_ids(), ours, expected)
+
+
+def test_offloaded_mxfp4_experts_stay_mxfp4_in_host_memory(mxfp4_checkpoint):
+    """With experts offloaded, the MXFP4 release stays MXFP4 in the host store (ggml blocks, 17 bytes per 32
+    weights: what crosses PCIe and what the CPU kernel reads), and decodes the tokens transformers decodes."""
+    path, reference = mxfp4_checkpoint
+    expected = hf_greedy(reference, prompt_ids(), 32)
+    lm = load_model(path, device="cpu", dtype=torch.float32, progress=False, expert_cache=1 << 20)
+    host = lm.experts.host[0]
+    assert set(host.type_names.values()) == {"MXFP4"} and host.form is not None
+    assert host.raw["gate_proj"].shape == (8, 32 * 64 // 32 * 17)
+    for miss_path in ("copy", "cpu"):
+        lm.experts.miss_path = miss_path
+        ours = Generator(lm).generate_ids(prompt_ids(), GREEDY_32)
+        assert ours == expected, f"{miss_path}: " + divergence_report(reference, prompt_ids(), ours, expected)
