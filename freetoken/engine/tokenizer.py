@@ -217,7 +217,9 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
+        reasoning_effort: str | None = None,
     ) -> str:
+        """`reasoning_effort` ("low", "medium", "high") reaches templates that read it (gpt-oss's) only when set."""
         template = (self.tool_use_template if tools else None) or self.chat_template
         if template is None and self.chat_template_error:
             raise ChatTemplateError(f"{self.chat_template_error} (pass the prompt as plain text with --raw)")
@@ -225,8 +227,10 @@ class Tokenizer:
             raise ChatTemplateError(
                 "this model has no chat template: pass the prompt as plain text with --raw, or give a template"
             )
+        extra = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}
         return template.render(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+            **extra,
         )
 
 

@@ -34,6 +34,7 @@ from freetoken.server.requests import (
     read_body,
     sampling_params,
     sse,
+    thinking_effort,
     while_connected,
 )
 from freetoken.server.tool_choice import anthropic_choice
@@ -82,7 +83,8 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         messages = _conversation(req.system, req.messages)
         thinking = None if req.thinking is None else req.thinking.get("type") == "enabled"
         try:
-            return engine.chat_prompt(messages, tools, enable_thinking=thinking, choice=choice)
+            return engine.chat_prompt(messages, tools, enable_thinking=thinking, choice=choice,
+                                      reasoning_effort=thinking_effort(req.thinking))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render these messages: {e}") from None
 

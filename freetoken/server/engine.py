@@ -177,16 +177,19 @@ class ServingEngine:
         return self.lm.tokenizer
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                    enable_thinking: bool | None = None, choice: ToolChoice | None = None) -> ChatPrompt:
+                    enable_thinking: bool | None = None, choice: ToolChoice | None = None,
+                    reasoning_effort: str | None = None) -> ChatPrompt:
         """The chat template's rendering of a conversation and its token ids (ChatTemplateError if it fails).
         Tools go through the template; one that never renders tools gets them described in the system message.
-        A `choice` that forces a call ends the prompt with the opening of one (see tool_choice.py)."""
+        A `choice` that forces a call ends the prompt with the opening of one (see tool_choice.py).
+        `reasoning_effort` ("low" | "medium" | "high") goes to templates that read it (gpt-oss's)."""
         tok = self.tokenizer
         template = (tok.tool_use_template if tools else None) or tok.chat_template
         syntax = call_syntax(template.source) if tools and template is not None else "none"
         if tools and syntax == "none":
             messages = with_tools_described(list(messages), list(tools))
-        text = tok.apply_chat_template(messages, tools=tools or None, enable_thinking=enable_thinking)
+        text = tok.apply_chat_template(messages, tools=tools or None, enable_thinking=enable_thinking,
+                                       reasoning_effort=reasoning_effort)
         in_reasoning = text.rstrip().endswith("<think>")
         opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
         return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),

@@ -34,6 +34,7 @@ from freetoken.server.requests import (
     read_body,
     sampling_params,
     sse,
+    template_effort,
     text_content,
     wants_json,
     while_connected,
@@ -106,7 +107,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         json_object, json_schema = wants_json(req.response_format, "response_format")
         try:
             chat = engine.chat_prompt(messages, tools, enable_thinking=False if json_object else thinking,
-                                      choice=choice)
+                                      choice=choice, reasoning_effort=template_effort(req.reasoning_effort))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
         if json_object:

@@ -220,3 +220,27 @@ async def collect(events: AsyncIterator[GenerationEvent], parser) -> tuple[list,
 def sse(data: Any, event: str | None = None) -> str:
     body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {event}\n" if event else "") + f"data: {body}\n\n"
+
+
+# What the protocols' reasoning settings mean for templates that take an effort (gpt-oss: "Reasoning: low" in
+# its system message); "none" and "minimal" are as low as such a model goes.
+_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+
+
+def template_effort(effort: str | None) -> str | None:
+    """An OpenAI reasoning effort as a template's `reasoning_effort`, None (the template's default) if unset or
+    unknown."""
+    return _EFFORTS.get(effort) if isinstance(effort, str) else None
+
+
+def thinking_effort(thinking: dict | None) -> str | None:
+    """Anthropic's `thinking` as a template's `reasoning_effort`: disabled → low; enabled by its token budget."""
+    if not isinstance(thinking, dict):
+        return None
+    if thinking.get("type") != "enabled":
+        return "low"
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int):
+        return None
+    return "low" if budget < 4096 else "medium" if budget < 16384 else "high"
+

@@ -34,6 +34,7 @@ from freetoken.server.requests import (
     read_body,
     sampling_params,
     sse,
+    template_effort,
     text_content,
     wants_json,
     while_connected,
@@ -103,7 +104,7 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         json_object, json_schema = wants_json((req.text or {}).get("format"), "text.format")
         try:
             chat = engine.chat_prompt(system + conversation, tools, enable_thinking=False if json_object else thinking,
-                                      choice=choice)
+                                      choice=choice, reasoning_effort=template_effort(effort))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template could not render this input: {e}", param="input") from None
         if json_object:
