@@ -226,13 +226,14 @@ class StaticDecodeAttention:
                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool.index_copy_(0, self.write_slot, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, self.write_slot, v.to(v_pool.dtype))
+        if v_pool is not k_pool:  # (a cache whose values are its keys holds one pool)
+            v_pool.index_copy_(0, self.write_slot, v.to(v_pool.dtype))
         plain = sinks is None and window is None
         paged = self._paged_kernel(q) if plain else None
         if paged is not None:  # reads the window's rows in place (no gather), the window split across the SMs
             return paged(q, k_pool, v_pool, self.read_slots, self.positions)
         keys = k_pool.index_select(0, self.read_slots).to(q.dtype)  # [W, Hkv, D]
-        values = v_pool.index_select(0, self.read_slots).to(q.dtype)
+        values = keys if v_pool is k_pool else v_pool.index_select(0, self.read_slots).to(q.dtype)
         valid = self.key_positions <= self.positions
         if plain:
             return static_decode_attention(q, keys, values, valid)

@@ -99,9 +99,12 @@ class SequenceKV:
 class PagedKVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, page_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 initial_pages: int = 64, max_pages: int | None = None, kv_layers: Sequence[int] | None = None):
+                 initial_pages: int = 64, max_pages: int | None = None, kv_layers: Sequence[int] | None = None,
+                 values_are_keys: bool = False):
         """`kv_layers`: the layers that attend over K/V (default all); the others (linear attention) get an
-        empty pool that never grows, so a hybrid model's cache holds only its attention layers' rows."""
+        empty pool that never grows, so a hybrid model's cache holds only its attention layers' rows.
+        `values_are_keys`: the model attends with V = K (DeepSeek's latent attention: the cached latent is both),
+        so one pool per layer holds both and `update` writes it once: half the bytes."""
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.kv_layers = tuple(range(n_layers)) if kv_layers is None else tuple(sorted(kv_layers))
         self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
@@ -115,8 +118,19 @@ class PagedKVCache:
         self.reclaim: Callable[[int], int] | None = None
         shape = (initial_pages * page_size, n_kv_heads, head_dim)
         keeps = set(self.kv_layers)
+        self.values_are_keys = values_are_keys
         self.k, self.v = ([torch.zeros(shape if i in keeps else (0, n_kv_heads, head_dim), dtype=dtype,
                                        device=self.device) for i in range(n_layers)] for _ in range(2))
+        self._share_values()
+
+    def _share_values(self) -> None:
+        """With `values_are_keys`, every layer's V pool is its K pool (the same tensor)."""
+        if self.values_are_keys:
+            self.v = list(self.k)
+
+    def _pools(self) -> tuple[list[torch.Tensor], ...]:
+        """The pool lists to copy or grow: K alone when V is K."""
+        return (self.k,) if self.values_are_keys else (self.k, self.v)
 
     def new_sequence(self) -> SequenceKV:
         seq = SequenceKV(slots=torch.empty(0, dtype=torch.long, device=self.device))
@@ -186,7 +200,8 @@ class PagedKVCache:
             new = self.allocator.allocate(1)[0]
             size = self.page_size
             for layer in self.kv_layers:
-                for pool in (self.k[layer], self.v[layer]):
+                for pools in self._pools():
+                    pool = pools[layer]
                     pool[new * size:(new + 1) * size] = pool[old * size:(old + 1) * size]
             seq.pages[i] = new
             seq.slots = seq.slots.clone()  # a fork's slots may be a view its parent also reads
@@ -227,7 +242,7 @@ class PagedKVCache:
         """New pool tensors of `new_total` pages holding every kept page's rows (moved ones at their new ids)."""
         size, rows = self.page_size, min(new_total, self.allocator.num_pages) * self.page_size
         shape = (new_total * size, self.n_kv_heads, self.head_dim)
-        for pools in (self.k, self.v):
+        for pools in self._pools():
             for i in self.kv_layers:
                 pool = pools[i]
                 new = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -235,6 +250,7 @@ class PagedKVCache:
                 for old, to in moves.items():
                     new[to * size:(to + 1) * size] = pool[old * size:(old + 1) * size]
                 pools[i] = new
+        self._share_values()
         self.version += 1
 
     def _renumber(self, moves: dict[int, int]) -> None:
@@ -256,9 +272,10 @@ class PagedKVCache:
             new_total = min(new_total, self.max_pages)
         extra = (new_total - self.allocator.num_pages) * self.page_size
         pad = (extra, self.n_kv_heads, self.head_dim)
-        for pools in (self.k, self.v):
+        for pools in self._pools():
             for i in self.kv_layers:
                 pools[i] = torch.cat([pools[i], torch.zeros(pad, dtype=self.dtype, device=self.device)])
+        self._share_values()
         self.allocator.grow(new_total)
 
     def update(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor
@@ -266,11 +283,13 @@ class PagedKVCache:
         """Writes k, v [T, Hkv, D] after the committed tokens; returns all keys/values [L + T, Hkv, D]."""
         start, end = seq.length, seq.length + k.shape[0]
         self.k[layer].index_copy_(0, seq.slots[start:end], k.to(self.dtype))
-        self.v[layer].index_copy_(0, seq.slots[start:end], v.to(self.dtype))
+        if not self.values_are_keys:
+            self.v[layer].index_copy_(0, seq.slots[start:end], v.to(self.dtype))
         if start == 0:
             return k, v  # nothing cached before: skip the gather
         slots = seq.slots[:end]
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        keys = self.k[layer].index_select(0, slots)
+        return keys, keys if self.values_are_keys else self.v[layer].index_select(0, slots)
 
     def commit(self, seq: SequenceKV, n_new: int) -> None:
         seq.length += n_new

@@ -67,7 +67,8 @@ class LoadedModel:
         max_pages = None if max_tokens is None else -(-max_tokens // page_size)
         return PagedKVCache(self.model.args.n_layers, a.n_kv_heads, a.head_dim, page_size=page_size,
                             dtype=self.dtype, device=self.device, initial_pages=pages, max_pages=max_pages,
-                            kv_layers=attention_layers(self.args))
+                            kv_layers=attention_layers(self.args),
+                            values_are_keys=getattr(self.args, "values_are_keys", False))
 
     def forward(self, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
                 logits_for: str = "all") -> torch.Tensor:

@@ -51,6 +51,7 @@ class ModelArgs:
     decoder: DecoderArgs
     latent: LatentArgs
     routing: GroupedRouting
+    values_are_keys: bool = True  # the cache holds [latent, rotary key] once: attention reads it as both
 
     @classmethod
     def from_config(cls, cfg: dict) -> ModelArgs:
@@ -109,8 +110,9 @@ class LatentAttention(nn.Module):
         width = la.kv_lora_rank + la.rope_dim
         query = torch.cat((q_latent, q_pe), dim=-1) * (la.softmax_scale * math.sqrt(width))
         keys = torch.cat((latent[:, None, :], k_pe), dim=-1)
-        values = torch.cat((latent[:, None, :], torch.zeros_like(k_pe)), dim=-1)
-        out = ctx.attend(self.layer_idx, query, keys, values)[..., :la.kv_lora_rank]  # [T, H, r]
+        # the values are the keys: the output's latent columns are the weighted latents, its rotary columns
+        # (weighted rotary keys) are dropped; so the cache holds each token's [latent, k_pe] once
+        out = ctx.attend(self.layer_idx, query, keys, keys)[..., :la.kv_lora_rank]  # [T, H, r]
         out = torch.einsum("thr,hvr->thv", out, w[:, la.nope_dim:])  # back through W_UV
         return self.o_proj(out.reshape(t, h * la.v_dim))
 

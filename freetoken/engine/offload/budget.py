@@ -41,11 +41,13 @@ def auto_expert_cache(free_bytes: int, dense_bytes: int, kv_bytes: int, expert_b
 
 
 def kv_bytes_per_token(args, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer that keeps them (a hybrid model's full-attention layers only)."""
+    """K and V of one token in every layer that keeps them (a hybrid model's full-attention layers only; one
+    tensor where the values are the keys, as DeepSeek's cached latent is)."""
     a = args.decoder.attention
     layers = getattr(args, "full_attention_layers", None)
     n = args.decoder.n_layers if layers is None else len(layers)
-    return 2 * n * a.n_kv_heads * a.head_dim * dtype.itemsize
+    pools = 1 if getattr(args, "values_are_keys", False) else 2
+    return pools * n * a.n_kv_heads * a.head_dim * dtype.itemsize
 
 
 def resolve_auto(device: torch.device, spec: MoESpec, args, dense_bytes: int, dtype: torch.dtype,

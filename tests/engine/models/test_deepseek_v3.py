@@ -28,6 +28,30 @@ def test_the_cache_holds_the_latent_not_per_head_keys(lm):
     assert cache.k[0].shape[1:] == (1, 40)
 
 
+def test_the_latent_is_cached_once_and_read_as_keys_and_values(lm):
+    """The values are the keys (the output's latent columns are the weighted latents): one pool per layer, which
+    grows, copies on write and survives a resize as one, and the KV budget counts it once."""
+    from freetoken.engine.generator import Generator
+    from freetoken.engine.offload.budget import kv_bytes_per_token
+    from freetoken.engine.sampling import SamplingParams
+
+    assert kv_bytes_per_token(lm.args, torch.float32) == 3 * 40 * 4  # 3 layers, one 40-wide row each
+    gen = Generator(lm, page_size=4)
+    cache = gen.cache()
+    assert all(v is k for k, v in zip(cache.k, cache.v, strict=True))
+    seq = cache.new_sequence()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = prompt_ids()
+    first = [t for ev in gen.extend(seq, ids, params) for t in ev.token_ids]  # grows the pool past 8 tokens
+    fork = cache.fork(seq)
+    again = [t for ev in gen.extend(fork, prompt_ids(" more"), params) for t in ev.token_ids]  # copy on write
+    cache.resize(cache.allocator.num_pages + 8)
+    assert all(v is k for k, v in zip(cache.k, cache.v, strict=True)) and first and again
+    assert first == Generator(lm).generate_ids(ids, params)
+    for s in (seq, fork):
+        cache.release(s)
+
+
 def test_yarn_scaled_checkpoints_match_transformers(tmp_path):
     """DeepSeek-V3 ships YaRN with mscale_all_dim: interpolated frequencies and a softmax scale grown by mscale²
     (1.87× at factor 40)."""
