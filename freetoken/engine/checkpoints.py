@@ -6,6 +6,7 @@ model never sits in RAM twice.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from freetoken.engine.formats.gguf_file import GGUFFile
 from freetoken.engine.formats.safetensors_file import SafetensorsFile
 from freetoken.engine.models import family_for
 from freetoken.errors import ModelLoadError
-from freetoken.kernels.fp8_block.reference import dequantize_fp8_blocks
+from freetoken.kernels.fp8_block.reference import ROW_BLOCK, dequantize_fp8_blocks, to_row_blocks
 
 # (HF name, load): `load(into)` returns the tensor, read straight into `into` where the format allows.
 TensorItems = Iterator[tuple[str, Callable[..., "torch.Tensor | RawTensor"]]]
@@ -72,8 +73,9 @@ class HFCheckpoint:
 
     def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device,
                 raw_experts: bool = False) -> TensorItems:
-        """Tensors in the checkpoint's own dtype (`raw_experts` has no meaning for safetensors: ignored), but
-        block-scaled FP8 weights, which come dequantized (`weight_scale_inv` beside them is consumed)."""
+        """Tensors in the checkpoint's own dtype, but block-scaled FP8 weights, which come dequantized
+        (`weight_scale_inv` beside them is consumed) — routed experts' excepted with `raw_experts`: they come as
+        `RawTensor`s in the FP8_B32 layout (kept in host memory as they ship, half bf16's bytes)."""
         block = self._fp8_block()
         by_file: dict[Path, list[str]] = {}
         for name, f in self.shards.items():
@@ -92,7 +94,11 @@ class HFCheckpoint:
                 if block is not None and name.endswith("_scale_inv"):
                     continue  # read with its weight
                 if block is not None and scale in self.shards:
-                    yield name, _fp8_load(reader, name, reader_of(self.shards[scale]), scale, block, dtype)
+                    scales = reader_of(self.shards[scale])
+                    if raw_experts and ROUTED_EXPERT.search(name) and block[1] % ROW_BLOCK == 0:
+                        yield name, _fp8_raw(reader, name, scales, scale, block)
+                    else:
+                        yield name, _fp8_load(reader, name, scales, scale, block, dtype)
                 else:
                     yield name, lambda into=None, r=reader, n=name: r.read(n, into)
 
@@ -111,6 +117,27 @@ class HFCheckpoint:
         from freetoken.engine.tokenizer import Tokenizer
 
         return Tokenizer.from_hf_dir(self.root)
+
+
+# a routed expert's projection in an HF checkpoint (shared experts carry no index)
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+
+
+def _fp8_raw(reader: SafetensorsFile, name: str, scales: SafetensorsFile, scale_name: str, block: tuple[int, int]):
+    """A loader of one FP8 expert projection as a `RawTensor` in the FP8_B32 row-block layout. Marked `raw` so
+    the weight placer keeps it in that format."""
+    def load(into=None) -> RawTensor:
+        weight = reader.read(name)
+        packed = to_row_blocks(weight, scales.read(scale_name), block)
+
+        def read_into(dest):
+            dest.reshape(-1)[:] = packed.reshape(-1).numpy()
+            return dest
+
+        return RawTensor("FP8_B32", tuple(weight.shape), packed.numel(), read_into)
+
+    load.raw = True
+    return load
 
 
 def _fp8_load(reader: SafetensorsFile, name: str, scales: SafetensorsFile, scale_name: str, block: tuple[int, int],

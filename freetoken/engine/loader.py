@@ -131,7 +131,8 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
                           expert_device=torch.device("cpu") if offload else None,
                           pin_experts=offload and device.type == "cuda")
     # Offloaded GGUF experts stay in their block format in host memory: fewer bytes per cache miss.
-    raw_experts = offload and ckpt.format == "gguf" and ckpt.experts_quantized()
+    # (and offloaded experts of a block-FP8 checkpoint stay FP8)
+    raw_experts = offload and (ckpt.experts_quantized() if ckpt.format == "gguf" else True)
     items = list(ckpt.tensors(family.MODEL_TYPE, dtype, device, raw_experts=raw_experts))
     if (rename := getattr(family, "checkpoint_name", None)) is not None:  # the family's names; None: not loaded
         items = [(new, load) for name, load in items if (new := rename(name, args)) is not None]

@@ -56,7 +56,10 @@ class WeightPlacer:
             self.expert_parts[(layer, proj)] = set(range(self.spec.num_experts))
         elif self.naming is not None and (hit := self.naming.match(name)) and self.spec is not None:
             layer, expert, proj = hit
-            self._fill(name, self._expert_slot(layer, proj)[expert], load)
+            if getattr(load, "raw", False):  # one expert's bytes in a block format (block-FP8 checkpoints)
+                self._keep_quantized_expert(name, layer, expert, proj, load())
+            else:
+                self._fill(name, self._expert_slot(layer, proj)[expert], load)
             with self._lock:
                 self.expert_parts.setdefault((layer, proj), set()).add(expert)
         elif not _IGNORED.fullmatch(name):
@@ -85,6 +88,24 @@ class WeightPlacer:
         dest = self._expert_tensor((spec.num_experts, per_expert), torch.uint8)
         raw.read_into(dest.numpy())  # read from the file straight into (pinned) host memory
         self.quantized.setdefault(layer, {})[proj] = (dest, raw.type_name, shape)
+
+    def _keep_quantized_expert(self, name: str, layer: int, expert: int, proj: str, raw: RawTensor) -> None:
+        """Expert `expert`'s row of the layer's [E, bytes] stack of `proj` in raw's format (allocated by the
+        first expert to arrive)."""
+        spec = self.spec
+        h, i = spec.hidden_size, spec.expert_intermediate_size
+        shape = (h, i) if proj == "down_proj" else (i, h)
+        if tuple(raw.shape) != shape:
+            raise ModelLoadError(f"tensor {name} has shape {tuple(raw.shape)}, the config implies {shape}; the "
+                                 "checkpoint and its config.json disagree")
+        with self._lock:
+            parts = self.quantized.setdefault(layer, {})
+            if proj not in parts:
+                parts[proj] = (self._expert_tensor((spec.num_experts, raw.n_bytes), torch.uint8), raw.type_name, shape)
+            dest, type_name, _ = parts[proj]
+        if type_name != raw.type_name or dest.shape[1] != raw.n_bytes:
+            raise ModelLoadError(f"tensor {name} is {raw.type_name}, its layer's other experts {type_name}")
+        raw.read_into(dest[expert].numpy())
 
     def _expert_tensor(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype

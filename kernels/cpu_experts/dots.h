@@ -81,6 +81,22 @@ INLINE vf load_mxfp4(const uint8_t *qs, int high) {
 #endif
 }
 
+/* 16 e4m3 values (sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities) as floats, exactly:
+   a normal one's exponent and mantissa move into place with the bias made 127's, a subnormal one is m · 2^-9. */
+INLINE vf load_fp8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    vu32 b = (vu32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    vu32 b;
+    for (int i = 0; i < LANES; i++) b[i] = p[i];
+#endif
+    vu32 em = b & 0x7F, sign = (b & 0x80) << 24;
+    vu32 normal = (em << 20) + (120u << 23);
+    vf sub = __builtin_convertvector(em, vf) * (1.0f / 512.0f);
+    vu32 subnormal = (vu32)(em < 8);  /* all ones where the exponent field is 0 */
+    return (vf)(((subnormal & (vu32)sub) | (~subnormal & normal)) | sign);
+}
+
 /* An MXFP4 block's scale, 2^(e - 128) (ggml's E8M0 halved, the codes being doubled), exactly. */
 INLINE float mxfp4_scale(uint8_t e) {
     uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
@@ -122,6 +138,21 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
             }
         }
         for (int r = 0; r < nr; r++) acc[r][0] += acc_hi[r][0];
+    } else if (type == FT_FP8) {
+        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += FP8_BYTES) {
+            vf x0[TILE], x1[TILE];
+            for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *blk = (const uint8_t *)rows[r] + b;
+                float scale;
+                memcpy(&scale, blk, 4);
+                vf d = (vf){0} + scale;
+                vf w0 = load_fp8(blk + 4) * d, w1 = load_fp8(blk + 4 + LANES) * d;
+                for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t], acc_hi[r][t] += w1 * x1[t];
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < nt; t++) acc[r][t] += acc_hi[r][t];
     } else if (type == FT_MXFP4) {
         for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += MX_BYTES) {
             vf x0[TILE], x1[TILE];
@@ -186,6 +217,7 @@ static void rows_dots_n(int type, const void *const *rows, int nr, const float *
 #define FORMATS(NR)                       \
     if (type == FT_Q8_0) { CASES(NR) }    \
     else if (type == FT_MXFP4) { CASES(NR) } \
+    else if (type == FT_FP8) { CASES(NR) } \
     else if (type == FT_BF16) { CASES(NR) } \
     else { CASES(NR) }
         if (nr == 2) { FORMATS(2) } else { FORMATS(1) }

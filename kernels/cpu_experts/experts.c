@@ -34,8 +34,10 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { FT_F32 = 0, FT_BF16 = 1, FT_Q8_0 = 2, FT_MXFP4 = 3 };
-enum { MX_BYTES = 17 };  /* MXFP4: an E8M0 scale byte, then 32 four-bit codes (low nibbles 0..15, high 16..31) */
+enum { FT_F32 = 0, FT_BF16 = 1, FT_Q8_0 = 2, FT_MXFP4 = 3, FT_FP8 = 4 };
+/* MXFP4: an E8M0 scale byte, then 32 four-bit codes (low nibbles 0..15, high 16..31); FP8_B32 (block-FP8
+   checkpoints' experts): an fp32 scale, then 32 e4m3 bytes */
+enum { MX_BYTES = 17, FP8_BYTES = 36 };
 /* TILE tokens share one pass over a row in registers; up to MAX_PAIRS tokens share its trip from DRAM. */
 enum { LANES = 16, TILE = 4, MAX_PAIRS = 64, ROW_BLOCK = 16, MAX_THREADS = 256, Q8_BLOCK = 32, Q8_BYTES = 34 };
 
@@ -66,7 +68,8 @@ typedef uint64_t vu64 __attribute__((vector_size(64)));
 #include "q16.h"
 
 static size_t row_bytes(int type, int k) {
-    if (type == FT_Q8_0 || type == FT_MXFP4) return (size_t)(k / Q8_BLOCK) * (type == FT_Q8_0 ? Q8_BYTES : MX_BYTES);
+    if (type >= FT_Q8_0)
+        return (size_t)(k / Q8_BLOCK) * (type == FT_Q8_0 ? Q8_BYTES : type == FT_MXFP4 ? MX_BYTES : FP8_BYTES);
     return (size_t)k * (type == FT_BF16 ? 2 : 4);
 }
 
@@ -286,8 +289,8 @@ static void moe_task(void *ctx, int task) {
 static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
 #if HAVE_AMX
     if (!xb_amx || j->hidden % 32 || j->inter % 32 || amx_disabled) return 0;
-    if (j->gate_type == FT_MXFP4 || j->up_type == FT_MXFP4 || j->down_type == FT_MXFP4) return 0;  /* no tile
-       dequantizer for it yet: the vector path */
+    if (j->gate_type >= FT_MXFP4 || j->up_type >= FT_MXFP4 || j->down_type >= FT_MXFP4) return 0;  /* no tile
+       dequantizer for MXFP4 and FP8 yet: the vector path */
     int most = 0;
     for (int e = 0; e < j->n_experts; e++) {
         int n = j->pair_offsets[e + 1] - j->pair_offsets[e];
@@ -353,7 +356,7 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     if (!gate_bias != !up_bias) return -1;
     for (int i = 0; i < 3; i++) {
         int type = (int[]){gate_type, up_type, down_type}[i], k = i < 2 ? hidden : inter;
-        if (type < FT_F32 || type > FT_MXFP4 || (type >= FT_Q8_0 && k % Q8_BLOCK)) return -1;
+        if (type < FT_F32 || type > FT_FP8 || (type >= FT_Q8_0 && k % Q8_BLOCK)) return -1;
     }
     current.job = (moe_job){gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
                             experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden,

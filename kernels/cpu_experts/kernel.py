@@ -17,7 +17,7 @@ import torch
 from freetoken.kernels.cpu_experts import build
 from freetoken.kernels.cpu_experts.reference import KERNEL_FORMATS, ExpertForm, ExpertMatrix
 
-_TYPE_CODES = {"F32": 0, "BF16": 1, "Q8_0": 2, "MXFP4": 3}
+_TYPE_CODES = {"F32": 0, "BF16": 1, "Q8_0": 2, "MXFP4": 3, "FP8_B32": 4}
 
 
 def default_threads() -> int:
@@ -119,7 +119,7 @@ class CpuExpertKernel:
         holds bf16 values exactly (a bf16 model's activations; skips checking it). `out`: a [T, H] fp32 buffer
         for the result (pinned memory, to copy it to the GPU)."""
         if not self.supports(gate, up, down):
-            raise ValueError("the CPU expert kernel reads contiguous host F32/BF16/Q8_0/MXFP4 stacks only")
+            raise ValueError("the CPU expert kernel reads contiguous host F32/BF16/Q8_0/MXFP4/FP8_B32 stacks only")
         t, h = x.shape
         inter = gate.shape[0]
         x = x.float().contiguous()

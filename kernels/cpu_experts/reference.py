@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from freetoken.kernels.gguf_dequant.reference import dequantize
 
 # Formats the fast kernel reads directly; the reference reads any format `dequantize` knows.
-KERNEL_FORMATS = ("F32", "BF16", "Q8_0", "MXFP4")
+KERNEL_FORMATS = ("F32", "BF16", "Q8_0", "MXFP4", "FP8_B32")
 _TORCH_FORMATS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 

@@ -21,6 +21,28 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
     return (weight.float() * scales).to(dtype)
 
 
+ROW_BLOCK = 32  # values per block of the row-block layout (FP8_B32)
+
+
+def to_row_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [N, K] float8 with its 2-D block scales → [N, K/32 × 36] uint8: each row as blocks of 32 values,
+    each block its fp32 scale then its 32 e4m3 bytes (the `FP8_B32` layout the CPU kernel and the copier read:
+    a row is self-contained, like a GGUF block format's). Lossless; needs K and the scale blocks' width in whole
+    blocks of 32 (the released checkpoints' 128 is)."""
+    n, k = weight.shape
+    bn, bk = block
+    if k % ROW_BLOCK or bk % ROW_BLOCK:
+        raise ValueError(f"a {n}×{k} FP8 weight in {bn}×{bk} scale blocks does not cut into rows of "
+                         f"{ROW_BLOCK}-value blocks")
+    if scale_inv.shape != (-(-n // bn), -(-k // bk)):
+        raise ValueError(f"FP8 scales of shape {tuple(scale_inv.shape)} do not tile a {n}×{k} weight in "
+                         f"{bn}×{bk} blocks")
+    groups = k // ROW_BLOCK
+    scales = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk // ROW_BLOCK, dim=1)[:, :groups]
+    values = weight.contiguous().view(torch.uint8).view(n, groups, ROW_BLOCK)
+    return torch.cat((scales.contiguous().view(torch.uint8).view(n, groups, 4), values), dim=-1).view(n, -1)
+
+
 def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse, for tests and synthetic checkpoints: each block scaled so its largest magnitude maps to
     e4m3's largest finite value (448)."""

@@ -20,6 +20,8 @@ Block layouts (little-endian, fp16 scales), as ggml's block structs:
     Q6_K  ql[128] low nibbles, qh[64] high 2 bits, scales[16] int8, d      x = d*sc[s] * (q - 32)
     MXFP4 e (E8M0 scale byte), qs[16] nibbles (lo = 0..15, hi = 16..31)   x = 2^(e-128) * KVALUES[q] (doubled
           e2m1: ±{0, 1, 2, 3, 4, 6, 8, 12}; gpt-oss's experts)
+    FP8_B32  (freetoken's, not ggml's: block-FP8 checkpoints' experts as they ship) s (fp32), qs[32] e4m3
+          x = s * q (s the checkpoint's scale of the 2-D block the 32 values lie in)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
     "MXFP4": (32, 17),
+    "FP8_B32": (32, 36),
 }
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -161,4 +164,6 @@ _DECODERS = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
     "MXFP4": _mxfp4,
+    "FP8_B32": lambda blocks: blocks[:, 4:].contiguous().view(torch.float8_e4m3fn).float()
+    * blocks[:, :4].contiguous().view(torch.float32),
 }

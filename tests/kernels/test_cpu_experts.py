@@ -10,6 +10,7 @@ from freetoken.kernels.cpu_experts import build, reference
 from freetoken.kernels.cpu_experts.bench import random_q8_0
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
+from freetoken.kernels.fp8_block.reference import to_row_blocks
 from freetoken.kernels.mxfp4.reference import to_gguf_blocks
 
 
@@ -24,6 +25,12 @@ def kernel():
 def _matrix(fmt: str, experts: int, out: int, inp: int, gen: torch.Generator) -> ExpertMatrix:
     if fmt == "Q8_0":
         return ExpertMatrix(random_q8_0(experts, out, inp, 0.1, gen), "Q8_0", (out, inp))
+    if fmt == "FP8_B32":  # every e4m3 byte but the NaNs, scales of 2-D 16 x 32 blocks
+        codes = torch.randint(0, 256, (experts, out, inp), dtype=torch.uint8, generator=gen)
+        codes[(codes & 0x7F) == 0x7F] = 0
+        scale_inv = torch.rand(experts, -(-out // 16), inp // 32, generator=gen) * 0.002
+        rows = [to_row_blocks(codes[e].view(torch.float8_e4m3fn), scale_inv[e], (16, 32)) for e in range(experts)]
+        return ExpertMatrix(torch.stack(rows).reshape(experts, -1), "FP8_B32", (out, inp))
     if fmt == "MXFP4":  # random codes, scales near 2^-4 (values up to 0.75) and a few tiny (subnormal) ones
         blocks = torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
         scales = torch.randint(121, 125, (experts, out, inp // 32), dtype=torch.uint8, generator=gen)
@@ -46,7 +53,7 @@ def _routing(tokens: int, experts: int, k: int, gen: torch.Generator):
             torch.tensor(pair_tokens, dtype=torch.int32), torch.rand(len(pair_tokens), generator=gen))
 
 
-@pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("MXFP4",) * 3,
+@pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("MXFP4",) * 3, ("FP8_B32",) * 3,
                                      ("Q8_0", "BF16", "F32"), ("MXFP4", "MXFP4", "BF16")])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 11])
 @pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
@@ -150,7 +157,7 @@ def test_unsupported_formats_are_refused(kernel):
     gen = torch.Generator().manual_seed(0)
     half = ExpertMatrix.of(torch.randn(2, 8, 32, generator=gen).half())
     assert not kernel.supports(half, half, half)
-    with pytest.raises(ValueError, match="F32/BF16/Q8_0/MXFP4"):
+    with pytest.raises(ValueError, match="F32/BF16/Q8_0/MXFP4/FP8_B32"):
         kernel.moe_forward(torch.randn(1, 32), half, half, half, *_routing(1, 2, 1, gen))
 
 
