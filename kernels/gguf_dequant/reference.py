@@ -43,6 +43,8 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "FP8_B32": (32, 36),
 }
 
+OWN_FORMATS = frozenset({"FP8_B32"})  # in BLOCK_SIZES but not ggml's (never in a GGUF file)
+
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 

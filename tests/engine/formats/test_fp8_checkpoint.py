@@ -31,6 +31,23 @@ def test_dequantization_inverts_quantization_to_e4m3_precision():
         dequantize_fp8_blocks(q, scale_inv[:2], BLOCK)
 
 
+@pytest.mark.parametrize("block", [(16, 32), (128, 128), (16, 64)])
+def test_row_blocks_hold_the_same_weights(block):
+    """FP8_B32, the host layout of offloaded FP8 experts: every 32 values of a row with their 2-D block's scale;
+    dequantized, exactly the checkpoint's weights."""
+    from freetoken.kernels.fp8_block.reference import to_row_blocks
+    from freetoken.kernels.gguf_dequant.reference import dequantize
+
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(1)) * 3
+    q, scale_inv = quantize_fp8_blocks(w, block)
+    rows = to_row_blocks(q, scale_inv, block)
+    assert rows.shape == (40, 128 // 32 * 36)
+    assert torch.equal(dequantize(rows.reshape(-1), "FP8_B32", w.numel()).view(w.shape),
+                       dequantize_fp8_blocks(q, scale_inv, block))
+    with pytest.raises(ValueError, match="rows of 32-value blocks"):
+        to_row_blocks(q[:, :120], quantize_fp8_blocks(w[:, :120], (16, 40))[1], (16, 40))
+
+
 @pytest.fixture(scope="module", params=[BLOCK, (16, 32)], ids=["16x16", "16x32"])
 def fp8_checkpoint(request, tmp_path_factory):
     """The tiny qwen3_moe checkpoint with every projection (experts included) in block FP8, and transformers'
