@@ -80,6 +80,10 @@ class GraphBoundary:
     topk_ids: torch.Tensor | None = None  # the experts routed to (for families with expert biases)
 
 
+def _has_biases(form: ExpertForm | None) -> bool:
+    return form is not None and any(t is not None for t in (form.gate_bias, form.up_bias, form.down_bias))
+
+
 class OffloadedExpertExecutor(PrefillPath):
     capturable = False  # looks routing up on the host every layer
 
@@ -132,7 +136,7 @@ class OffloadedExpertExecutor(PrefillPath):
         row, zeros, for pairs the device does not compute (see `_bias_owners`)."""
         if layer not in self._forms:
             form = self.host[layer].form
-            if form is not None and form.gate_bias is not None:
+            if _has_biases(form):
                 form = form.to(self.device)
                 form = replace(form, **{name: torch.cat((t, t.new_zeros(1, t.shape[1])))
                                         for name in ("gate_bias", "up_bias", "down_bias")
@@ -144,7 +148,7 @@ class OffloadedExpertExecutor(PrefillPath):
                      topk_ids: torch.Tensor | None) -> torch.Tensor | None:
         """Whose biases each pair of a gathered step adds: its expert, or the zero row for pairs pointing at the
         zero slot (computed on the CPU, which adds their biases itself). No host sync: capturable."""
-        if form is None or form.gate_bias is None or topk_ids is None:
+        if not _has_biases(form) or topk_ids is None:
             return None
         return torch.where(slot_map == self.zero_slot, self.num_experts, topk_ids)
 
