@@ -105,6 +105,23 @@ INLINE float mxfp4_scale(uint8_t e) {
     return f;
 }
 
+/* One 32-value block of a block format (Q8_0, MXFP4, FP8_B32) as its two scaled halves, values 0..15 and 16..31.
+   `type` is a compile-time constant where rows_dots inlines it, so the branches fold away. */
+INLINE void block_weights(int type, const uint8_t *blk, vf *w0, vf *w1) {
+    if (type == FT_Q8_0) {
+        vf d = (vf){0} + f16_scalar(blk);
+        *w0 = load_q8((const int8_t *)blk + 2) * d, *w1 = load_q8((const int8_t *)blk + 2 + LANES) * d;
+    } else if (type == FT_MXFP4) {
+        vf d = (vf){0} + mxfp4_scale(blk[0]);
+        *w0 = load_mxfp4(blk + 1, 0) * d, *w1 = load_mxfp4(blk + 1, 1) * d;
+    } else {
+        float scale;
+        memcpy(&scale, blk, 4);
+        vf d = (vf){0} + scale;
+        *w0 = load_fp8(blk + 4) * d, *w1 = load_fp8(blk + 4 + LANES) * d;
+    }
+}
+
 INLINE float hsum(vf v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)v);
@@ -138,42 +155,14 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
             }
         }
         for (int r = 0; r < nr; r++) acc[r][0] += acc_hi[r][0];
-    } else if (type == FT_FP8) {
-        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += FP8_BYTES) {
+    } else if (type == FT_Q8_0 || type == FT_MXFP4 || type == FT_FP8) {
+        size_t bytes = type == FT_Q8_0 ? Q8_BYTES : type == FT_MXFP4 ? MX_BYTES : FP8_BYTES;
+        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += bytes) {
             vf x0[TILE], x1[TILE];
             for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
             for (int r = 0; r < nr; r++) {
-                const uint8_t *blk = (const uint8_t *)rows[r] + b;
-                float scale;
-                memcpy(&scale, blk, 4);
-                vf d = (vf){0} + scale;
-                vf w0 = load_fp8(blk + 4) * d, w1 = load_fp8(blk + 4 + LANES) * d;
-                for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t], acc_hi[r][t] += w1 * x1[t];
-            }
-        }
-        for (int r = 0; r < nr; r++)
-            for (int t = 0; t < nt; t++) acc[r][t] += acc_hi[r][t];
-    } else if (type == FT_MXFP4) {
-        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += MX_BYTES) {
-            vf x0[TILE], x1[TILE];
-            for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
-            for (int r = 0; r < nr; r++) {
-                const uint8_t *blk = (const uint8_t *)rows[r] + b;
-                vf d = (vf){0} + mxfp4_scale(blk[0]);
-                vf w0 = load_mxfp4(blk + 1, 0) * d, w1 = load_mxfp4(blk + 1, 1) * d;
-                for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t], acc_hi[r][t] += w1 * x1[t];
-            }
-        }
-        for (int r = 0; r < nr; r++)
-            for (int t = 0; t < nt; t++) acc[r][t] += acc_hi[r][t];
-    } else if (type == FT_Q8_0) {
-        for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += Q8_BYTES) {
-            vf x0[TILE], x1[TILE];
-            for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
-            for (int r = 0; r < nr; r++) {
-                const uint8_t *blk = (const uint8_t *)rows[r] + b;
-                vf d = (vf){0} + f16_scalar(blk);
-                vf w0 = load_q8((const int8_t *)blk + 2) * d, w1 = load_q8((const int8_t *)blk + 2 + LANES) * d;
+                vf w0, w1;
+                block_weights(type, (const uint8_t *)rows[r] + b, &w0, &w1);
                 for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t], acc_hi[r][t] += w1 * x1[t];
             }
         }
