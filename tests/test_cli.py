@@ -66,7 +66,8 @@ def test_info_of_a_moe_checkpoint_reports_experts(tmp_path):
 
 @pytest.mark.parametrize("family, expected", [
     ("qwen3_next", ["2 full-attention layers, 2 Gated DeltaNet", "KV per token   256 B"]),
-    ("deepseek_v3", ["multi-head latent, 4 heads; cached per token: latent 32 + rotary key 8", "KV per token   480 B"]),
+    ("deepseek_v3", ["multi-head latent, 4 heads; cached per token: latent 32 + rotary key 8",
+                     "KV per token   240 B"]),  # the latent once: it is read as keys and values
 ])
 def test_info_of_the_new_families_says_what_their_cache_holds(family, expected, tmp_path):
     from support.checkpoints import write_hf_checkpoint

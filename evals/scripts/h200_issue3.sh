@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | gptoss-tests | d1-gptoss20b | d1-gptoss120b | families-tests | d1-qwen35 | d1-qwen3next | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | d1-qwen35 | d1-qwen3next | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -76,6 +76,9 @@ for part in "$@"; do
              "$OLDPWD/tests/engine/models/test_gpt_oss.py" "$OLDPWD/tests/engine/test_experts.py" 2>&1 | tail -8) ;;
     d1-gptoss120b) ft bench decode --shape gpt-oss-120b --expert-format MXFP4 --context 1024 --tokens 16 \
              --budgets 0,16GiB --strategies copy,cpu,auto --commit "$commit" --out "$OUT/d1-gpt-oss-120b-mxfp4-1k.md" ;;
+    d1-gptoss20b-early) FREETOKEN_EXPERIMENTAL=prefetch-early ft bench decode --shape gpt-oss-20b --context 1024 \
+             --tokens 16 --budgets 0,8GiB --strategies copy,cpu,auto --commit "$commit (prefetch-early)" \
+             --out "$OUT/d1-gpt-oss-20b-1k-prefetch-early.md" ;;
     d1-gptoss20b) ft bench decode --shape gpt-oss-20b --context 1024 --tokens 16 --budgets 0,8GiB \
              --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-gpt-oss-20b-1k.md" ;;
     d1-deepseekv3) ft bench decode --shape deepseek-v3 --layers 8 --expert-format Q8_0 --context 1024 --tokens 16 \

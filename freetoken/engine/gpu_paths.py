@@ -24,6 +24,8 @@ EXPERIMENTAL: dict[str, str] = {
     "delta-decode": "Gated DeltaNet decode steps as one Triton launch per layer (kernels/gated_delta)",
     "delta-prefill": "the chunked Gated DeltaNet's chunk-to-chunk loop as one Triton launch per layer",
     "recurrent-graphs": "decode of models with recurrent layers through CUDA graphs (state in static buffers)",
+    "prefetch-early": "captured decode queues the next layer's prefetch at the end of a layer's host work, not after "
+                      "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
 }
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.experts import ExpertForm, LayerExperts, gathered_expert_forward
 from freetoken.engine.offload import cudart
 from freetoken.engine.offload.cpu_experts import CpuExpertRunner
@@ -438,13 +439,18 @@ class OffloadedExpertExecutor(PrefillPath):
         # copies queued while the CPU share still reads it would only slow that down. Its copies are queued at
         # the start of the next boundary, once the next segment (that layer's dense work) has been launched:
         # queueing them costs the host ~15 µs each, which would otherwise delay that launch. They wait for this
-        # step's expert work, which may still read a slot they overwrite.
+        # step's expert work, which may still read a slot they overwrite. GPU path "prefetch-early"
+        # (experimental) queues them here instead: with large experts (gpt-oss: 50 MB) the link then works through
+        # the next segment too, for a launch delayed by the queueing.
         next_layer = self._prefetch_target(layer)
         if next_layer is not None and boundary.predicts:
             k = self._routers[next_layer][1]
             after = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
-            self._deferred_prefetch = (next_layer, set(io.predicted[:, :k].flatten().tolist()),
-                                       self._prefetch_room(ids), after)
+            pending = (next_layer, set(io.predicted[:, :k].flatten().tolist()), self._prefetch_room(ids), after)
+            if gpu_paths.enabled("prefetch-early"):
+                self._prefetch(*pending)
+            else:
+                self._deferred_prefetch = pending
         self._count_step_time(t0, t_routed, cpu_wait)
 
     def _issue_deferred_prefetch(self, layer: int) -> None:

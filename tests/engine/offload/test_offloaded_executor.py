@@ -112,9 +112,14 @@ class _EagerBoundaries:
 
 @pytest.mark.parametrize("slots", [0, 3])
 @pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
-def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path):
+@pytest.mark.parametrize("early", [False, True], ids=["deferred-prefetch", "prefetch-early"])
+def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path, early, monkeypatch):
     """The calls CUDA-graph decode makes instead of `forward` (cuda_graphs.py), checked for numerics and
-    bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used."""
+    bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used; the prefetch
+    queued at the next boundary or (GPU path "prefetch-early") at once."""
+    from freetoken.engine import gpu_paths
+
+    monkeypatch.setattr(gpu_paths, "enabled", lambda name: early if name == "prefetch-early" else False)
     path, resident, expected = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert)
