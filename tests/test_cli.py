@@ -68,6 +68,7 @@ def test_info_of_a_moe_checkpoint_reports_experts(tmp_path):
     ("qwen3_next", ["2 full-attention layers, 2 Gated DeltaNet", "KV per token   256 B"]),
     ("deepseek_v3", ["multi-head latent, 4 heads; cached per token: latent 32 + rotary key 8",
                      "KV per token   240 B"]),  # the latent once: it is read as keys and values
+    ("gpt_oss", ["attention sinks; sliding window 8 on 2 of 4 layers", "8 routed per layer, top-2"]),
 ])
 def test_info_of_the_new_families_says_what_their_cache_holds(family, expected, tmp_path):
     from support.checkpoints import write_hf_checkpoint

@@ -64,7 +64,10 @@ def _attention(args) -> str:
         return (f"multi-head latent, {dec.attention.n_heads} heads; cached per token: latent {latent.kv_lora_rank} "
                 f"+ rotary key {latent.rope_dim}; {rope}")
     a = dec.attention
-    return f"{a.n_heads} heads, {a.n_kv_heads} KV heads, head dim {a.head_dim}, {rope}"
+    text = f"{a.n_heads} heads, {a.n_kv_heads} KV heads, head dim {a.head_dim}, {rope}"
+    if (sliding := getattr(args, "sliding_layers", None)) is not None:  # gpt_oss
+        text += f"; attention sinks; sliding window {args.sliding_window} on {len(sliding)} of {dec.n_layers} layers"
+    return text
 
 
 def _expert_bytes(ckpt: HFCheckpoint | GGUFCheckpoint, spec: MoESpec) -> str:
@@ -78,7 +81,11 @@ def _expert_bytes(ckpt: HFCheckpoint | GGUFCheckpoint, spec: MoESpec) -> str:
             return f"{_size(per_expert)} per expert ({kinds}); {_size(per_expert * spec.total_routed_experts)} in all"
         return "unknown (no stacked expert tensors in this file)"
     dtype = _hf_expert_dtype(ckpt)
-    per_expert = spec.params_per_expert * _SAFETENSORS_BYTES.get(dtype, 2)
+    if any(n.endswith("_blocks") and ".experts." in n for n in ckpt.shards):  # gpt-oss's MXFP4 release
+        dtype = "MXFP4"
+        per_expert = spec.bytes_per_expert("MXFP4")
+    else:
+        per_expert = spec.params_per_expert * _SAFETENSORS_BYTES.get(dtype, 2)
     return f"{_size(per_expert)} per expert ({dtype}); {_size(per_expert * spec.total_routed_experts)} in all"
 
 

@@ -137,8 +137,12 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
 
 
 def test_mxfp4_checkpoints_load_to_the_same_model(mxfp4_checkpoint):
-    """Resident: the MXFP4 experts dequantized at load give the reference's logits."""
+    """Resident: the MXFP4 experts dequantized at load give the reference's logits; `ft info` tells their
+    format and bytes (17 per 32 weights)."""
+    from freetoken.engine.model_info import describe
+
     path, model = mxfp4_checkpoint
+    assert "3.19 KiB per expert (MXFP4)" in describe(str(path))  # 3 × 32 × 64 weights × 17 / 32 bytes
     loaded = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     ids = prompt_ids()
     torch.testing.assert_close(loaded.prefill_logits(ids), hf_logits(model, ids), atol=1e-4, rtol=0)
