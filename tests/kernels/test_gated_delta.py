@@ -6,11 +6,10 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
-from support.decode_checks import interpreter_only, run_fresh  # noqa: E402
+from support.decode_checks import KERNEL_RUNS, run_fresh  # noqa: E402
 
 # Head dims that are and are not powers of two (masked lanes), several value blocks, 1 and 5 tokens, a state
 # that must be left as it was.
@@ -64,21 +63,11 @@ CARRY_CHECK = textwrap.dedent("""
 """)
 
 
-@interpreter_only
-def test_the_chunk_loop_kernel_equals_the_reference_under_the_interpreter():
-    run_fresh(CARRY_CHECK, "cpu", interpret=True)
+@pytest.mark.parametrize("device, interpret", KERNEL_RUNS)
+def test_the_chunk_loop_kernel_equals_the_reference(device, interpret):
+    run_fresh(CARRY_CHECK, device, interpret=interpret)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_chunk_loop_kernel_equals_the_reference_compiled_on_cuda():
-    run_fresh(CARRY_CHECK, "cuda", interpret=False)
-
-
-@interpreter_only
-def test_the_recurrent_kernel_equals_the_reference_under_the_interpreter():
-    run_fresh(CHECK, "cpu", interpret=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_recurrent_kernel_equals_the_reference_compiled_on_cuda():
-    run_fresh(CHECK, "cuda", interpret=False)
+@pytest.mark.parametrize("device, interpret", KERNEL_RUNS)
+def test_the_recurrent_kernel_equals_the_reference(device, interpret):
+    run_fresh(CHECK, device, interpret=interpret)

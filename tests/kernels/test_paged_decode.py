@@ -9,12 +9,11 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
 from freetoken.kernels.paged_decode.kernel import BLOCK_N, splits_for, supports  # noqa: E402
-from support.decode_checks import interpreter_only, run_fresh  # noqa: E402
+from support.decode_checks import KERNEL_RUNS, run_fresh  # noqa: E402
 
 # Grouped-query layouts (8, 1 and 3 query heads per KV head), bf16 and fp32, windows with several splits, one
 # whose later splits lie wholly past the valid length, slots in random order, garbage in the slots past it, and
@@ -49,14 +48,9 @@ CHECK = textwrap.dedent("""
 """)
 
 
-@interpreter_only
-def test_interpreted_kernel_matches_the_reference():
-    run_fresh(CHECK, "cpu", interpret=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_compiled_kernel_matches_the_reference():
-    run_fresh(CHECK, "cuda", interpret=False)
+@pytest.mark.parametrize("device, interpret", KERNEL_RUNS)
+def test_the_kernel_matches_the_reference(device, interpret):
+    run_fresh(CHECK, device, interpret=interpret)
 
 
 def test_splits_cover_the_window_in_whole_blocks():

@@ -55,4 +55,8 @@ def run_fresh(script: str, *args: str, interpret: bool, env: dict | None = None)
 # runtime loop bound: "only 0-dimensional arrays can be converted to Python scalars", seen on the H200 machine).
 interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
                                       reason="a GPU is present: the compiled kernel's tests run instead")
+# (device, interpret) of a kernel check: under the interpreter without a GPU, compiled on CUDA with one
+KERNEL_RUNS = [pytest.param("cpu", True, marks=interpreter_only, id="interpreter"),
+               pytest.param("cuda", False, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+                            id="compiled-cuda")]
 
