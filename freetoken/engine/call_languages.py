@@ -130,6 +130,15 @@ class CallsInText(ABC):
             if not self.feed(opened) or self.mode == self.FREE:
                 raise ValueError(f"a call opening that starts no call of {what}: {opened!r}")
 
+    def _literal(self, c: str, options: list[str]) -> str | None:
+        """`pending` + c matched against the literal texts `options`: None where none continues with it; "" while
+        a prefix of one (held in `pending`); the literal itself once it is complete (`pending` reset)."""
+        pending = self.pending + c
+        if not any(o.startswith(pending) for o in options):
+            return None
+        self.pending = "" if pending in options else pending
+        return pending if pending in options else ""
+
     @abstractmethod
     def _open(self) -> None:
         """Enters a call: `OPEN` was just read."""
@@ -322,6 +331,7 @@ class CallsThenTheEnd(CallsInText):
     """A language whose calls (of `names`, arguments under `schemas`) end the reply: DONE, where only the end
     may follow. State: the literal being matched (`pending`) and the current arguments' JSON (`json`)."""
 
+    ARGS: int  # the modes subclasses number: reading arguments, and past the end
     DONE: int
 
     def __init__(self, opened: str | None = None, names: tuple[str, ...] = (),
@@ -335,6 +345,19 @@ class CallsThenTheEnd(CallsInText):
         other = copy.copy(self)  # names and compiled schemas are shared, never changed
         other.json = None if self.json is None else self.json.copy()
         return other
+
+    def _after_args_or_args(self, c: str, then: int) -> bool | None:
+        """`c` past the end (whitespace only) or inside the current arguments (mode `then` once they close);
+        None in any other mode."""
+        if self.mode == self.DONE:
+            return glue_space(self, c) is True
+        if self.mode != self.ARGS:
+            return None
+        if not self.json.feed(c):
+            return False
+        if self.json.complete:
+            self.mode, self.pending = then, ""
+        return True
 
     def _arguments(self, name: str):
         """The JSON reader of `name`'s arguments: its schema's where it has a usable one."""
@@ -381,23 +404,14 @@ class DeepseekCalls(CallsThenTheEnd):
         return [DEEPSEEK_CALL_END]
 
     def _call_char(self, c: str) -> bool:
-        if self.mode == self.DONE:
-            return glue_space(self, c) is True
-        if self.mode == self.ARGS:
-            if not self.json.feed(c):
-                return False
-            if self.json.complete:
-                self.mode, self.pending = (self.FENCE_END if self.fenced else self.CALL_END), ""
-            return True
+        if (taken := self._after_args_or_args(c, self.FENCE_END if self.fenced else self.CALL_END)) is not None:
+            return taken
         if not self.pending and self.mode != self.NAME and (space := glue_space(self, c)) is not None:
             return space
-        pending = self.pending + c
-        options = self._literals()
-        if not any(o.startswith(pending) for o in options):
+        pending = self._literal(c, self._literals())
+        if pending is None:
             return False
-        self.pending = pending
-        if pending in options:
-            self.pending = ""
+        if pending:
             if self.mode == self.NAME:
                 name = pending.removeprefix("function" + DEEPSEEK_SEP) if self.fenced else pending
                 name = name.removesuffix("\n```json\n" if self.fenced else DEEPSEEK_SEP)
@@ -432,20 +446,12 @@ class HarmonyCalls(CallsThenTheEnd):
         self.mode, self.pending = self.NAME, ""
 
     def _call_char(self, c: str) -> bool:
-        if self.mode == self.DONE:
-            return glue_space(self, c) is True
-        if self.mode == self.ARGS:
-            if not self.json.feed(c):
-                return False
-            if self.json.complete:
-                self.mode = self.DONE
-            return True
-        pending = self.pending + c
-        options = [n + end for n in self.names for end in HARMONY_HEADER_ENDS]  # the name, the header's rest
-        if not any(o.startswith(pending) for o in options):
+        if (taken := self._after_args_or_args(c, self.DONE)) is not None:
+            return taken
+        pending = self._literal(c, [n + end for n in self.names for end in HARMONY_HEADER_ENDS])  # name, header
+        if pending is None:
             return False
-        self.pending = pending
-        if pending in options:
+        if pending:
             name = next(n for n in self.names if pending.startswith(n) and pending[len(n):] in HARMONY_HEADER_ENDS)
-            self.mode, self.pending, self.json = self.ARGS, "", self._arguments(name)
+            self.mode, self.json = self.ARGS, self._arguments(name)
         return True

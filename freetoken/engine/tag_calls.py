@@ -174,13 +174,10 @@ class QwenXmlCalls(TaggedParameterCalls):
             return c not in "\n>"
         if not self.pending and (space := glue_space(self, c)) is not None:
             return space
-        pending = self.pending + c
-        options = self._options()
-        if not any(o.startswith(pending) for o in options):
+        pending = self._literal(c, self._options())
+        if pending is None:
             return False
-        self.pending = pending
-        if pending in options:
-            self.pending = ""
+        if pending:
             if self.mode == self.FUNCTION:
                 self.mode, self.function, self.seen = self.BODY, pending[len("<function="):-1], frozenset()
             elif pending == "</function>":
@@ -235,13 +232,10 @@ class GlmCalls(TaggedParameterCalls):
             return "<" not in self.pending or ARG_KEY_END.startswith(self.pending[self.pending.index("<"):])
         if not self.pending and self.mode != self.KEY and (space := glue_space(self, c)) is not None:
             return space
-        pending = self.pending + c
-        options = self._literals()
-        if not any(o.startswith(pending) for o in options):
+        pending = self._literal(c, self._literals())
+        if pending is None:
             return False
-        self.pending = pending
-        if pending in options:
-            self.pending = ""
+        if pending:
             if pending == CALL_CLOSE:
                 self.mode, self.tail = self.FREE, ""
             elif pending == ARG_KEY:
