@@ -11,6 +11,7 @@ from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
+from support.decode_checks import batched_equals_alone
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 TEXTS = ["The quick brown fox", "A longer prompt that takes several prefill chunks to get through", "Hi"]
@@ -50,16 +51,7 @@ def _run(scheduler: BatchScheduler, prompts: list[list[int]], params=GREEDY, joi
 
 
 def test_batched_logits_equal_one_sequence_at_a_time(model):
-    lm = load_model(model, progress=False)
-    prompts = [prompt_ids(t) for t in TEXTS]
-    alone = [lm.prefill_logits(p)[-1] for p in prompts]
-    cache = lm.new_cache(page_size=4)
-    seqs = [cache.new_sequence() for _ in prompts]
-    with torch.inference_mode():
-        logits = lm.forward_batch(torch.tensor([t for p in prompts for t in p]), cache, seqs,
-                                  [len(p) for p in prompts])
-    for got, want in zip(logits, alone, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    batched_equals_alone(load_model(model, progress=False), [prompt_ids(t) for t in TEXTS])
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -38,6 +38,18 @@ def static_window_equals_eager(lm, window: int, steps: int, tol: float) -> Stati
     return ctx
 
 
+def batched_equals_alone(lm, prompts: list[list[int]], tol: float = 1e-5) -> None:
+    """The prompts in one batched forward (continuous batching): each one's last logits equal its own run's."""
+    alone = [lm.prefill_logits(p)[-1] for p in prompts]
+    cache = lm.new_cache(page_size=4)
+    seqs = [cache.new_sequence() for _ in prompts]
+    with torch.inference_mode():
+        logits = lm.forward_batch(torch.tensor([t for p in prompts for t in p]), cache, seqs,
+                                  [len(p) for p in prompts])
+    for got, want in zip(logits, alone, strict=True):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 def run_fresh(script: str, *args: str, interpret: bool, env: dict | None = None) -> None:
     """Runs `script` in a fresh interpreter (Triton's interpreter on when `interpret`) with the tests' support
     package importable, from a directory outside the source tree (so the installed package is what imports);

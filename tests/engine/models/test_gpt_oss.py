@@ -74,15 +74,10 @@ def test_offloaded_experts_give_the_same_greedy_tokens(checkpoint):
 def test_batched_sequences_match_their_single_runs(lm):
     """Two prompts of different lengths in one forward (continuous batching): each one's last logits equal its
     own run's, windows and sinks applied per sequence."""
-    prompts = [prompt_ids(), prompt_ids("<|im_start|>user\nHow many trees grow by the river?<|im_end|>\n")]
-    alone = [lm.prefill_logits(p)[-1] for p in prompts]
-    cache = lm.new_cache(page_size=4)
-    seqs = [cache.new_sequence() for _ in prompts]
-    with torch.inference_mode():
-        logits = lm.forward_batch(torch.tensor([t for p in prompts for t in p]), cache, seqs,
-                                  [len(p) for p in prompts])
-    for got, want in zip(logits, alone, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    from support.decode_checks import batched_equals_alone
+
+    batched_equals_alone(lm, [prompt_ids(), prompt_ids("<|im_start|>user\nHow many trees grow by the river?"
+                                                       "<|im_end|>\n")])
 
 
 def test_the_static_decode_window_equals_eager_decode(lm):
