@@ -2,8 +2,8 @@
 
     python evals/scripts/profile_offload.py --layers 12 --budget 0 --strategy auto --out DIR
 
-Builds the synthetic qwen3-30b-a3b shape (random weights) on CUDA, decodes through segmented CUDA graphs as the
-engine does, and profiles a few steps with each host-side phase of the executor marked (the work between two
+Builds a synthetic shape (`--shape`, default qwen3-30b-a3b; random weights) on CUDA, decodes through segmented
+CUDA graphs as the engine does, and profiles a few steps with each host-side phase of the executor marked (the work between two
 graph segments, dispatch, planning, copies, CPU start, prefetch, waiting for the CPU). Writes DIR/trace-*.json
 (chrome://tracing) and prints the mean wall time per layer of each phase and the busy share of each CUDA
 stream. A diagnostic, not a benchmark.
@@ -26,7 +26,9 @@ from freetoken.engine.cuda_graphs import GraphedDecoder
 from freetoken.engine.loader import attach_experts, build_executor
 from freetoken.engine.offload import cpu_experts
 from freetoken.engine.offload import executor as executor_module
+from freetoken.engine.offload.expert_cache import ExpertCache
 from freetoken.engine.offload.planner import MissPlanner
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.gguf_dequant import fused
 from freetoken.units import parse_bytes
 
@@ -35,6 +37,12 @@ PHASES = {  # (object, attribute) wrapped with a profiler range of the same name
     "dispatch": (executor_module.OffloadedExpertExecutor, "_dispatch"),
     "plan": (executor_module.OffloadedExpertExecutor, "_plan"),
     "prefetch": (executor_module.OffloadedExpertExecutor, "_prefetch"),
+    "backlog": (executor_module.OffloadedExpertExecutor, "_copy_backlog"),
+    "prefetch_use": (executor_module.OffloadedExpertExecutor, "_count_prefetch_use"),
+    "cache_step": (ExpertCache, "begin_step"),
+    "cache_lookup": (ExpertCache, "lookup"),
+    "cpu_launch_py": (cpu_experts.CpuExpertRunner, "_launch"),  # the workspace filled, then the kernel started
+    "kernel_launch": (CpuExpertKernel, "launch"),  # argument conversion and ft_moe_start (waking the workers)
 }
 
 
@@ -77,6 +85,7 @@ def summarize(trace: dict, layers: int, tokens: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--budget", default="0")
     p.add_argument("--strategy", default="auto", choices=["auto", "auto-noprefetch", "copy", "cpu"])
@@ -87,7 +96,7 @@ def main() -> None:
     a = p.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     ceilings = measure_ceilings(device, a.expert_format, dtype, 512)
-    lm = build_synthetic("qwen3-30b-a3b", device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=0,
+    lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=0,
                          expert_format=a.expert_format)
     miss_path = a.strategy.removesuffix("-noprefetch")
     executor = build_executor(lm.experts.host, lm.moe_spec, dtype, device, parse_bytes(a.budget), "freq", miss_path)
@@ -129,10 +138,13 @@ def main() -> None:
                     int(decoder.step(seq, token).argmax())
             elapsed = time.perf_counter() - t0
     a.out.mkdir(parents=True, exist_ok=True)
-    trace_path = a.out / f"trace-{a.strategy}-{a.budget}.json"
+    trace_path = a.out / f"trace-{a.shape}-{a.strategy}-{a.budget}.json"
     prof.export_chrome_trace(str(trace_path))
     c = executor.counters
-    print(f"{a.strategy} budget {a.budget}: {a.tokens / elapsed:.2f} tok/s under the profiler, "
+    if c.cpu_starts:
+        print(f"CPU share started {c.cpu_start_delay_seconds / c.cpu_starts * 1e6:.0f} µs after the routing reached "
+              f"the host (mean of {c.cpu_starts}, warm-up included)")
+    print(f"{a.shape} {a.strategy} budget {a.budget}: {a.tokens / elapsed:.2f} tok/s under the profiler, "
           f"{elapsed / (a.tokens * a.layers) * 1e6:.0f} µs per layer-step; counters {c}")
     print(summarize(json.loads(trace_path.read_text()), a.layers, a.tokens))
 

@@ -103,9 +103,10 @@ def measure_ceilings(device: torch.device, expert_format: str, dtype: torch.dtyp
                     kernel_bench.expert_gb_s(kernel, fmt, 1, pool, "kernel", gen))
 
 
-def run_decode(lm, context: int, tokens: int, miss_path: str,
-               graphs: bool = False) -> tuple[float, object, object, list[int], list[float]]:
-    """Prefills `context` random tokens (copy path), then times `tokens` decode steps.
+def run_decode(lm, context: int, tokens: int, miss_path: str, graphs: bool = False,
+               warmup: int = 0) -> tuple[float, object, object, list[int], list[float]]:
+    """Prefills `context` random tokens (copy path), decodes `warmup` untimed steps (the planner and its path
+    guard learn this machine, as a running server has), then times `tokens` decode steps from the context's end.
 
     Decode is teacher-forced with random tokens: a random model's own greedy output quickly repeats one token,
     which would route every step to the same experts and flatter the cache. The argmax of each step is still
@@ -113,7 +114,8 @@ def run_decode(lm, context: int, tokens: int, miss_path: str,
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, lm.args.decoder.vocab_size, (context + tokens,), generator=gen)
     prompt, feed = ids[:context].to(lm.device), ids[context:].tolist()
-    capacity = context + tokens + 16
+    warm = torch.randint(0, lm.args.decoder.vocab_size, (warmup,), generator=torch.Generator().manual_seed(1))
+    capacity = context + tokens + warmup + 32  # the warm-up's fork copies the context's last page
     cache = lm.new_cache(initial_tokens=capacity, max_tokens=capacity)
     seq = cache.new_sequence()
     executor = lm.experts
@@ -128,6 +130,11 @@ def run_decode(lm, context: int, tokens: int, miss_path: str,
         if graphs:
             step(seq, feed[0])  # captures the graph outside the timed loop
             cache.truncate(seq, context)
+        if warmup:  # on a fork: a sequence with recurrent state cannot be rolled back
+            branch = cache.fork(seq)
+            for token in warm.tolist():
+                step(branch, token)
+            cache.release(branch)
         before = replace(executor.counters) if hasattr(executor, "counters") else None
         _sync(lm.device)
         t0 = time.perf_counter()
@@ -214,7 +221,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             # every strategy but the eager `resident` reference decodes through CUDA graphs (segmented when the
             # executor routes on the host), as the engine does
             graphs = device.type == "cuda" and strategy != "resident" and not a.eager_only
-            tok_s, before, after, produced, margins = run_decode(lm, a.context, a.tokens, miss_path, graphs=graphs)
+            tok_s, before, after, produced, margins = run_decode(lm, a.context, a.tokens, miss_path, graphs=graphs,
+                                                                 warmup=a.warmup)
             if reference is None:
                 reference, reference_margins = produced, margins
             label = f"{strategy} ({policy})" if strategy in ("copy", "auto") and len(policies) > 1 else strategy
@@ -334,7 +342,8 @@ def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
            "offloaded)")
     lines = [
         *result_header("Decode", "decode", a),
-        f"- context {a.context} tokens (random ids), {a.tokens} decode tokens, greedy; random weights, "
+        f"- context {a.context} tokens (random ids), {a.tokens} decode tokens timed after {a.warmup} untimed, "
+        f"greedy; random weights, "
         f"{_routing(a.skew)}; decode teacher-forced with random tokens; {how}",
         f"- measured in this run: pinned host→device {_gb(ceilings.h2d)}, host DRAM read {_gb(ceilings.dram_read)}, "
         f"CPU expert kernel {_gb(ceilings.cpu_experts)} (batch 1); floor = "
@@ -389,6 +398,8 @@ def main(argv: list[str]) -> int:
     add_model_args(p)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=8,
+                   help="untimed decode tokens first (the planner's online fit and path guard settle)")
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")
     p.add_argument("--strategies", default="resident,copy,cpu,auto",
                    help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto, auto-noprefetch, "

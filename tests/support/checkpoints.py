@@ -262,7 +262,9 @@ def write_hf_checkpoint(family: str, path: Path, *, seed: int = 0, rope: str = "
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family == "gpt_oss":  # transformers before 5.2x hard-code the clamp (7.0, every release's value)
         for layer in model.model.layers:
-            layer.mlp.experts.alpha, layer.mlp.experts.limit = config.swiglu_alpha, config.swiglu_limit
+            experts = layer.mlp.experts  # (5.17's config has no swiglu_alpha: its experts keep their own)
+            experts.alpha = getattr(config, "swiglu_alpha", experts.alpha)
+            experts.limit = config.swiglu_limit
     _randomize(model, seed)
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -32,7 +32,7 @@ from freetoken.engine.experts import ExpertForm, LayerExperts, gathered_expert_f
 from freetoken.engine.offload import cudart
 from freetoken.engine.offload.cpu_experts import CpuExpertRunner
 from freetoken.engine.offload.expert_cache import ExpertCache
-from freetoken.engine.offload.planner import MissPlanner
+from freetoken.engine.offload.planner import LinkQueue, MissPlanner
 from freetoken.engine.offload.policy import make_policy
 from freetoken.engine.offload.prefill import PrefillPath
 from freetoken.engine.offload.quantized import QuantizedExperts
@@ -119,10 +119,11 @@ class OffloadedExpertExecutor(PrefillPath):
         self._next_layer: dict[int, int] = {}
         self._prefetched: set[tuple[int, int]] = set()
         self._staged_ahead: dict[tuple[int, int], int] = {}  # prefetched into staging: (layer, expert) → ring index
-        self._prefetch_done: list = []  # completion of the last prefetch's copies (the link's backlog)
-        self._prefetch_seconds = 0.0  # their predicted copy time
+        self._prefetch_done: list = []  # completion of the last prefetch's copies
+        self._link = LinkQueue()  # when the link will have worked through the decode copies queued so far
         self._deferred_prefetch: tuple | None = None  # (layer, experts, room, event): queued at the next boundary
         self._cpu_started_at: float | None = None  # when this layer-step's CPU share started (diagnostics)
+        self._step_misses = 0  # experts this layer-step's cache lacked (prefetched ones too): the guard's unit
         self._forms: dict[int, ExpertForm | None] = {}  # per layer, on the device (form_of)
         # Prefill: while a long chunk's layer computes, the next layer's experts stream (prefill.py), so the link
         # works through that layer's attention. Off by default: within noise of plain streaming on the H200
@@ -284,6 +285,7 @@ class OffloadedExpertExecutor(PrefillPath):
                 staged.append(ahead[e])
             else:
                 misses.append(e)
+        self._step_misses = len(misses) + len(staged)
         to_copy, to_cpu = self._plan(misses, lambda e: len(pairs_of[e]), self._copy_backlog())
         copier = self.copier
         if to_copy:
@@ -299,9 +301,11 @@ class OffloadedExpertExecutor(PrefillPath):
                 else:
                     slot_of[e] = admitted[0]
             copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
+            now = time.perf_counter()
             if copier.batch_is_sample:
-                self.planner.observe_issue(len(to_copy), time.perf_counter() - t_issue)
+                self.planner.observe_issue(len(to_copy), now - t_issue)
             copier.end()
+            self._link.queued(now, self.planner.copy.predict(len(to_copy) * self.expert_bytes))
             self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         on_cpu = None
         if to_cpu:  # after the copies, which take the host ~3 µs each to queue; starting the CPU takes longer
@@ -467,9 +471,11 @@ class OffloadedExpertExecutor(PrefillPath):
             c.cpu_starts += 1
             c.cpu_start_delay_seconds += self._cpu_started_at - routed
             self._cpu_started_at = None
+        end = time.perf_counter()
         c.gpu_wait_seconds += routed - start
         c.cpu_wait_seconds += cpu_wait
-        c.host_seconds += time.perf_counter() - routed - cpu_wait
+        c.host_seconds += end - routed - cpu_wait
+        self.planner.observe_step(end - start, self._step_misses)
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Small pinned → device copy on the compute stream, through the runtime directly where possible."""
@@ -487,7 +493,8 @@ class OffloadedExpertExecutor(PrefillPath):
         event on the compute stream past the last reader of the slots (instead of all the compute queued)."""
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
         if self.miss_path == "auto":
-            missing = self.planner.split(missing, self.expert_bytes, observe=False).copy
+            missing = self.planner.split(missing, self.expert_bytes, observe=False,
+                                         copy_busy_s=self._copy_backlog()).copy
             missing = missing[:len(missing) - self.planner.held_for_probe()]
         if not missing:
             return
@@ -517,8 +524,9 @@ class OffloadedExpertExecutor(PrefillPath):
         copier.to_slots(layer, experts, self.slots, slots)
         if experts and copier.stream is not None:
             self._prefetch_done = [copier.stream.record_event()]
-            self._prefetch_seconds = self.planner.copy.predict(len(experts) * self.expert_bytes)
         copier.end()
+        if experts:
+            self._link.queued(time.perf_counter(), self.planner.copy.predict(len(experts) * self.expert_bytes))
         self._prefetched.update((layer, e) for e in experts)
         self.counters.prefetched += len(experts)
         self.counters.bytes_copied += len(experts) * self.expert_bytes
@@ -531,12 +539,12 @@ class OffloadedExpertExecutor(PrefillPath):
         return ahead
 
     def _copy_backlog(self) -> float:
-        """Seconds the link still owes the last prefetch (its predicted time while its copies have not all
-        landed): this step's copies queue behind them."""
-        if not self._prefetch_done or self._prefetch_done[0].query():
-            self._prefetch_done = []
-            return 0.0
-        return self._prefetch_seconds
+        """Seconds the link still owes the decode copies queued so far (prefetches and earlier steps'), by the
+        copy model, or none once they are known to have landed: copies queued now start after them."""
+        now = time.perf_counter()
+        if self.copier.idle():
+            self._link.drained(now)
+        return self._link.backlog(now)
 
     def _count_prefetch_use(self, layer: int, routed) -> None:
         """`routed`: the experts the layer routed to (any iterable of expert ids)."""

@@ -7,7 +7,9 @@ the copies before it starts the CPU share, so each copy also delays the CPU path
 for a dense expert, more where a copy needs a kernel launch), measured online too. The planner picks the
 split that minimises the predicted step time, so with honest estimates it is never slower than either pure
 strategy; a path that goes unused is re-probed now and then (one miss) so a wrong seed cannot lock it out.
-No torch here: the executor measures, this module only decides.
+Estimates can still be dishonest in ways no single path's samples show, so decode's splits are also checked end to
+end against the pure paths (`PathGuard`). `LinkQueue` tells a step how long the link still owes the copies queued
+before it. No torch here: the executor measures, this module only decides.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+
+from freetoken.engine.offload.path_guard import PathGuard
 
 
 @dataclass(slots=True)
@@ -91,6 +95,25 @@ class IssueCost:
             self.per_copy = d * self.per_copy + (1 - d) * max(sample - self.fixed, 0.0) / copies
 
 
+class LinkQueue:
+    """When the copy link will have worked through the copies queued on it, by the copy model: each batch
+    starts when the link is free (or when queued) and takes its predicted time. The executor says when the
+    copies are known to have landed (an event), so a slow prediction does not pile up."""
+
+    def __init__(self):
+        self.free_at = 0.0  # host clock (perf_counter) seconds
+
+    def queued(self, now: float, seconds: float) -> None:
+        self.free_at = max(self.free_at, now) + seconds
+
+    def drained(self, now: float) -> None:
+        self.free_at = min(self.free_at, now)
+
+    def backlog(self, now: float) -> float:
+        """Seconds from `now` until copies queued now would start."""
+        return max(0.0, self.free_at - now)
+
+
 @dataclass(slots=True)
 class Split:
     copy: list  # items to fetch into the GPU cache
@@ -105,14 +128,16 @@ class MissPlanner:
 
     def __init__(self, copy_gb_s: float, cpu_gb_s: float, copy_fixed_s: float = 20e-6, cpu_fixed_s: float = 100e-6,
                  learn: bool = True, issue_s: float = 0.0, probe_every: int = PROBE_EVERY,
-                 issue_fixed_s: float = 0.0):
+                 issue_fixed_s: float = 0.0, guard: bool = True):
         """`learn=False` keeps the given costs (a fixed split, for reproducible runs) and never probes.
-        `issue_s` / `issue_fixed_s`: host seconds to queue one more copy / to start a batch, until measured."""
+        `issue_s` / `issue_fixed_s`: host seconds to queue one more copy / to start a batch, until measured.
+        `guard`: check the splits end to end against the pure paths (decode's planner; with `learn` only)."""
         self.copy = LinearCost(copy_fixed_s, 1e-9 / copy_gb_s)
         self.cpu = LinearCost(cpu_fixed_s, 1e-9 / cpu_gb_s)
         self.issue = IssueCost(issue_s, issue_fixed_s)
         self.learn = learn
         self.probe_every = probe_every
+        self.guard = PathGuard() if guard and learn else None
         self._idle = {"copy": 0, "cpu": 0}
         self.steps = 0
         # the latest raw samples (GB/s of copy and CPU batches, µs to queue one copy), for diagnostics
@@ -133,6 +158,10 @@ class MissPlanner:
             return Split([], [], 0.0)
         tokens = sorted(((tokens_of(m), i) for i, m in enumerate(misses)), reverse=True)
         ordered = [misses[i] for _, i in tokens]
+        way = self.guard.way if self.guard is not None else "split"
+        if way != "split":  # the guard is measuring (or has chosen) a pure path; free slots are still filled
+            on_cpu = n - min(min_copy, n) if way == "cpu" else 0
+            return Split(ordered[:n - on_cpu], ordered[n - on_cpu:], 0.0)
         best_cpu, best_t, cpu_bytes = 0, float("inf"), 0.0
         for on_cpu in range(n - min(min_copy, n) + 1):
             if on_cpu:  # the CPU takes the next-cheapest miss
@@ -169,6 +198,11 @@ class MissPlanner:
             return n - n // 2
         return on_cpu
 
+    def observe_step(self, seconds: float, misses: int) -> None:
+        """A decode layer-step took `seconds`, waits included, with `misses` experts the cache lacked."""
+        if self.guard is not None:
+            self.guard.observe(seconds, misses)
+
     def describe(self) -> str:
         """The current model (and the median of its latest raw samples), for logs and benchmark diagnostics."""
         def seen(kind: str, unit: str) -> str:
@@ -178,7 +212,7 @@ class MissPlanner:
         return (f"copy {self.copy.gb_s:.1f} GB/s + {self.copy.fixed * 1e6:.0f} µs{seen('copy', 'GB/s')}, "
                 f"CPU {self.cpu.gb_s:.1f} GB/s + {self.cpu.fixed * 1e6:.0f} µs{seen('cpu', 'GB/s')}, "
                 f"queueing {self.issue.fixed * 1e6:.0f} µs + {self.issue.per_copy * 1e6:.1f} µs a copy"
-                f"{seen('issue', 'µs a copy')}")
+                f"{seen('issue', 'µs a copy')}" + (f"; {self.guard.describe()}" if self.guard else ""))
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if self.learn:

@@ -101,7 +101,8 @@ class PrefillPath:
         if getattr(self, "_prefill_planner_of", None) is not base:
             planner = MissPlanner(base.copy.gb_s, base.cpu.gb_s, copy_fixed_s=base.copy.fixed,
                                   cpu_fixed_s=base.cpu.fixed, learn=base.learn, issue_s=base.issue.per_copy,
-                                  issue_fixed_s=base.issue.fixed, probe_every=self.PREFILL_PROBE_EVERY)
+                                  issue_fixed_s=base.issue.fixed, probe_every=self.PREFILL_PROBE_EVERY,
+                                  guard=False)
             self._prefill_planner_obj, self._prefill_planner_of = planner, base
         return self._prefill_planner_obj
 

@@ -305,6 +305,11 @@ class ExpertCopier:
                 batch.end.record(self.stream)
             self._timed.append(batch)
 
+    def idle(self) -> bool:
+        """Whether every batch of copies queued so far has landed (never blocks)."""
+        last = self._timed[-1] if self._timed else None
+        return last is None or last.seconds is not None or last.end.query()
+
     @property
     def batch_is_sample(self) -> bool:
         """False when the open batch compiled or captured a kernel: the host's time to queue it is no sample."""

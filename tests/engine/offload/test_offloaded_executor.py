@@ -138,6 +138,26 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
     assert (c.prefetch_used > 0) == (miss_path != "cpu")
 
 
+@pytest.mark.parametrize("slots", [0, 3])
+def test_every_way_the_path_guard_measures_gives_the_resident_tokens(checkpoint, slots):
+    """`auto` with a learning planner: the guard times the decode layer-steps and sends windows of them down each
+    pure path in turn (windows of 3 steps here); every way, and every change between them mid-token (prefetches
+    planned by one way, arriving under another), is lossless and accounts for each miss once."""
+    path, resident, expected = checkpoint
+    per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(path, progress=False, expert_cache=slots * per_expert)
+    ex = lm.experts
+    ex.miss_path, ex.planner, ex.prefetch = "auto", MissPlanner(20, 20), True
+    ex.planner.guard.window, ex.planner.guard.explore_every, ex.planner.guard.SETTLE = 3, 1, 1
+    driver = _EagerBoundaries(ex)
+    attach_experts(lm.model, driver)
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert set(ex.planner.guard.seconds_per_miss) == {"split", "cpu", "copy"}
+    c = ex.counters
+    copies = c.bytes_copied // per_expert
+    assert copies + c.cpu_experts == c.misses + c.prefetched - (0 if slots else c.prefetch_used)
+
+
 def test_a_cache_holding_every_expert_misses_each_expert_once(checkpoint):
     path, resident, expected = checkpoint
     spec = resident.moe_spec

@@ -146,9 +146,9 @@ def test_the_time_to_queue_copies_delays_the_cpu_and_is_learned():
 def test_the_planner_describes_its_current_model():
     planner = MissPlanner(40, 20, copy_fixed_s=20e-6, cpu_fixed_s=150e-6, issue_s=3e-6)
     assert planner.describe() == ("copy 40.0 GB/s + 20 µs, CPU 20.0 GB/s + 150 µs, "
-                                  "queueing 0 µs + 3.0 µs a copy")
+                                  "queueing 0 µs + 3.0 µs a copy; ways measured (µs per miss): none yet; using split")
     planner.observe_issue(2, 10e-6)
-    assert planner.describe().endswith("µs a copy (latest 1: median 5.0 µs a copy)")
+    assert "µs a copy (latest 1: median 5.0 µs a copy);" in planner.describe()
 
 
 def test_queueing_a_batch_is_learned_as_a_start_plus_a_cost_per_copy():
