@@ -3,8 +3,9 @@
     python evals/scripts/profile_offload.py --layers 12 --budget 0 --strategy auto --out DIR
 
 Builds a synthetic shape (`--shape`, default qwen3-30b-a3b; random weights) on CUDA, decodes through segmented
-CUDA graphs as the engine does, and profiles a few steps with each host-side phase of the executor marked (the work between two
-graph segments, dispatch, planning, copies, CPU start, prefetch, waiting for the CPU). Writes DIR/trace-*.json
+CUDA graphs as the engine does, and profiles a few steps with each host-side phase of the executor marked (the
+work between two graph segments, dispatch, planning, copies, CPU start, prefetch, waiting for the CPU). Writes
+DIR/trace-*.json
 (chrome://tracing) and prints the mean wall time per layer of each phase and the busy share of each CUDA
 stream. A diagnostic, not a benchmark.
 """
