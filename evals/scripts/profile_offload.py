@@ -5,9 +5,8 @@
 Builds a synthetic shape (`--shape`, default qwen3-30b-a3b; random weights) on CUDA, decodes through segmented
 CUDA graphs as the engine does, and profiles a few steps with each host-side phase of the executor marked (the
 work between two graph segments, dispatch, planning, copies, CPU start, prefetch, waiting for the CPU). Writes
-DIR/trace-*.json
-(chrome://tracing) and prints the mean wall time per layer of each phase and the busy share of each CUDA
-stream. A diagnostic, not a benchmark.
+DIR/trace-*.json (chrome://tracing) and prints the mean wall time per layer of each phase and the busy share of
+each CUDA stream. A diagnostic, not a benchmark.
 """
 
 from __future__ import annotations
