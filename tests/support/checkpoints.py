@@ -247,17 +247,20 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
 
 def write_hf_checkpoint(family: str, path: Path, *, seed: int = 0, rope: str = "default",
                         tie_word_embeddings: bool = False, shards: int = 2,
-                        legacy_rope_keys: bool = False) -> PreTrainedModel:
+                        legacy_rope_keys: bool = False, **config_overrides) -> PreTrainedModel:
     """Writes a tiny random `family` checkpoint to `path` and returns the transformers model (eval, fp32).
 
     Weights are split so that there are at least `shards` safetensors files behind an index json.
 
     `legacy_rope_keys` rewrites config.json with transformers 4's `rope_theta` + `rope_scaling` spelling, the one
-    most Hub checkpoints still carry; the default is transformers 5's `rope_parameters`.
+    most Hub checkpoints still carry; the default is transformers 5's `rope_parameters`. `config_overrides` set
+    attributes of the tiny config (gpt-oss's `swiglu_limit=7.0`, the value GGUF files leave unstated).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(family, rope=rope, tie_word_embeddings=tie_word_embeddings)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family == "gpt_oss":  # transformers before 5.2x hard-code the clamp (7.0, every release's value)
@@ -409,7 +412,7 @@ def _write_model_metadata(w: gguf.GGUFWriter, cfg: PreTrainedConfig, family: str
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
-def _write_tokenizer_metadata(w: gguf.GGUFWriter, hf_dir: Path) -> None:
+def _write_tokenizer_metadata(w: gguf.GGUFWriter, hf_dir: Path, pre: str = "qwen2") -> None:
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = dict(tok["model"]["vocab"])
@@ -419,7 +422,7 @@ def _write_tokenizer_metadata(w: gguf.GGUFWriter, hf_dir: Path) -> None:
     assert len(tokens) == max(vocab.values()) + 1, "vocabulary ids must be dense"
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
     w.add_token_merges(merges)

@@ -3,7 +3,10 @@
 llama.cpp lays some tensors out differently from HF, and this is the one place that undoes it:
 - llama-architecture Q/K rows are interleaved for its rotary kernel; we restore HF's half-split order;
 - routed experts come stacked ([E, out, in]) and map to the executor's stacked slots `model.layers.N.experts.P`;
-- llama3-style RoPE is stored as a `rope_freqs` tensor of per-frequency divisors, kept in the config.
+- llama3-style RoPE is stored as a `rope_freqs` tensor of per-frequency divisors, kept in the config;
+- gpt-oss's experts come split (gate and up apart, biases as `ffn_*_exps.bias`), its sinks as `attn_sinks`; what
+  the converter drops is llama.cpp's fixed value: the SwiGLU clamp (7.0, unless `swiglu_clamp_exp` says), YaRN
+  untruncated, sliding window on every other layer from the first.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from freetoken.engine.formats.gguf_file import GGUFFile
 from freetoken.errors import UnsupportedArchitectureError
 
 # GGUF general.architecture → HF model_type (llama with experts is Mixtral).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe",
+                      "gpt-oss": "gpt_oss"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -36,6 +40,12 @@ _BLOCK_NAMES = {
 _GLM_BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# gpt-oss: its sinks and second norm; the experts' biases are the model's `expert_*_bias` parameters
+_GPT_OSS_BLOCK_NAMES = {
+    "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm.weight",
+    "ffn_gate_exps": "mlp.expert_gate_bias", "ffn_up_exps": "mlp.expert_up_bias",
+    "ffn_down_exps": "mlp.expert_down_bias",
 }
 _STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)\.(weight|bias)")
@@ -81,6 +91,8 @@ def hf_config(gguf: GGUFFile) -> dict:
     }
     if model_type == "glm4_moe":
         cfg.update(_glm_config(gguf, get, cfg))
+    elif model_type == "gpt_oss":
+        cfg.update(_gpt_oss_config(gguf, get, cfg))
     elif n_experts:
         cfg.update(_moe_config(gguf, get, model_type, n_experts, cfg["num_hidden_layers"]))
     if model_type == "llama":
@@ -142,6 +154,29 @@ def _glm_config(gguf: GGUFFile, get, cfg: dict) -> dict:
     }
 
 
+def _gpt_oss_config(gguf: GGUFFile, get, cfg: dict) -> dict:
+    """gpt-oss as llama.cpp's converter writes it: experts split into gate and up (a fused `ffn_gate_up_exps`
+    is not read yet), the rest of the family fixed in llama.cpp rather than stated."""
+    if "blk.0.ffn_gate_up_exps.weight" in gguf.tensors:
+        raise UnsupportedArchitectureError(f"{gguf.path}: gpt-oss with fused gate/up experts (ffn_gate_up_exps); "
+                                           "convert it with gate and up apart (llama.cpp's default)")
+    clamp = get("swiglu_clamp_exp")
+    clamps = {float(c) for c in clamp if c} if isinstance(clamp, list) else {float(clamp)} if clamp else {7.0}
+    if len(clamps) != 1:
+        raise UnsupportedArchitectureError(f"{gguf.path}: gpt-oss with SwiGLU clamps varying by layer ({clamp})")
+    rope = dict(cfg["rope_parameters"])
+    if rope["rope_type"] == "yarn":  # OpenAI's YaRN does not round the correction range (HF: truncate=False)
+        rope.update(beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+    return {
+        "num_local_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+        "intermediate_size": int(get("expert_feed_forward_length", 0) or get("feed_forward_length")),
+        "sliding_window": int(get("attention.sliding_window", 128)),
+        "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
+        "swiglu_limit": clamps.pop(), "rope_parameters": rope,
+    }
+
+
 def hf_name(gguf_name: str, model_type: str) -> str | None:
     """HF parameter (or stacked-expert) name for a GGUF tensor; None for tensors that carry no parameter."""
     if gguf_name in _GLOBAL_NAMES:
@@ -155,6 +190,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
             return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
         if part in _GLM_BLOCK_NAMES:
             return f"model.layers.{layer}.{_GLM_BLOCK_NAMES[part]}.{kind}"
+    if model_type == "gpt_oss" and part in _GPT_OSS_BLOCK_NAMES and (kind == "bias" or part not in _STACKED_EXPERTS):
+        return f"model.layers.{layer}.{_GPT_OSS_BLOCK_NAMES[part]}"
     if part in _STACKED_EXPERTS:
         return stacked_expert_name(layer, _STACKED_EXPERTS[part])
     if part not in _BLOCK_NAMES:

@@ -87,11 +87,10 @@ def test_the_static_decode_window_equals_eager_decode(lm):
     static_window_equals_eager(lm, window=64, steps=6, tol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def mxfp4_checkpoint(checkpoint, tmp_path_factory):
+def _mxfp4_copy(path, reference, out):
     """OpenAI's layout: experts as MXFP4 blocks [E, out, in/32, 16] and scales [E, out, in/32], out-by-in, gate
-    and up rows interleaved. Random codes are written that way and, dequantized, into a copy of the
-    transformers model (the reference)."""
+    and up rows interleaved. Random codes are written that way into a copy of the checkpoint at `path` and,
+    dequantized, into a copy of its transformers model (the reference, returned)."""
     import json
     import shutil
 
@@ -99,8 +98,6 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
 
     from freetoken.kernels.mxfp4.reference import dequantize_mxfp4
 
-    path, reference, _ = checkpoint
-    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     gen = torch.Generator().manual_seed(7)
     tensors = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -128,7 +125,14 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
     (out / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(path / name, out / name)
-    return out, model
+    return model
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(checkpoint, tmp_path_factory):
+    path, reference, _ = checkpoint
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    return out, _mxfp4_copy(path, reference, out)
 
 
 def test_mxfp4_checkpoints_load_to_the_same_model(mxfp4_checkpoint):
@@ -170,3 +174,57 @@ def test_offloaded_mxfp4_experts_stay_mxfp4_in_host_memory(mxfp4_checkpoint):
         lm.experts.miss_path = miss_path
         ours = Generator(lm).generate_ids(prompt_ids(), GREEDY_32)
         assert ours == expected, f"{miss_path}: " + divergence_report(reference, prompt_ids(), ours, expected)
+
+
+# -- GGUF, as llama.cpp's converter writes gpt-oss (tests/support/gguf_gpt_oss.py) --
+
+
+@pytest.fixture(scope="module")
+def clamp7(tmp_path_factory):
+    """A checkpoint with the SwiGLU clamp every release uses (7.0): GGUF files do not state it."""
+    path = tmp_path_factory.mktemp("gpt_oss_clamp7")
+    return path, write_hf_checkpoint("gpt_oss", path, swiglu_limit=7.0)
+
+
+def test_a_gguf_of_the_checkpoint_loads_to_the_same_model(clamp7, tmp_path):
+    from support.gguf_gpt_oss import write_gpt_oss_gguf
+
+    path, reference = clamp7
+    gguf_path = write_gpt_oss_gguf(path, tmp_path / "gpt-oss.gguf")
+    lm = load_model(gguf_path, device="cpu", dtype=torch.float32, progress=False)
+    args = lm.args
+    assert args.sliding_layers == (0, 2) and args.sliding_window == 8 and args.swiglu_limit == 7.0
+    ids = prompt_ids()
+    torch.testing.assert_close(lm.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    expected = hf_greedy(reference, ids, 32)
+    ours = Generator(lm).generate_ids(ids, GREEDY_32)
+    assert ours == expected, divergence_report(reference, ids, ours, expected)
+
+
+def test_an_mxfp4_gguf_keeps_its_experts_mxfp4_and_gives_the_same_model(clamp7, tmp_path):
+    """OpenAI's MXFP4 experts as ggml blocks (checked against gguf-py's own dequantizer): resident they give the
+    reference's logits; offloaded they stay MXFP4 in the host store, for the copies and the CPU kernel."""
+    import gguf
+
+    from freetoken.kernels.mxfp4.reference import dequantize_mxfp4
+    from support.gguf_gpt_oss import mxfp4_to_ggml_blocks, write_gpt_oss_gguf
+
+    path, base = clamp7
+    (tmp_path / "hf").mkdir()
+    reference = _mxfp4_copy(path, base, tmp_path / "hf")
+    blocks = torch.randint(0, 256, (2, 3, 2, 16), dtype=torch.uint8)
+    scales = torch.randint(120, 130, (2, 3, 2), dtype=torch.uint8)
+    theirs = gguf.quants.dequantize(mxfp4_to_ggml_blocks(blocks, scales), gguf.GGMLQuantizationType.MXFP4)
+    torch.testing.assert_close(torch.from_numpy(theirs), dequantize_mxfp4(blocks, scales).float(), atol=0, rtol=0)
+    gguf_path = write_gpt_oss_gguf(tmp_path / "hf", tmp_path / "gpt-oss-mxfp4.gguf")
+    ids = prompt_ids()
+    resident = load_model(gguf_path, device="cpu", dtype=torch.float32, progress=False)
+    torch.testing.assert_close(resident.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    expected = hf_greedy(reference, ids, 32)
+    lm = load_model(gguf_path, device="cpu", dtype=torch.float32, progress=False, expert_cache=1 << 20)
+    host = lm.experts.host[0]
+    assert set(host.type_names.values()) == {"MXFP4"} and host.form is not None
+    for miss_path in ("copy", "cpu"):
+        lm.experts.miss_path = miss_path
+        ours = Generator(lm).generate_ids(ids, GREEDY_32)
+        assert ours == expected, f"{miss_path}: " + divergence_report(reference, ids, ours, expected)
