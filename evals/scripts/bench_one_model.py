@@ -4,13 +4,18 @@ most) fits one build and several benches, not several builds. Commands that name
 their own.
 
   python evals/scripts/bench_one_model.py decode ARGS... -- prefill ARGS...
+  python evals/scripts/bench_one_model.py decode ARGS... -- FREETOKEN_EXPERIMENTAL=cpu-prewake decode ARGS...
+
+A command may start with VARIABLE=value words, set for that command only (an A/B of a GPU path on one build).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from freetoken.bench import decode, prefill, synthetic
+from freetoken.engine import gpu_paths
 from freetoken.engine.loader import attach_experts
 
 BENCHES = {"decode": decode, "prefill": prefill}
@@ -39,16 +44,40 @@ def main(argv: list[str]) -> int:
             current = []
         else:
             current.append(arg)
-    if not commands or any(c[0] not in BENCHES for c in commands):
+    commands = [(dict(_env_words(c)), c[len(dict(_env_words(c))):]) for c in commands]
+    if not commands or any(not c or c[0] not in BENCHES for _, c in commands):
         print(f"usage: bench_one_model.py {{{'|'.join(BENCHES)}}} ARGS... [-- ...]", file=sys.stderr)
         return 2
     for module in BENCHES.values():
         module.build_synthetic = _build_once
     status = 0
-    for command in commands:
-        print(f"=== ft bench {' '.join(command)}", file=sys.stderr, flush=True)
-        status = BENCHES[command[0]].main(command[1:]) or status
+    for env, command in commands:
+        print(f"=== {' '.join(f'{k}={v}' for k, v in env.items())} ft bench {' '.join(command)}", file=sys.stderr,
+              flush=True)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        gpu_paths.enabled.cache_clear()
+        gpu_paths._named.cache_clear()
+        try:
+            status = BENCHES[command[0]].main(command[1:]) or status
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+            gpu_paths.enabled.cache_clear()
+            gpu_paths._named.cache_clear()
     return status
+
+
+def _env_words(command: list[str]):
+    """The leading VARIABLE=value words of a command, as (VARIABLE, value)."""
+    for word in command:
+        name, eq, value = word.partition("=")
+        if not eq or not name.isidentifier() or not name.isupper():
+            return
+        yield name, value
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ EXPERIMENTAL: dict[str, str] = {
     "recurrent-graphs": "decode of models with recurrent layers through CUDA graphs (state in static buffers)",
     "prefetch-early": "captured decode queues the next layer's prefetch at the end of a layer's host work, not after "
                       "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
+    "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
+                   "(they spin for the job up to 1 ms): the ~50 µs of waking them leaves the CPU share's start",
 }
 
 

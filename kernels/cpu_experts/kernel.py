@@ -173,6 +173,11 @@ class CpuExpertKernel:
         return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act, x_bf16, act_bf16,
                                         form))
 
+    def wake(self, spin_s: float) -> None:
+        """Wakes sleeping workers to spin up to `spin_s` for a call about to come, so that their wake-up (tens of
+        µs of system calls) overlaps the caller's wait instead of delaying the call. Nothing when none sleeps."""
+        self.lib.ft_pool_wake(int(spin_s * 1e9))
+
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""
         with self._call_lock:

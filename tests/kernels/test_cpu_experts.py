@@ -191,6 +191,24 @@ def test_concurrent_callers_are_serialised(kernel):
     assert all(torch.allclose(g, want[i % 8], atol=1e-5, rtol=1e-5) for i, g in enumerate(got))
 
 
+def test_workers_woken_ahead_run_the_next_job_or_sleep_again(kernel):
+    """`wake` before a job: the job's result is the reference's, whether it comes while the woken workers spin
+    for it, after their spin ran out (they went back to sleep), or after several wakes in a row."""
+    import time
+
+    gen = torch.Generator().manual_seed(6)
+    gate, up = (_matrix("BF16", 4, 32, 64, gen) for _ in range(2))
+    down = _matrix("BF16", 4, 64, 32, gen)
+    x, routing = torch.randn(2, 64, generator=gen), _routing(2, 4, 2, gen)
+    want = reference.moe_forward(x, gate, up, down, *routing)
+    for pause_s, spin_s, wakes in ((0.0, 1e-3, 1), (0.02, 1e-3, 1), (0.001, 1e-4, 3), (0.3, 0.0, 2)):
+        time.sleep(0.3)  # past the workers' own spin: asleep
+        for _ in range(wakes):
+            kernel.wake(spin_s)
+        time.sleep(pause_s)
+        assert torch.allclose(kernel.moe_forward(x, gate, up, down, *routing), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("tokens", [2, 7, 16, 17, 40])
 def test_amx_tiles_match_the_reference(kernel, tokens):
     """Where the CPU has AMX (Sapphire Rapids and later), a bf16 model's experts from 2 tokens on run on tiles

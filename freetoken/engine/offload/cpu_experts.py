@@ -85,6 +85,11 @@ class CpuExpertRunner:
         self._workspace = _Workspace(first[0].data.shape[0], 64, first[0].shape[0]) if self._kernel_layers else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
+    def wake(self, spin_s: float) -> None:
+        """Before waiting for a layer's routing: the kernel's sleeping workers wake meanwhile (see its `wake`)."""
+        if self.kernel is not None:
+            self.kernel.wake(spin_s)
+
     @property
     def uses_kernel(self) -> bool:
         return self.kernel is not None and all(self.kernel.supports(*m) for m in self.matrices.values())

@@ -90,6 +90,7 @@ class OffloadedExpertExecutor(PrefillPath):
 
     MISS_PATHS = ("auto", "copy", "cpu")
     GATHER_PAIRS = 16
+    PREWAKE_SPIN_S = 1e-3  # GPU path "cpu-prewake": woken workers spin this long for the layer's CPU share
 
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, num_slots: int,
                  policy: str = "freq", miss_path: str = "auto", dtype: torch.dtype | None = None,
@@ -232,6 +233,7 @@ class OffloadedExpertExecutor(PrefillPath):
         the CPU result: the CPU, the copy engine and the GPU work at the same time. The next layer's prefetch
         comes last (see run_boundary)."""
         t0 = time.perf_counter()
+        self._prewake_cpu()
         next_layer = self._prefetch_target(layer)
         predicted = None
         if next_layer is not None:
@@ -317,6 +319,12 @@ class OffloadedExpertExecutor(PrefillPath):
         zero = self.zero_slot
         return _Step([[slot_of.get(e, zero) for e in row] for row in ids], staged, bool(slot_of), on_cpu,
                      len(to_cpu))
+
+    def _prewake_cpu(self) -> None:
+        """GPU path "cpu-prewake": wakes the CPU kernel's workers ahead of a step that may give them misses."""
+        guard = self.planner.guard
+        if self.miss_path != "copy" and (guard is None or guard.way != "copy") and gpu_paths.enabled("cpu-prewake"):
+            self.cpu.wake(self.PREWAKE_SPIN_S)
 
     def _wait_cpu(self, step: _Step) -> torch.Tensor:
         y, seconds = step.on_cpu.wait()
@@ -417,6 +425,7 @@ class OffloadedExpertExecutor(PrefillPath):
         GPU share from `replay_experts()` and the CPU share from the static buffer."""
         t0 = time.perf_counter()
         io, layer = self._graph_io, boundary.layer
+        self._prewake_cpu()  # the workers' wake-up overlaps the wait for the routing below
         self._issue_deferred_prefetch(layer)
         self._collect_copy_timings()
         if self.device.type == "cuda":

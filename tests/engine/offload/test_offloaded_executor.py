@@ -112,14 +112,16 @@ class _EagerBoundaries:
 
 @pytest.mark.parametrize("slots", [0, 3])
 @pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
-@pytest.mark.parametrize("early", [False, True], ids=["deferred-prefetch", "prefetch-early"])
-def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path, early, monkeypatch):
+@pytest.mark.parametrize("path", [None, "prefetch-early", "cpu-prewake"], ids=["defaults", "prefetch-early",
+                                                                                "cpu-prewake"])
+def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path, path, monkeypatch):
     """The calls CUDA-graph decode makes instead of `forward` (cuda_graphs.py), checked for numerics and
     bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used; the prefetch
-    queued at the next boundary or (GPU path "prefetch-early") at once."""
+    queued at the next boundary or (GPU path "prefetch-early") at once; the CPU kernel's workers woken before
+    each routing wait (GPU path "cpu-prewake")."""
     from freetoken.engine import gpu_paths
 
-    monkeypatch.setattr(gpu_paths, "enabled", lambda name: early if name == "prefetch-early" else False)
+    monkeypatch.setattr(gpu_paths, "enabled", lambda name: name == path)
     path, resident, expected = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert)
