@@ -5,7 +5,9 @@ DRAM, a CPU share that starts late, copies that delay the next layer's work (see
 budget 0, where `auto` ran at 0.84× the CPU-only path with its models fitted). So decode layer-steps are also
 timed whole, and now and then a window of them sends every miss down one pure path (all to the CPU, or all
 copied) instead of the planner's split. The way that measured fastest per miss is used; the others are measured
-again every so often, less often the worse they measured. No torch here.
+again every so often, less often the worse they measured. The first window is not measured (the first copies,
+the first CPU job and its threads pay one-off costs there), and a window's stalls (a step far slower than its
+median: a page fault, a collection) are left out of its measurement. No torch here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class PathGuard:
     FAR = 1.5  # a way this much slower than the best is measured four times less often
     MARGIN = 0.03  # another way must beat the current best by this much to replace it (no flapping on noise)
     FORGET = 0.5  # weight of a window's measurement in its way's estimate
+    STALL = 4.0  # a step this many times the window's median per miss is a stall, not the way's cost
 
     def __init__(self, window: int = WINDOW, explore_every: int = EXPLORE_EVERY):
         self.window, self.explore_every = window, explore_every
@@ -27,31 +30,38 @@ class PathGuard:
         self.best = WAYS[0]
         self.seconds_per_miss: dict[str, float] = {}
         self._since = dict.fromkeys(WAYS, 0)  # windows since each way last ran
-        self._steps = self._misses = 0
-        self._seconds = 0.0
-        self._settle = 0  # steps of this window still to skip
+        self._measured = dict.fromkeys(WAYS, 0)  # windows measured of each way
+        self._samples: list[tuple[float, int]] = []  # this window's (seconds, misses)
+        self._settle = window  # steps not to measure: the first window (one-off costs), a change's first steps
 
     def observe(self, seconds: float, misses: int) -> None:
         """One decode layer-step took `seconds` (host wall time, its waits included) with `misses` experts the
         cache lacked."""
-        self._steps += 1
         if self._settle:
             self._settle -= 1
             return
-        self._seconds += seconds
-        self._misses += misses
-        if self._steps >= self.window:
+        self._samples.append((seconds, misses))
+        if len(self._samples) >= self.window:
             self._close_window()
 
+    def _window_per_miss(self) -> float | None:
+        """Seconds per miss over the window's steps, stalls left out; None for a window of hits only."""
+        rates = sorted(s / m for s, m in self._samples if m)
+        if not rates:
+            return None
+        limit = self.STALL * rates[len(rates) // 2]
+        kept = [(s, m) for s, m in self._samples if not m or s / m <= limit]
+        return sum(s for s, _ in kept) / sum(m for _, m in kept)
+
     def _close_window(self) -> None:
-        if self._misses:  # a window of hits only says nothing about the miss paths
-            per_miss = self._seconds / self._misses
+        per_miss = self._window_per_miss()
+        if per_miss is not None:  # a window of hits only says nothing about the miss paths
             old = self.seconds_per_miss.get(self.way)
             self.seconds_per_miss[self.way] = per_miss if old is None else \
                 (1 - self.FORGET) * old + self.FORGET * per_miss
+            self._measured[self.way] += 1
             self._update_best()
-        self._steps = self._misses = 0
-        self._seconds = 0.0
+        self._samples = []
         previous, self.way = self.way, self._next_way()
         for way in WAYS:
             self._since[way] = 0 if way == self.way else self._since[way] + 1
@@ -72,7 +82,11 @@ class PathGuard:
         return max(due, key=self._since.get) if due else self.best
 
     def _interval(self, way: str) -> int:
+        """Windows between measurements of `way`: a way measured once only is measured again soon (one window
+        can mislead), one measured far slower than the best rarely."""
         est = self.seconds_per_miss
+        if self._measured[way] < 2:
+            return 1
         return self.explore_every * (4 if est[way] > self.FAR * est[self.best] else 1)
 
     def describe(self) -> str:

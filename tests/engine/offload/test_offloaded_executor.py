@@ -9,6 +9,7 @@ import torch
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import attach_experts, load_model
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
+from freetoken.engine.offload.path_guard import PathGuard
 from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
@@ -150,7 +151,7 @@ def test_every_way_the_path_guard_measures_gives_the_resident_tokens(checkpoint,
     lm = load_model(path, progress=False, expert_cache=slots * per_expert)
     ex = lm.experts
     ex.miss_path, ex.planner, ex.prefetch = "auto", MissPlanner(20, 20), True
-    ex.planner.guard.window, ex.planner.guard.explore_every, ex.planner.guard.SETTLE = 3, 1, 1
+    ex.planner.guard = PathGuard(window=3, explore_every=1)
     driver = _EagerBoundaries(ex)
     attach_experts(lm.model, driver)
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
