@@ -178,6 +178,9 @@ class GGUFCheckpoint:
 
             def load(into=None, g=gname) -> torch.Tensor:  # GGUF data is dequantized: never read in place
                 t = self.file.load(g, dtype=dtype, device=device)
+                if g.endswith(".attn_k_b.weight"):  # DeepSeek's kv_b_proj, split per head by llama.cpp
+                    return gguf_model.merge_kv_b(t, self.file.load(g.replace("attn_k_b", "attn_v_b"), dtype=dtype,
+                                                                   device=device))
                 return gguf_model.to_hf_layout(g, t, self.config, self.arch)
 
             yield name, load

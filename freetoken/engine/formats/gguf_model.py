@@ -6,7 +6,10 @@ llama.cpp lays some tensors out differently from HF, and this is the one place t
 - llama3-style RoPE is stored as a `rope_freqs` tensor of per-frequency divisors, kept in the config;
 - gpt-oss's experts come split (gate and up apart, biases as `ffn_*_exps.bias`), its sinks as `attn_sinks`; what
   the converter drops is llama.cpp's fixed value: the SwiGLU clamp (7.0, unless `swiglu_clamp_exp` says), YaRN
-  untruncated, sliding window on every other layer from the first.
+  untruncated, sliding window on every other layer from the first;
+- deepseek2 (DeepSeek-V3/R1) states MLA as the MQA it runs (one KV head of the latent; the per-head sizes in
+  `*_mla` keys) and splits `kv_b_proj` per head into `attn_k_b` (transposed) and `attn_v_b`, joined again here;
+  its rotary pairs stay in the checkpoint's interleaved order (no permutation).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from freetoken.errors import UnsupportedArchitectureError
 
 # GGUF general.architecture → HF model_type (llama with experts is Mixtral).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe",
-                      "gpt-oss": "gpt_oss"}
+                      "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -46,6 +49,13 @@ _GPT_OSS_BLOCK_NAMES = {
     "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm.weight",
     "ffn_gate_exps": "mlp.expert_gate_bias", "ffn_up_exps": "mlp.expert_up_bias",
     "ffn_down_exps": "mlp.expert_down_bias",
+}
+# DeepSeek-V3 (deepseek2): multi-head latent attention; its shared experts are named as GLM's
+_DEEPSEEK_BLOCK_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.kv_b_proj",  # (k_b and v_b joined: merge_kv_b)
+    **{k: v for k, v in _GLM_BLOCK_NAMES.items() if "shexp" in k},
 }
 _STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)\.(weight|bias)")
@@ -93,6 +103,8 @@ def hf_config(gguf: GGUFFile) -> dict:
         cfg.update(_glm_config(gguf, get, cfg))
     elif model_type == "gpt_oss":
         cfg.update(_gpt_oss_config(gguf, get, cfg))
+    elif model_type == "deepseek_v3":
+        cfg.update(_deepseek_config(gguf, get, cfg))
     elif n_experts:
         cfg.update(_moe_config(gguf, get, model_type, n_experts, cfg["num_hidden_layers"]))
     if model_type == "llama":
@@ -177,6 +189,46 @@ def _gpt_oss_config(gguf: GGUFFile, get, cfg: dict) -> dict:
     }
 
 
+def _deepseek_config(gguf: GGUFFile, get, cfg: dict) -> dict:
+    """DeepSeek-V3 as llama.cpp's converter writes deepseek2: MLA sizes, grouped sigmoid routing, YaRN with its
+    attention scale as `yarn_log_multiplier` (0.1 × mscale_all_dim); the block count includes MTP blocks."""
+    gating = get("expert_gating_func")
+    if gating is not None and int(gating) != 2:
+        raise UnsupportedArchitectureError(f"{gguf.path}: deepseek2 with expert gating {gating}: DeepSeek-V2's "
+                                           "softmax routing is not supported, only V3's sigmoid (2)")
+    rope_dim = int(get("rope.dimension_count"))
+    if get("attention.key_length_mla") is not None:  # the MQA form: key_length is the latent's
+        nope, v = int(get("attention.key_length_mla")) - rope_dim, int(get("attention.value_length_mla"))
+    else:  # older files state the per-head sizes directly
+        nope, v = int(get("attention.key_length")) - rope_dim, int(get("attention.value_length"))
+    rope = dict(cfg["rope_parameters"])
+    if rope["rope_type"] == "yarn":
+        mscale = float(get("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1
+        rope.update(mscale=mscale, mscale_all_dim=mscale, beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)))
+    n_experts = int(get("expert_count"))
+    return {
+        "num_hidden_layers": cfg["num_hidden_layers"] - int(get("nextn_predict_layers", 0) or 0),
+        "q_lora_rank": int(get("attention.q_lora_rank", 0) or 0) or None,
+        "kv_lora_rank": int(get("attention.kv_lora_rank")), "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": nope, "v_head_dim": v, "rope_interleave": True,
+        "n_routed_experts": n_experts, "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "n_shared_experts": int(get("expert_shared_count", 0) or 0),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0) or 0),
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "n_group": int(get("expert_group_count", 1) or 1), "topk_group": int(get("expert_group_used_count", 1) or 1),
+        "rope_parameters": rope,
+    }
+
+
+def merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj [H·(nope + v), latent] from llama.cpp's per-head attn_k_b [H, latent, nope] (transposed) and
+    attn_v_b [H, v, latent]."""
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])
+
+
 def hf_name(gguf_name: str, model_type: str) -> str | None:
     """HF parameter (or stacked-expert) name for a GGUF tensor; None for tensors that carry no parameter."""
     if gguf_name in _GLOBAL_NAMES:
@@ -185,7 +237,12 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     if m is None:
         return None
     layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
-    if model_type == "glm4_moe":
+    if model_type == "deepseek_v3":
+        if part == "attn_v_b":
+            return None  # read with attn_k_b
+        if part in _DEEPSEEK_BLOCK_NAMES:
+            return f"model.layers.{layer}.{_DEEPSEEK_BLOCK_NAMES[part]}.{kind}"
+    if model_type in ("glm4_moe", "deepseek_v3"):
         if part == "exp_probs_b":
             return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
         if part in _GLM_BLOCK_NAMES:
