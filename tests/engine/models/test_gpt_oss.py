@@ -228,3 +228,20 @@ def test_an_mxfp4_gguf_keeps_its_experts_mxfp4_and_gives_the_same_model(clamp7, 
         lm.experts.miss_path = miss_path
         ours = Generator(lm).generate_ids(ids, GREEDY_32)
         assert ours == expected, f"{miss_path}: " + divergence_report(reference, ids, ours, expected)
+
+
+def test_the_gguf_writer_uses_gguf_pys_names_for_gpt_oss():
+    """The test writer's names are those gguf-py's own map gives the HF names (the sinks get `.weight` first, as
+    in the converter); the split experts' names too."""
+    import gguf
+
+    from support.gguf_gpt_oss import _LAYER
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, 4)
+    for hf, ours in _LAYER.items():
+        hf = hf if hf.endswith((".weight", ".bias")) else hf + ".weight"
+        assert names.get_name(f"model.layers.1.{hf}", try_suffixes=(".weight", ".bias")) == f"blk.1.{ours}"
+    for part in ("gate", "up", "down"):
+        for kind in ("weight", "bias"):
+            got = names.get_name(f"model.layers.1.mlp.experts.{part}_proj.{kind}", try_suffixes=(".weight", ".bias"))
+            assert got == f"blk.1.ffn_{part}_exps.{kind}"
