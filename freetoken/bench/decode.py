@@ -127,12 +127,9 @@ def run_decode(lm, context: int, tokens: int, miss_path: str, graphs: bool = Fal
         if isinstance(executor, OffloadedExpertExecutor):
             executor.miss_path = miss_path
         step = _graph_step(lm, cache) if graphs else _eager_step(lm, cache)
-        if graphs:
-            step(seq, feed[0])  # captures the graph outside the timed loop
-            cache.truncate(seq, context)
-        if warmup:  # on a fork: a sequence with recurrent state cannot be rolled back
+        if graphs or warmup:  # on a fork: a sequence with recurrent state cannot be rolled back
             branch = cache.fork(seq)
-            for token in warm.tolist():
+            for token in ([feed[0]] if graphs else []) + warm.tolist():  # captures the graph outside the timing
                 step(branch, token)
             cache.release(branch)
         before = replace(executor.counters) if hasattr(executor, "counters") else None

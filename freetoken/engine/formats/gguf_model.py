@@ -9,7 +9,10 @@ llama.cpp lays some tensors out differently from HF, and this is the one place t
   untruncated, sliding window on every other layer from the first;
 - deepseek2 (DeepSeek-V3/R1) states MLA as the MQA it runs (one KV head of the latent; the per-head sizes in
   `*_mla` keys) and splits `kv_b_proj` per head into `attn_k_b` (transposed) and `attn_v_b`, joined again here;
-  its rotary pairs stay in the checkpoint's interleaved order (no permutation).
+  its rotary pairs stay in the checkpoint's interleaved order (no permutation);
+- qwen3next (Qwen3-Next) stores its (1 + w) norms as 1 + w, A_log as A = -exp(A_log), the conv kernel squeezed,
+  and the DeltaNet input projection regrouped: `attn_qkv` (all q, all k, all v) and `attn_gate` (z) instead of
+  HF's per-key-head [q, k, v, z] groups, rebuilt here.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from freetoken.errors import UnsupportedArchitectureError
 
 # GGUF general.architecture → HF model_type (llama with experts is Mixtral).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe",
-                      "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"}
+                      "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -57,8 +60,15 @@ _DEEPSEEK_BLOCK_NAMES = {
     "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.kv_b_proj",  # (k_b and v_b joined: merge_kv_b)
     **{k: v for k, v in _GLM_BLOCK_NAMES.items() if "shexp" in k},
 }
+# Qwen3-Next (qwen3next): its Gated DeltaNet mixers; attn_qkv (with attn_gate) is the fused in_proj_qkvz
+_QWEN3NEXT_BLOCK_NAMES = {
+    "post_attention_norm": "post_attention_layernorm.weight", "ssm_ba": "linear_attn.in_proj_ba.weight",
+    "attn_qkv": "linear_attn.in_proj_qkvz.weight", "ssm_conv1d": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias", "ssm_norm": "linear_attn.norm.weight",
+    "ssm_out": "linear_attn.out_proj.weight",
+}
 _STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)\.(weight|bias)")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # (ssm_a has no suffix)
 
 
 def stacked_expert_name(layer: int, projection: str) -> str:
@@ -105,6 +115,8 @@ def hf_config(gguf: GGUFFile) -> dict:
         cfg.update(_gpt_oss_config(gguf, get, cfg))
     elif model_type == "deepseek_v3":
         cfg.update(_deepseek_config(gguf, get, cfg))
+    elif model_type == "qwen3_next":
+        cfg.update(_qwen3next_config(gguf, get, cfg))
     elif n_experts:
         cfg.update(_moe_config(gguf, get, model_type, n_experts, cfg["num_hidden_layers"]))
     if model_type == "llama":
@@ -223,6 +235,40 @@ def _deepseek_config(gguf: GGUFFile, get, cfg: dict) -> dict:
     }
 
 
+def _qwen3next_config(gguf: GGUFFile, get, cfg: dict) -> dict:
+    """Qwen3-Next as llama.cpp's converter writes it: the DeltaNet sizes as `ssm.*` keys, partial RoPE as the
+    rotary dimension count, every `full_attention_interval`-th layer full attention."""
+    if "blk.0.ssm_in.weight" in gguf.tensors:
+        raise UnsupportedArchitectureError(f"{gguf.path}: qwen3next with a fused ssm_in projection (an early "
+                                           "converter's); re-convert it with a current llama.cpp (attn_qkv + "
+                                           "attn_gate)")
+    n = cfg["num_hidden_layers"]
+    value_heads = int(get("ssm.time_step_rank"))
+    moe = _moe_config(gguf, get, "qwen3_moe", int(get("expert_count")), n)
+    rotary = int(get("rope.dimension_count", cfg["head_dim"]))
+    return {
+        **{k: v for k, v in moe.items() if k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                  "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob")},
+        "linear_conv_kernel_dim": int(get("ssm.conv_kernel")), "linear_key_head_dim": int(get("ssm.state_size")),
+        "linear_num_key_heads": int(get("ssm.group_count")), "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
+        "full_attention_interval": int(get("full_attention_interval", 4)),
+        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0) or 0),
+        "rope_parameters": {**cfg["rope_parameters"], "partial_rotary_factor": rotary / cfg["head_dim"]},
+    }
+
+
+def merge_qkvz(qkv: torch.Tensor, z: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """HF's in_proj_qkvz (rows grouped per key head: q, k, v, z) from llama.cpp's attn_qkv (all q, all k, all v)
+    and attn_gate (z)."""
+    heads, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    dv = cfg["linear_num_value_heads"] // heads * cfg["linear_value_head_dim"]  # a key head's value rows
+    width = qkv.shape[-1]
+    q, k, v = qkv.split([heads * dk, heads * dk, heads * dv])
+    groups = (q.view(heads, dk, width), k.view(heads, dk, width), v.view(heads, dv, width), z.view(heads, dv, width))
+    return torch.cat(groups, dim=1).reshape(-1, width)
+
+
 def merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     """kv_b_proj [H·(nope + v), latent] from llama.cpp's per-head attn_k_b [H, latent, nope] (transposed) and
     attn_v_b [H, v, latent]."""
@@ -237,6 +283,13 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
     if m is None:
         return None
     layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
+    if model_type == "qwen3_next":
+        if part == "attn_gate":
+            return None  # read with attn_qkv
+        if part in _QWEN3NEXT_BLOCK_NAMES:
+            return f"model.layers.{layer}.{_QWEN3NEXT_BLOCK_NAMES[part]}"
+    if kind is None:
+        return None
     if model_type == "deepseek_v3":
         if part == "attn_v_b":
             return None  # read with attn_k_b
@@ -264,6 +317,18 @@ def to_hf_layout(gguf_name: str, tensor: torch.Tensor, cfg: dict, arch: str) -> 
         return _unpermute_rotary(tensor, heads)
     if gguf_name.endswith("ffn_gate_inp_shexp.weight") and tensor.dim() == 1:
         return tensor[None, :]  # GGUF stores the [1, H] shared-expert gate as a vector
+    if arch == "qwen3next":
+        return _qwen3next_layout(gguf_name, tensor)
+    return tensor
+
+
+def _qwen3next_layout(gguf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if gguf_name.endswith(".ssm_a"):
+        return torch.log(-tensor)  # A = -exp(A_log)
+    if gguf_name.endswith(".ssm_conv1d.weight"):
+        return tensor.unsqueeze(1)  # [channels, kernel] → the depthwise conv's [channels, 1, kernel]
+    if gguf_name.endswith("norm.weight") and not gguf_name.endswith(".ssm_norm.weight"):
+        return tensor - 1  # the (1 + w) norms are stored as 1 + w
     return tensor
 
 

@@ -196,3 +196,39 @@ def test_on_cuda_graph_decode_of_the_hybrid_equals_eager(checkpoint, monkeypatch
     finally:
         gpu_paths.enabled.cache_clear()
         gpu_paths._named.cache_clear()
+
+
+# -- GGUF, as llama.cpp's converter writes qwen3next (tests/support/gguf_qwen3next.py) --
+
+
+def test_the_gguf_writer_uses_gguf_pys_names_for_qwen3next():
+    """The test writer's names are those gguf-py's own map gives the HF names (A_log and dt_bias go through the
+    converter's renames first: A_log stays suffix-less, dt_bias becomes dt_proj.bias)."""
+    import gguf
+
+    from support.gguf_qwen3next import NAMES
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, 4)
+    renamed = {"linear_attn.A_log": "linear_attn.A_log", "linear_attn.dt_bias": "linear_attn.dt_proj.bias"}
+    for hf, ours in NAMES.items():
+        got = names.get_name(f"model.layers.1.{renamed.get(hf, hf)}", try_suffixes=(".weight", ".bias"))
+        assert got == f"blk.1.{ours}", hf
+
+
+def test_a_gguf_of_the_checkpoint_loads_to_the_same_model(tmp_path):
+    """qwen3next GGUFs: the regrouped DeltaNet projection, A as -exp(A_log), the squeezed conv kernel and the
+    norms stored as 1 + w undone; same logits and greedy tokens as transformers, resident and offloaded."""
+    from support.gguf_qwen3next import write_qwen3next_gguf
+
+    reference = write_hf_checkpoint("qwen3_next", tmp_path / "hf", mlp_only_layers=[])  # (as every release)
+    path = write_qwen3next_gguf(tmp_path / "hf", tmp_path / "q3n.gguf")
+    lm = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    assert lm.args.full_attention_layers == (1, 3) and lm.args.moe_layers == (0, 1, 2, 3)
+    ids = prompt_ids()
+    torch.testing.assert_close(lm.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    expected = hf_greedy(reference, ids, 32)
+    offloaded = load_model(path, device="cpu", dtype=torch.float32, progress=False,
+                           expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
+    for model in (lm, offloaded):
+        ours = Generator(model).generate_ids(ids, GREEDY_32)
+        assert ours == expected, divergence_report(reference, ids, ours, expected)

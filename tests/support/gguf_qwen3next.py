@@ -1,0 +1,122 @@
+"""Qwen3-Next checkpoints written as GGUF (architecture qwen3next) the way llama.cpp's converter writes them, from
+the tiny checkpoints `write_hf_checkpoint("qwen3_next", ...)` writes:
+
+- names from gguf-py's tensor map for qwen3next (checked in the test), the fused DeltaNet input projection
+  regrouped: HF's in_proj_qkvz rows come per key head as [q, k, v, z]; the converter writes `attn_qkv` (every
+  head's q, then every k, then every v) and `attn_gate` (every z);
+- A_log as A = -exp(A_log) (`ssm_a`, no suffix), dt_bias as `ssm_dt.bias`, the conv kernel squeezed to
+  [channels, kernel], and every (1 + w) norm (all but the DeltaNet's output norm) stored as 1 + w;
+- the DeltaNet sizes as `ssm.*` keys, the partial rotary width as the rope dimension count. llama.cpp's
+  qwen3next has no dense-MLP layers: the checkpoint must route every layer (`mlp_only_layers=[]`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from support.checkpoints import _write_tokenizer_metadata
+
+NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    **{f"self_attn.{p}_proj.weight": f"attn_{g}.weight" for p, g in (("q", "q"), ("k", "k"), ("v", "v"),
+                                                                     ("o", "output"))},
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def split_qkvz(w: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    heads, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    dv = cfg["linear_num_value_heads"] // heads * cfg["linear_value_head_dim"]
+    q, k, v, z = w.view(heads, 2 * dk + 2 * dv, -1).split([dk, dk, dv, dv], dim=1)
+    width = w.shape[-1]
+    return torch.cat([t.reshape(-1, width) for t in (q, k, v)]), z.reshape(-1, width)
+
+
+def gguf_tensors(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray]:
+    out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"] + 1,
+           "output.weight": hf["lm_head.weight"]}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, w in hf.items():
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            continue
+        layer, module = m[1], m[2]
+        if e := _EXPERT.fullmatch(module):
+            experts.setdefault((int(layer), e[2]), {})[int(e[1])] = w
+            continue
+        if module == "linear_attn.in_proj_qkvz.weight":
+            out[f"blk.{layer}.attn_qkv.weight"], out[f"blk.{layer}.attn_gate.weight"] = split_qkvz(w, cfg)
+            continue
+        if module == "linear_attn.A_log":
+            w = -torch.exp(w)
+        elif module == "linear_attn.conv1d.weight":
+            w = w.squeeze(1)
+        elif module.endswith("norm.weight") and module != "linear_attn.norm.weight":
+            w = w + 1  # the (1 + w) norms, stored as 1 + w
+        elif module == "mlp.shared_expert_gate.weight":
+            w = w.reshape(-1)  # llama.cpp declares it {n_embd}
+        out[f"blk.{layer}.{NAMES[module]}"] = w
+    for (layer, part), by_id in sorted(experts.items()):
+        out[f"blk.{layer}.ffn_{part}_exps.weight"] = torch.stack([by_id[i] for i in range(len(by_id))])
+    return {n: t.float().numpy() for n, t in out.items()}
+
+
+def write_qwen3next_gguf(hf_dir: Path, gguf_path: Path) -> Path:
+    hf_dir, gguf_path = Path(hf_dir), Path(gguf_path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    types = cfg["layer_types"]
+    interval = types.index("full_attention") + 1
+    if any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):
+        raise ValueError("qwen3next GGUFs state the layer pattern as full_attention_interval only")
+    hf: dict[str, torch.Tensor] = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        hf |= load_file(f)
+    w = gguf.GGUFWriter(str(gguf_path), "qwen3next")
+    w.add_name("tiny-qwen3-next")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    rope = cfg["rope_parameters"]
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * rope["partial_rotary_factor"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(cfg["num_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_full_attention_interval(interval)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _write_tokenizer_metadata(w, hf_dir)
+    for name, array in gguf_tensors(hf, cfg).items():
+        w.add_tensor(name, np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_path
