@@ -50,6 +50,35 @@ CHECK = textwrap.dedent("""
         two = [torch.zeros((1, *shape), dtype=dtype, device=device) for _ in range(2)]
         fused.dequantize_into(raw[2][: 2 * n_blocks * 34], "Q8_0", two, 0)  # fewer matrices per expert
         assert torch.equal(two[1][0], outs[1][2])
+
+    def random_mxfp4(n_blocks):  # every code; scales across the range, the two subnormal ones included
+        blocks = torch.randint(0, 256, (n_blocks, 17), dtype=torch.uint8, generator=gen)
+        blocks[:, 0] = torch.randint(100, 140, (n_blocks,), dtype=torch.uint8, generator=gen)
+        blocks[:3, 0] = torch.tensor([0, 1, 2], dtype=torch.uint8)
+        return blocks.reshape(-1)
+
+    def random_fp8_b32(n_blocks):  # every e4m3 byte (NaNs and subnormals included), random fp32 scales
+        blocks = torch.randint(0, 256, (n_blocks, 36), dtype=torch.uint8, generator=gen)
+        blocks[:8, 4:] = torch.arange(256, dtype=torch.uint8).view(8, 32)
+        scales = torch.randn(n_blocks, generator=gen) * 0.01
+        blocks[:, :4] = scales.view(torch.uint8).view(n_blocks, 4)
+        return blocks.reshape(-1)
+
+    def same(a, b):  # NaN where the reference has NaN, equal elsewhere
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+    for type_name, make, block_bytes in (("MXFP4", random_mxfp4, 17), ("FP8_B32", random_fp8_b32, 36)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            experts = [torch.cat([make(n_blocks) for _ in range(3)]) for _ in range(2)]
+            raw = torch.stack(experts).to(device)
+            outs = [torch.full((4, *shape), 7.0, dtype=dtype, device=device) for _ in range(3)]
+            fused.dequantize_into(raw, type_name, outs, torch.tensor([3, 0], device=device))
+            for row, expert in ((3, 0), (0, 1)):
+                for m in range(3):
+                    part = experts[expert][m * n_blocks * block_bytes:(m + 1) * n_blocks * block_bytes]
+                    want = dequantize(part, type_name, 1600, dtype).view(shape)
+                    assert same(outs[m][row].cpu(), want), (type_name, dtype, row, m)
+            assert all(bool((o[1] == 7).all()) for o in outs), "rows outside the table changed"
     print("ok")
 """)
 
@@ -65,7 +94,7 @@ def test_compiled_kernel_matches_the_reference_bit_for_bit():
 
 def test_rejects_what_it_cannot_decode():
     outs = [torch.zeros(2, 64)]
-    with pytest.raises(ValueError, match="no fused kernel for 'Q4_K'"):
+    with pytest.raises(ValueError, match="no fused kernel for 'Q4_K'"):  # (K-quants: GGUF dense weights only)
         fused.dequantize_into(torch.zeros(68, dtype=torch.uint8), "Q4_K", outs, 0)
     with pytest.raises(ValueError, match="do not hold 1 Q8_0 matrices of 64 values"):
         fused.dequantize_into(torch.zeros(60, dtype=torch.uint8), "Q8_0", outs, 0)
