@@ -64,11 +64,11 @@ for part in "$@"; do
              "$OLDPWD/tests/engine/models/test_grouped_routing.py" \
              2>&1 | tail -3) ;;
     # issue 6: each new family at its real shape (truncated where the host cannot hold its experts), budget 0
-    # and 16 GiB, 1k context; FREETOKEN_EXPERIMENTAL=delta-decode for the hybrid ones' second run
+    # and 16 GiB, 1k context; the hybrids decode through CUDA graphs (recurrent-graphs, measured)
     d1-qwen35) ft bench decode --shape qwen3.5-35b-a3b --context 1024 --tokens 16 --budgets 0,16GiB \
-             --strategies resident,copy,auto --commit "$commit" --out "$OUT/d1-qwen3.5-35b-a3b-1k.md" ;;
+             --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-qwen3.5-35b-a3b-1k.md" ;;
     d1-qwen3next) ft bench decode --shape qwen3-next-80b-a3b --layers 24 --context 1024 --tokens 16 \
-             --budgets 0,16GiB --strategies resident,copy,auto --commit "$commit" \
+             --budgets 0,16GiB --strategies resident-graphs,copy,cpu,auto --commit "$commit" \
              --out "$OUT/d1-qwen3-next-80b-a3b-24l-1k.md" ;;
     d1-glm45air) ft bench decode --shape glm-4.5-air --layers 24 --context 1024 --tokens 16 --budgets 0,16GiB \
              --strategies resident-graphs,copy,auto --commit "$commit" --out "$OUT/d1-glm-4.5-air-24l-1k.md" ;;

@@ -19,11 +19,12 @@ MEASURED = {
                      "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
     "prefill-ahead": ("offloaded long prefill chunks stream the next layer's experts while a layer computes",
                       "evals/results/p1-qwen3-30b-a3b-bf16-h200.md"),
+    "recurrent-graphs": ("decode of models with recurrent layers through CUDA graphs (state in static buffers)",
+                         "evals/results/d1-qwen3.5-35b-a3b-8l-graphs-h200.md"),
 }
 EXPERIMENTAL: dict[str, str] = {
     "delta-decode": "Gated DeltaNet decode steps as one Triton launch per layer (kernels/gated_delta)",
     "delta-prefill": "the chunked Gated DeltaNet's chunk-to-chunk loop as one Triton launch per layer",
-    "recurrent-graphs": "decode of models with recurrent layers through CUDA graphs (state in static buffers)",
     "prefetch-early": "captured decode queues the next layer's prefetch at the end of a layer's host work, not after "
                       "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "

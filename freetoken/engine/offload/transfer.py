@@ -6,7 +6,8 @@ Experts the cache cannot take this step go through a ring of staging slots (at l
 into a staging slot waits for the compute that last read it, through an event recorded on the compute stream.
 The staging slots are the executor's, placed after the cache slots in one tensor so one gather reaches both.
 Quantized experts cross the link in their block format and are dequantized on the copy stream, into the slot
-(Q8_0 by one fused Triton launch per expert or batch, other types by the plain-torch reference). Experts in pinned
+(Q8_0, MXFP4 and FP8_B32 by one fused Triton launch per expert or batch, other types by the plain-torch
+reference). Experts in pinned
 memory are copied through the CUDA runtime directly (`cudart`): the host thread issuing the copies is the decode
 step's critical path. On the CPU (tests, CI) the same calls run synchronously with no
 streams.
@@ -64,8 +65,8 @@ class ExpertCopier:
                                                         (le.gate_proj, le.up_proj, le.down_proj))]
         self._direct = self.stream is not None and cudart.available() and all(
             t.is_contiguous() and t.is_pinned() and (self.quantized or t.dtype == dtype) for t in sources)
-        # Q8_0 experts in pinned memory: an expert's block bytes land in one row of a device buffer through the
-        # runtime, and one launch dequantizes a batch of rows into their slots
+        # experts of a fused format in pinned memory: an expert's block bytes land in one row of a device buffer
+        # through the runtime, and one launch dequantizes a batch of rows into their slots
         self.fused = self.quantized and self._direct and fused.available(device) and all(
             set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
             for le in host.values())

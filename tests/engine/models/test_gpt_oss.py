@@ -176,6 +176,19 @@ def test_offloaded_mxfp4_experts_stay_mxfp4_in_host_memory(mxfp4_checkpoint):
         assert ours == expected, f"{miss_path}: " + divergence_report(reference, prompt_ids(), ours, expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_offloaded_mxfp4_experts_dequantize_in_one_launch(mxfp4_checkpoint):
+    """On the GPU the MXFP4 experts cross PCIe as ggml blocks and one fused Triton launch per batch dequantizes
+    them into their slots (kernels/gguf_dequant/fused.py); greedy tokens as transformers, copies and CPU alike."""
+    path, reference = mxfp4_checkpoint
+    expected = hf_greedy(reference, prompt_ids(), 32)
+    lm = load_model(path, device="cuda", dtype=torch.float32, progress=False, expert_cache=1 << 20)
+    assert lm.experts.copier.fused
+    for miss_path in ("copy", "cpu", "auto"):
+        lm.experts.miss_path = miss_path
+        ours = Generator(lm).generate_ids(prompt_ids(), GREEDY_32)
+        assert ours == expected, f"{miss_path}: " + divergence_report(reference, prompt_ids(), ours, expected)
+
 # -- GGUF, as llama.cpp's converter writes gpt-oss (tests/support/gguf_gpt_oss.py) --
 
 

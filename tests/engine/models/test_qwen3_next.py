@@ -182,20 +182,23 @@ def test_the_static_decode_window_carries_the_recurrent_state(lm):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_graph_decode_of_the_hybrid_equals_eager(checkpoint, monkeypatch):
-    """GPU path "recurrent-graphs" (experimental): captured decode steps give the eager steps' greedy tokens."""
+    """GPU path "recurrent-graphs" (on by default): captured decode steps give the eager steps' greedy tokens,
+    with the DeltaNet step in torch and (experimental "delta-decode") in Triton."""
     from freetoken.engine import gpu_paths
 
-    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "recurrent-graphs")
-    gpu_paths.enabled.cache_clear()
-    gpu_paths._named.cache_clear()
-    try:
-        lm = load_model(checkpoint[0], device="cuda", dtype=torch.float32, progress=False)
-        eager = Generator(lm, cuda_graphs=False).generate_ids(prompt_ids(), GREEDY_32)
-        graphed = Generator(lm, cuda_graphs=True).generate_ids(prompt_ids(), GREEDY_32)
-        assert graphed == eager
-    finally:
+    for experimental in ("", "delta-decode"):
+        monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", experimental)
         gpu_paths.enabled.cache_clear()
         gpu_paths._named.cache_clear()
+        try:
+            lm = load_model(checkpoint[0], device="cuda", dtype=torch.float32, progress=False)
+            assert Generator(lm).use_graphs
+            eager = Generator(lm, cuda_graphs=False).generate_ids(prompt_ids(), GREEDY_32)
+            graphed = Generator(lm, cuda_graphs=True).generate_ids(prompt_ids(), GREEDY_32)
+            assert graphed == eager, experimental
+        finally:
+            gpu_paths.enabled.cache_clear()
+            gpu_paths._named.cache_clear()
 
 
 # -- GGUF, as llama.cpp's converter writes qwen3next (tests/support/gguf_qwen3next.py) --
