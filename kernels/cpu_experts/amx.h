@@ -57,22 +57,22 @@ static void amx_pack_x(const moe_job *j, const uint16_t *xb, uint16_t *xp, const
     }
 }
 
-/* Q8_0 rows r..r+15, block kc, as bf16 at `tile` (16 rows, `pitch` elements apart): q * d rounded to bf16,
-   exactly the weights a bf16 GPU expert computes with after dequantization. One Q8_0 block is one tile row. */
-static void amx_q8_tile(const uint8_t *w, size_t stride, int kc, uint16_t *tile, size_t pitch) {
+/* Rows r..r+15 of a block format (Q8_0, MXFP4, FP8_B32), block kc, as bf16 at `tile` (16 rows, `pitch` elements
+   apart): the scaled values rounded to bf16, exactly the weights a bf16 GPU expert computes with after
+   dequantization. One 32-value block is one tile row. */
+static void amx_block_tile(int type, const uint8_t *w, size_t stride, int kc, uint16_t *tile, size_t pitch) {
+    size_t bytes = type == FT_Q8_0 ? Q8_BYTES : type == FT_MXFP4 ? MX_BYTES : FP8_BYTES;
     for (int r = 0; r < 16; r++) {
-        const uint8_t *blk = w + r * stride + (size_t)kc * Q8_BYTES;
-        __m512 d = _mm512_set1_ps(f16_scalar(blk));
-        __m512bh b = _mm512_cvtne2ps_pbh((__m512)(load_q8((const int8_t *)blk + 2 + LANES) * (vf)d),
-                                         (__m512)(load_q8((const int8_t *)blk + 2) * (vf)d));
-        _mm512_storeu_si512(tile + r * pitch, (__m512i)b);
+        vf w0, w1;
+        block_weights(type, w + r * stride + (size_t)kc * bytes, &w0, &w1);
+        _mm512_storeu_si512(tile + r * pitch, (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0));
     }
 }
 
-/* A 16-row block of Q8_0 weights over k columns as bf16 rows (a per-thread buffer, `which` of two), for blocks
-   used by several token tiles: each Q8_0 block is then dequantized once, not once per tile. Returns the rows;
+/* A 16-row block of block-format weights over k columns as bf16 rows (a per-thread buffer, `which` of two), for
+   blocks used by several token tiles: each block is then dequantized once, not once per tile. Returns the rows;
    their stride is k * 2 bytes. */
-static const uint8_t *amx_dequant_rows(const uint8_t *w, size_t stride, int k, int which) {
+static const uint8_t *amx_dequant_rows(int type, const uint8_t *w, size_t stride, int k, int which) {
     static __thread uint16_t *buf[2];
     static __thread size_t capacity[2];
     size_t need = (size_t)16 * k;
@@ -82,14 +82,14 @@ static const uint8_t *amx_dequant_rows(const uint8_t *w, size_t stride, int k, i
         capacity[which] = buf[which] ? need : 0;
         if (!buf[which]) return NULL;
     }
-    for (int kc = 0; kc < k / 32; kc++) amx_q8_tile(w, stride, kc, buf[which] + (size_t)kc * 32, k);
+    for (int kc = 0; kc < k / 32; kc++) amx_block_tile(type, w, stride, kc, buf[which] + (size_t)kc * 32, k);
     return (const uint8_t *)buf[which];
 }
 
-/* Loads weight tile `t` for rows at w (stride bytes per row), k-chunk kc of 32, from bf16 or Q8_0 rows. */
+/* Loads weight tile `t` for rows at w (stride bytes per row), k-chunk kc of 32, from bf16 or block-format rows. */
 static inline void amx_load_weights(int t, int type, const uint8_t *w, size_t stride, int kc, uint16_t *scratch) {
-    if (type == FT_Q8_0) {
-        amx_q8_tile(w, stride, kc, scratch, 32);
+    if (type != FT_BF16) {
+        amx_block_tile(type, w, stride, kc, scratch, 32);
         if (t == 2) _tile_loadd(2, scratch, 64); else _tile_loadd(3, scratch, 64);
     } else if (t == 2) {
         _tile_loadd(2, w + (size_t)kc * 64, stride);
@@ -130,11 +130,11 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
     _tile_release();
 }
 
-/* A 16-row weight block for `tiles` token tiles: Q8_0 rows dequantized once when several tiles share them.
-   Sets *type/*stride to how the returned rows are read. */
+/* A 16-row weight block for `tiles` token tiles: block-format rows dequantized once when several tiles share
+   them. Sets *type/*stride to how the returned rows are read. */
 static const uint8_t *amx_block_rows(const uint8_t *w, int *type, size_t *stride, int k, int tiles, int which) {
-    if (*type != FT_Q8_0 || tiles < 2) return w;
-    const uint8_t *rows = amx_dequant_rows(w, *stride, k, which);
+    if (*type == FT_BF16 || tiles < 2) return w;
+    const uint8_t *rows = amx_dequant_rows(*type, w, *stride, k, which);
     if (!rows) return w;
     *type = FT_BF16;
     *stride = (size_t)k * 2;

@@ -289,16 +289,15 @@ static void moe_task(void *ctx, int task) {
 static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
 #if HAVE_AMX
     if (!xb_amx || j->hidden % 32 || j->inter % 32 || amx_disabled) return 0;
-    if (j->gate_type >= FT_MXFP4 || j->up_type >= FT_MXFP4 || j->down_type >= FT_MXFP4) return 0;  /* no tile
-       dequantizer for MXFP4 and FP8 yet: the vector path */
     int most = 0;
     for (int e = 0; e < j->n_experts; e++) {
         int n = j->pair_offsets[e + 1] - j->pair_offsets[e];
         most = n > most ? n : most;
     }
-    /* Q8_0 rows are dequantized into a scratch tile first, which costs what the vector path costs at a few
-       tokens: tiles pay for them only from about 6 tokens on (measured on a Sapphire Rapids-class core). */
-    int q8 = j->gate_type == FT_Q8_0 || j->up_type == FT_Q8_0 || j->down_type == FT_Q8_0;
+    /* Block-format rows (Q8_0, MXFP4, FP8_B32) are dequantized into a scratch tile first, which costs what the
+       vector path costs at a few tokens: tiles pay for them only from about 6 tokens on (measured for Q8_0 on a
+       Sapphire Rapids-class core). */
+    int q8 = j->gate_type >= FT_Q8_0 || j->up_type >= FT_Q8_0 || j->down_type >= FT_Q8_0;
     int least = q8 && amx_min_tokens < AMX_Q8_MIN_TOKENS ? AMX_Q8_MIN_TOKENS : amx_min_tokens;
     return most >= least && amx_permitted();
 #else
@@ -370,7 +369,8 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     }
     current.xp = current.actp = NULL;
     current.phase0_tasks = 0;
-    /* AMX takes bf16 activations against bf16 or Q8_0 weights (dequantized to bf16 in a tile, as on the GPU) */
+    /* AMX takes bf16 activations against bf16 or block-format weights (dequantized to bf16 in a tile, as on the
+       GPU) */
     current.xb_amx = xb && bf16_rounding && gate_type != FT_F32 && up_type != FT_F32 && down_type != FT_F32
                          ? xb : NULL;
 #if HAVE_AMX

@@ -235,21 +235,24 @@ def test_amx_tiles_match_the_reference(kernel, tokens):
     assert (tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
 
 
+@pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4", "FP8_B32"])
 @pytest.mark.parametrize("tokens", [8, 40])
-def test_amx_q8_0_computes_what_a_bf16_gpu_expert_computes(kernel, tokens):
-    """On tiles, Q8_0 weights are dequantized to bf16 (in the tile, or once per row block when several token
-    tiles share it), as the GPU path dequantizes them for a bf16 model, so the result equals the reference run on
-    bf16-dequantized weights."""
+def test_amx_block_formats_compute_what_a_bf16_gpu_expert_computes(kernel, fmt, tokens):
+    """On tiles, block-format weights (Q8_0, MXFP4, FP8_B32) are dequantized to bf16 (in the tile, or once per row
+    block when several token tiles share it), as the GPU path dequantizes them for a bf16 model, so the result
+    equals the reference run on bf16-dequantized weights."""
     if not kernel.amx:
         pytest.skip("no AMX on this CPU")
     gen = torch.Generator().manual_seed(3)
-    gate, up = (_matrix("Q8_0", 4, 64, 96, gen) for _ in range(2))
-    down = _matrix("Q8_0", 4, 96, 64, gen)
+    gate, up = (_matrix(fmt, 4, 64, 96, gen) for _ in range(2))
+    down = _matrix(fmt, 4, 96, 64, gen)
     as_bf16 = [ExpertMatrix.of(torch.stack([m.expert(e) for e in range(4)]).bfloat16()) for m in (gate, up, down)]
-    x = torch.randn(tokens, 96, generator=gen).bfloat16().float()  # Q8_0 takes tiles from 6 tokens per expert
+    x = torch.randn(tokens, 96, generator=gen).bfloat16().float()  # block formats take tiles from 6 tokens on
     every = list(range(tokens))
     routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32),
                torch.tensor(every + every, dtype=torch.int32), torch.rand(2 * tokens, generator=gen))
     want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
     got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert (got - want).norm() / want.norm() < 2e-3
+    # (the vector path, with fp32 weights, is 4e-3 to 6e-3 away from this for Q8_0 and FP8_B32; MXFP4's values
+    # are bf16 values, so both paths meet it exactly)
+    assert (got - want).norm() / want.norm() < 2e-4
