@@ -149,7 +149,12 @@ def test_every_named_shape_reads_as_its_family():
     assert round(gb["deepseek-v3"], -2) == 1300 and round(gb["qwen3.5-35b-a3b"]) == 64
 
 
-def test_recurrent_shapes_refuse_the_graph_row_and_decode_eagerly(tmp_path):
+def test_recurrent_shapes_without_their_graph_path_refuse_the_graph_row_and_decode_eagerly(tmp_path, monkeypatch):
+    """With GPU path "recurrent-graphs" off (FREETOKEN_DISABLE), hybrids decode eagerly: the graph row is refused
+    and the floor adds the eager resident time."""
+    from freetoken.engine import gpu_paths
+
+    monkeypatch.setattr(gpu_paths, "enabled", lambda name: name != "recurrent-graphs" and name in gpu_paths.MEASURED)
     with pytest.raises(SystemExit, match="recurrent layers"):
         main(["--shape", "tiny-hybrid", "--device", "cpu", "--strategies", "resident-graphs", "--probe-mib", "64"])
     out = tmp_path / "eager.md"
