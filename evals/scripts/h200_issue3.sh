@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | d1-qwen35 | d1-qwen3next | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | d1-qwen35 | d1-qwen3next | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -108,6 +108,11 @@ for part in "$@"; do
                (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 12 --strategy $s \
                   --expert-format Q8_0 --out "$OUT" | grep -v "expert cache")
              done ;;
+    d1-cpu-first-ab) python3 "$OLDPWD/evals/scripts/bench_one_model.py" decode --shape qwen3-30b-a3b --context 1024 \
+             --tokens 16 --budgets 0,16GiB --strategies resident-graphs,cpu,auto --commit "$commit" \
+             --out "$OUT/d1-1k-defaults.md" -- FREETOKEN_EXPERIMENTAL=cpu-first decode --shape qwen3-30b-a3b \
+             --context 1024 --tokens 16 --budgets 0,16GiB --strategies resident-graphs,cpu,auto \
+             --commit "$commit (cpu-first)" --out "$OUT/d1-1k-cpu-first.md" ;;
     profile-host) for s in cpu auto; do  # where the host's time before each CPU share goes (qwen3, 8 layers)
                (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 8 --strategy $s --tokens 8 \
                  --out /tmp/prof 2>&1 | grep -v Warning | tail -32 | tee -a "$OUT/profile-host.txt")

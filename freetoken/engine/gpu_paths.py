@@ -27,6 +27,8 @@ EXPERIMENTAL: dict[str, str] = {
     "delta-prefill": "the chunked Gated DeltaNet's chunk-to-chunk loop as one Triton launch per layer",
     "prefetch-early": "captured decode queues the next layer's prefetch at the end of a layer's host work, not after "
                       "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
+    "cpu-first": "offloaded decode starts a layer's CPU share before queueing its copies (the queueing, 50-150 µs "
+                 "on the H200 host, then leaves the CPU share's critical path)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",
