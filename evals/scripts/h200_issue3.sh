@@ -108,7 +108,7 @@ for part in "$@"; do
                (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 12 --strategy $s \
                   --expert-format Q8_0 --out "$OUT" | grep -v "expert cache")
              done ;;
-    d1-cpu-first-ab) python3 "$OLDPWD/evals/scripts/bench_one_model.py" decode --shape qwen3-30b-a3b --context 1024 \
+    d1-cpu-first-ab) python3 "$PWD/evals/scripts/bench_one_model.py" decode --shape qwen3-30b-a3b --context 1024 \
              --tokens 16 --budgets 0,16GiB --strategies resident-graphs,cpu,auto --commit "$commit" \
              --out "$OUT/d1-1k-defaults.md" -- FREETOKEN_EXPERIMENTAL=cpu-first decode --shape qwen3-30b-a3b \
              --context 1024 --tokens 16 --budgets 0,16GiB --strategies resident-graphs,cpu,auto \
