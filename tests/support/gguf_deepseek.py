@@ -12,16 +12,14 @@ the tiny checkpoints `write_hf_checkpoint("deepseek_v3", ...)` writes:
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
-from support.checkpoints import _write_tokenizer_metadata
+from support.gguf_writing import close_writer, open_writer, read_checkpoint
 
 _NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -63,21 +61,9 @@ def gguf_tensors(hf: dict[str, torch.Tensor], cfg: dict, split_kv_b: bool) -> di
 
 
 def write_deepseek_gguf(hf_dir: Path, gguf_path: Path, *, split_kv_b: bool = True) -> Path:
-    hf_dir, gguf_path = Path(hf_dir), Path(gguf_path)
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    hf: dict[str, torch.Tensor] = {}
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        hf |= load_file(f)
+    cfg, hf = read_checkpoint(hf_dir)
     latent, rope_dim, heads = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["num_attention_heads"]
-    w = gguf.GGUFWriter(str(gguf_path), "deepseek2")
-    w.add_name("tiny-deepseek-v3")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
+    w = open_writer(gguf_path, "deepseek2", cfg)
     w.add_rope_dimension_count(rope_dim)
     if cfg.get("q_lora_rank"):
         w.add_q_lora_rank(cfg["q_lora_rank"])
@@ -103,18 +89,10 @@ def write_deepseek_gguf(hf_dir: Path, gguf_path: Path, *, split_kv_b: bool = Tru
     w.add_expert_group_count(cfg["n_group"])
     w.add_expert_group_used_count(cfg["topk_group"])
     rope = cfg["rope_parameters"]
-    w.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _write_tokenizer_metadata(w, hf_dir)
-    for name, array in gguf_tensors(hf, cfg, split_kv_b).items():
-        w.add_tensor(name, np.ascontiguousarray(array))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return gguf_path
+    close_writer(w, hf_dir, gguf_tensors(hf, cfg, split_kv_b))
+    return Path(gguf_path)

@@ -12,15 +12,13 @@ GptOssModel), from the tiny checkpoints `write_hf_checkpoint` writes (dense expe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
-from support.checkpoints import _write_tokenizer_metadata
+from support.gguf_writing import close_writer, open_writer, read_checkpoint
 
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -62,32 +60,19 @@ def _tensors(hf: dict[str, torch.Tensor], n_layers: int) -> dict[str, tuple[np.n
             out[blk + "ffn_gate_exps.weight"] = (gate_up[:, 0::2], None)
             out[blk + "ffn_up_exps.weight"] = (gate_up[:, 1::2], None)
             out[blk + "ffn_down_exps.weight"] = (hf[experts + "down_proj"].transpose(1, 2), None)
-    return {n: (t.float().numpy() if raw is None else t, raw) for n, (t, raw) in out.items()}
+    return {n: t.float().numpy() if raw is None else (t, raw) for n, (t, raw) in out.items()}
 
 
 def write_gpt_oss_gguf(hf_dir: Path, gguf_path: Path) -> Path:
-    hf_dir, gguf_path = Path(hf_dir), Path(gguf_path)
-    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg, hf = read_checkpoint(hf_dir)
     if cfg.get("swiglu_limit", 7.0) != 7.0:
         raise ValueError("a gpt-oss GGUF states no SwiGLU clamp (llama.cpp uses 7.0): write the checkpoint with "
                          "swiglu_limit=7.0")
-    hf: dict[str, torch.Tensor] = {}
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        hf |= load_file(f)
     rope = cfg["rope_parameters"]
-    w = gguf.GGUFWriter(str(gguf_path), "gpt-oss")
-    w.add_name("tiny-gpt-oss")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
+    w = open_writer(gguf_path, "gpt-oss", cfg)
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_sliding_window(cfg["sliding_window"])
@@ -95,12 +80,5 @@ def write_gpt_oss_gguf(hf_dir: Path, gguf_path: Path) -> Path:
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _write_tokenizer_metadata(w, hf_dir, pre="gpt-4o")
-    for name, (array, raw) in _tensors(hf, cfg["num_hidden_layers"]).items():
-        w.add_tensor(name, np.ascontiguousarray(array), raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return gguf_path
+    close_writer(w, hf_dir, _tensors(hf, cfg["num_hidden_layers"]), pre="gpt-4o")
+    return Path(gguf_path)

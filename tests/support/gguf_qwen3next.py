@@ -12,16 +12,13 @@ the tiny checkpoints `write_hf_checkpoint("qwen3_next", ...)` writes:
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
-from support.checkpoints import _write_tokenizer_metadata
+from support.gguf_writing import close_writer, open_writer, read_checkpoint
 
 NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -77,30 +74,16 @@ def gguf_tensors(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray
 
 
 def write_qwen3next_gguf(hf_dir: Path, gguf_path: Path) -> Path:
-    hf_dir, gguf_path = Path(hf_dir), Path(gguf_path)
-    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg, hf = read_checkpoint(hf_dir)
     types = cfg["layer_types"]
     interval = types.index("full_attention") + 1
     if any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):
         raise ValueError("qwen3next GGUFs state the layer pattern as full_attention_interval only")
-    hf: dict[str, torch.Tensor] = {}
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        hf |= load_file(f)
-    w = gguf.GGUFWriter(str(gguf_path), "qwen3next")
-    w.add_name("tiny-qwen3-next")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
+    w = open_writer(gguf_path, "qwen3next", cfg)
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    rope = cfg["rope_parameters"]
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_rope_dimension_count(int(cfg["head_dim"] * rope["partial_rotary_factor"]))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
     w.add_expert_count(cfg["num_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
@@ -111,12 +94,5 @@ def write_qwen3next_gguf(hf_dir: Path, gguf_path: Path) -> Path:
     w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     w.add_full_attention_interval(interval)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _write_tokenizer_metadata(w, hf_dir)
-    for name, array in gguf_tensors(hf, cfg).items():
-        w.add_tensor(name, np.ascontiguousarray(array))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return gguf_path
+    close_writer(w, hf_dir, gguf_tensors(hf, cfg))
+    return Path(gguf_path)

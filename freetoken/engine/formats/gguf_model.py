@@ -164,14 +164,7 @@ def _glm_config(gguf: GGUFFile, get, cfg: dict) -> dict:
         raise UnsupportedArchitectureError(f"{gguf.path}: glm4moe with expert gating {gating} (only sigmoid, 2)")
     rotary = int(get("rope.dimension_count", cfg["head_dim"]))
     return {
-        "num_hidden_layers": cfg["num_hidden_layers"] - int(get("nextn_predict_layers", 0) or 0),
-        "n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
-        "moe_intermediate_size": int(get("expert_feed_forward_length")),
-        "n_shared_experts": int(get("expert_shared_count", 0) or 0),
-        "first_k_dense_replace": int(get("leading_dense_block_count", 0) or 0),
-        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(get("expert_weights_norm", True)),
-        "n_group": int(get("expert_group_count", 1) or 1), "topk_group": int(get("expert_group_used_count", 1) or 1),
+        **_grouped_routing(get, cfg),
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
         "use_qk_norm": "blk.0.attn_q_norm.weight" in gguf.tensors,
         "rope_parameters": {**cfg["rope_parameters"], "partial_rotary_factor": rotary / cfg["head_dim"]},
@@ -218,20 +211,26 @@ def _deepseek_config(gguf: GGUFFile, get, cfg: dict) -> dict:
         mscale = float(get("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1
         rope.update(mscale=mscale, mscale_all_dim=mscale, beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
                     beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)))
-    n_experts = int(get("expert_count"))
     return {
-        "num_hidden_layers": cfg["num_hidden_layers"] - int(get("nextn_predict_layers", 0) or 0),
+        **_grouped_routing(get, cfg),
         "q_lora_rank": int(get("attention.q_lora_rank", 0) or 0) or None,
         "kv_lora_rank": int(get("attention.kv_lora_rank")), "qk_rope_head_dim": rope_dim,
-        "qk_nope_head_dim": nope, "v_head_dim": v, "rope_interleave": True,
-        "n_routed_experts": n_experts, "num_experts_per_tok": int(get("expert_used_count")),
+        "qk_nope_head_dim": nope, "v_head_dim": v, "rope_interleave": True, "rope_parameters": rope,
+    }
+
+
+def _grouped_routing(get, cfg: dict) -> dict:
+    """GLM-4.5's and DeepSeek-V3's routing keys (grouped sigmoid top-k, shared experts, leading dense blocks), and
+    their layer count without the multi-token-prediction blocks the block count includes."""
+    return {
+        "num_hidden_layers": cfg["num_hidden_layers"] - int(get("nextn_predict_layers", 0) or 0),
+        "n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
         "moe_intermediate_size": int(get("expert_feed_forward_length")),
         "n_shared_experts": int(get("expert_shared_count", 0) or 0),
         "first_k_dense_replace": int(get("leading_dense_block_count", 0) or 0),
         "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
         "norm_topk_prob": bool(get("expert_weights_norm", True)),
         "n_group": int(get("expert_group_count", 1) or 1), "topk_group": int(get("expert_group_used_count", 1) or 1),
-        "rope_parameters": rope,
     }
 
 
