@@ -8,6 +8,10 @@ the tiny checkpoints `write_hf_checkpoint("qwen3_next", ...)` writes:
   [channels, kernel], and every (1 + w) norm (all but the DeltaNet's output norm) stored as 1 + w;
 - the DeltaNet sizes as `ssm.*` keys, the partial rotary width as the rope dimension count. llama.cpp's
   qwen3next has no dense-MLP layers: the checkpoint must route every layer (`mlp_only_layers=[]`).
+
+Qwen3.5-MoE (architecture qwen35moe, `write_qwen35moe_gguf`) keeps the projections apart (`attn_qkv`,
+`attn_gate`, `ssm_alpha`, `ssm_beta`) and reorders every value-head axis from HF's grouping by key head to ggml's
+tiled order (the converter's `_reorder_v_heads`), when there are more value heads than key heads.
 """
 
 from __future__ import annotations
@@ -74,12 +78,16 @@ def gguf_tensors(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray
 
 
 def write_qwen3next_gguf(hf_dir: Path, gguf_path: Path) -> Path:
+    return _write(hf_dir, gguf_path, "qwen3next", gguf_tensors)
+
+
+def _write(hf_dir: Path, gguf_path: Path, arch: str, tensors) -> Path:
     cfg, hf = read_checkpoint(hf_dir)
     types = cfg["layer_types"]
     interval = types.index("full_attention") + 1
     if any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):
         raise ValueError("qwen3next GGUFs state the layer pattern as full_attention_interval only")
-    w = open_writer(gguf_path, "qwen3next", cfg)
+    w = open_writer(gguf_path, arch, cfg)
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
@@ -94,5 +102,61 @@ def write_qwen3next_gguf(hf_dir: Path, gguf_path: Path) -> Path:
     w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     w.add_full_attention_interval(interval)
-    close_writer(w, hf_dir, gguf_tensors(hf, cfg))
+    close_writer(w, hf_dir, tensors(hf, cfg))
     return Path(gguf_path)
+
+
+QWEN35_NAMES = {
+    **{k: v for k, v in NAMES.items() if not k.startswith("linear_attn.in_proj")},
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+}
+
+
+def tile_value_heads(t: torch.Tensor, dim: int, head_dim: int, cfg: dict) -> torch.Tensor:
+    """HF's value heads grouped by key head [K0: v0 v1 …, K1: …] → ggml's tiled order [v0: K0 K1 …, v1: …]."""
+    kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], kh, vh // kh, head_dim, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def qwen35_tensors(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray]:
+    dv, key_total = cfg["linear_value_head_dim"], cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    tile = lambda t, dim, head_dim: tile_value_heads(t, dim, head_dim, cfg)  # noqa: E731
+    out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"] + 1,
+           "output.weight": hf["lm_head.weight"]}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, w in hf.items():
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            continue
+        layer, module = m[1], m[2]
+        if e := _EXPERT.fullmatch(module):
+            experts.setdefault((int(layer), e[2]), {})[int(e[1])] = w
+            continue
+        if module == "linear_attn.in_proj_qkv.weight":
+            w = torch.cat((w[:2 * key_total], tile(w[2 * key_total:], 0, dv)))
+        elif module == "linear_attn.in_proj_z.weight":
+            w = tile(w, 0, dv)
+        elif module in ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight", "linear_attn.dt_bias"):
+            w = tile(w, 0, 1)
+        elif module == "linear_attn.A_log":
+            w = -torch.exp(tile(w, 0, 1))
+        elif module == "linear_attn.conv1d.weight":
+            w = w.squeeze(1)
+            w = torch.cat((w[:2 * key_total], tile(w[2 * key_total:], 0, dv)))
+        elif module == "linear_attn.out_proj.weight":
+            w = tile(w, 1, dv)
+        elif module.endswith("norm.weight") and module != "linear_attn.norm.weight":
+            w = w + 1
+        elif module == "mlp.shared_expert_gate.weight":
+            w = w.reshape(-1)
+        out[f"blk.{layer}.{QWEN35_NAMES[module]}"] = w
+    for (layer, part), by_id in sorted(experts.items()):
+        out[f"blk.{layer}.ffn_{part}_exps.weight"] = torch.stack([by_id[i] for i in range(len(by_id))])
+    return {n: t.float().numpy() for n, t in out.items()}
+
+
+def write_qwen35moe_gguf(hf_dir: Path, gguf_path: Path) -> Path:
+    return _write(hf_dir, gguf_path, "qwen35moe", qwen35_tensors)

@@ -12,7 +12,10 @@ llama.cpp lays some tensors out differently from HF, and this is the one place t
   its rotary pairs stay in the checkpoint's interleaved order (no permutation);
 - qwen3next (Qwen3-Next) stores its (1 + w) norms as 1 + w, A_log as A = -exp(A_log), the conv kernel squeezed,
   and the DeltaNet input projection regrouped: `attn_qkv` (all q, all k, all v) and `attn_gate` (z) instead of
-  HF's per-key-head [q, k, v, z] groups, rebuilt here.
+  HF's per-key-head [q, k, v, z] groups, rebuilt here;
+- qwen35moe (Qwen3.5/3.6-MoE) as qwen3next with the projections apart, and every value-head axis reordered from
+  HF's grouping by key head [K0: v0 v1 …, K1: …] to ggml's tiled order [v0 of K0, K1 …, v1 of K0, K1 …] (its
+  broadcasts repeat key heads that way), put back here.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from freetoken.errors import UnsupportedArchitectureError
 
 # GGUF general.architecture → HF model_type (llama with experts is Mixtral).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe",
-                      "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next"}
+                      "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next",
+                      "qwen35moe": "qwen3_5_moe_text"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -66,6 +70,12 @@ _QWEN3NEXT_BLOCK_NAMES = {
     "attn_qkv": "linear_attn.in_proj_qkvz.weight", "ssm_conv1d": "linear_attn.conv1d.weight",
     "ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias", "ssm_norm": "linear_attn.norm.weight",
     "ssm_out": "linear_attn.out_proj.weight",
+}
+# Qwen3.5-MoE (qwen35moe): the same mixers with the DeltaNet's input projections apart
+_QWEN35_BLOCK_NAMES = {
+    **{k: v for k, v in _QWEN3NEXT_BLOCK_NAMES.items() if k != "attn_qkv"},
+    "attn_qkv": "linear_attn.in_proj_qkv.weight", "attn_gate": "linear_attn.in_proj_z.weight",
+    "ssm_alpha": "linear_attn.in_proj_a.weight", "ssm_beta": "linear_attn.in_proj_b.weight",
 }
 _STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # (ssm_a has no suffix)
@@ -115,7 +125,7 @@ def hf_config(gguf: GGUFFile) -> dict:
         cfg.update(_gpt_oss_config(gguf, get, cfg))
     elif model_type == "deepseek_v3":
         cfg.update(_deepseek_config(gguf, get, cfg))
-    elif model_type == "qwen3_next":
+    elif model_type in ("qwen3_next", "qwen3_5_moe_text"):
         cfg.update(_qwen3next_config(gguf, get, cfg))
     elif n_experts:
         cfg.update(_moe_config(gguf, get, model_type, n_experts, cfg["num_hidden_layers"]))
@@ -287,6 +297,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
             return None  # read with attn_qkv
         if part in _QWEN3NEXT_BLOCK_NAMES:
             return f"model.layers.{layer}.{_QWEN3NEXT_BLOCK_NAMES[part]}"
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text") and part in _QWEN35_BLOCK_NAMES:
+        return f"model.layers.{layer}.{_QWEN35_BLOCK_NAMES[part]}"
     if kind is None:
         return None
     if model_type == "deepseek_v3":
@@ -316,8 +328,36 @@ def to_hf_layout(gguf_name: str, tensor: torch.Tensor, cfg: dict, arch: str) -> 
         return _unpermute_rotary(tensor, heads)
     if gguf_name.endswith("ffn_gate_inp_shexp.weight") and tensor.dim() == 1:
         return tensor[None, :]  # GGUF stores the [1, H] shared-expert gate as a vector
-    if arch == "qwen3next":
+    if arch == "qwen35moe":
+        tensor = _untile_value_heads(gguf_name, tensor, cfg)
+    if arch in ("qwen3next", "qwen35moe"):
         return _qwen3next_layout(gguf_name, tensor)
+    return tensor
+
+
+def _untile_value_heads(gguf_name: str, tensor: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """qwen35moe's value-head axes back from ggml's tiled order to HF's grouping by key head."""
+    kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if kh == vh or ".ssm_" not in gguf_name and ".attn_qkv." not in gguf_name and ".attn_gate." not in gguf_name:
+        return tensor
+    per, dv, key_total = vh // kh, cfg["linear_value_head_dim"], kh * cfg["linear_key_head_dim"]
+
+    def untile(t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
+        shape = list(t.shape)
+        t = t.reshape(*shape[:dim], per, kh, head_dim, *shape[dim + 1:])
+        return t.transpose(dim, dim + 1).reshape(shape)
+
+    part = gguf_name.split(".")[2]
+    if part == "attn_qkv":  # only the value rows
+        return torch.cat((tensor[:2 * key_total], untile(tensor[2 * key_total:], 0, dv)))
+    if part == "ssm_conv1d":  # [channels, kernel]: only the value channels
+        return torch.cat((tensor[:2 * key_total], untile(tensor[2 * key_total:], 0, dv)))
+    if part == "attn_gate":
+        return untile(tensor, 0, dv)
+    if part in ("ssm_alpha", "ssm_beta", "ssm_a", "ssm_dt"):
+        return untile(tensor, 0, 1)
+    if part == "ssm_out":  # its input columns
+        return untile(tensor, 1, dv)
     return tensor
 
 

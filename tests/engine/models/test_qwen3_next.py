@@ -235,3 +235,31 @@ def test_a_gguf_of_the_checkpoint_loads_to_the_same_model(tmp_path):
     for model in (lm, offloaded):
         ours = Generator(model).generate_ids(ids, GREEDY_32)
         assert ours == expected, divergence_report(reference, ids, ours, expected)
+
+
+def test_the_gguf_writer_uses_gguf_pys_names_for_qwen35moe():
+    import gguf
+
+    from support.gguf_qwen3next import QWEN35_NAMES
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, 4)
+    renamed = {"linear_attn.A_log": "linear_attn.A_log", "linear_attn.dt_bias": "linear_attn.dt_proj.bias"}
+    for hf, ours in QWEN35_NAMES.items():
+        got = names.get_name(f"model.layers.1.{renamed.get(hf, hf)}", try_suffixes=(".weight", ".bias"))
+        assert got == f"blk.1.{ours}", hf
+
+
+def test_a_qwen35moe_gguf_loads_to_the_same_model(tmp_path):
+    """qwen35moe GGUFs (Qwen3.5/3.6-MoE): the split projections, and every value-head axis in ggml's tiled order
+    (2 key heads, 4 value heads here, so the order matters) put back; same logits and greedy tokens."""
+    from support.gguf_qwen3next import write_qwen35moe_gguf
+
+    reference = write_hf_checkpoint("qwen3_5_moe", tmp_path / "hf")
+    path = write_qwen35moe_gguf(tmp_path / "hf", tmp_path / "q35.gguf")
+    lm = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    assert lm.args.full_attention_layers == (1, 3) and lm.args.moe_layers == (0, 1, 2, 3)
+    ids = prompt_ids()
+    torch.testing.assert_close(lm.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    expected = hf_greedy(reference, ids, 32)
+    ours = Generator(lm).generate_ids(ids, GREEDY_32)
+    assert ours == expected, divergence_report(reference, ids, ours, expected)
