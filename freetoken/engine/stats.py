@@ -3,7 +3,7 @@ and the benchmarks read this rather than reaching into executors and caches them
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from freetoken.engine.kv_cache import PagedKVCache
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
@@ -31,6 +31,10 @@ class ExpertStats:
     gpu_wait_seconds: float = 0.0  # waiting for the routing
     host_seconds: float = 0.0  # planning and queueing
     cpu_wait_seconds: float = 0.0  # waiting for the CPU share
+    miss_path: str = ""  # "auto", "copy" or "cpu" (offloaded)
+    # auto: the way the path guard uses ("split", "cpu", "copy") and its measured seconds per miss of each way
+    guard_way: str = ""
+    guard_seconds_per_miss: dict[str, float] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -67,12 +71,14 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
     if spec is None:
         experts = ExpertStats("none")
     elif isinstance(ex, OffloadedExpertExecutor):
-        c = ex.counters
+        c, guard = ex.counters, ex.planner.guard
         slot_bytes = spec.bytes_per_expert(ex.dtype)
         experts = ExpertStats("offloaded", ex.cache.capacity, len(ex.cache.slot_of), spec.total_routed_experts,
                               slot_bytes, ex.expert_bytes, c.hits, c.misses, c.evictions, c.rejected, c.cpu_experts,
                               c.bytes_copied, c.copy_seconds, c.cpu_seconds, c.prefetched, c.prefetch_used,
-                              c.layer_steps, c.gpu_wait_seconds, c.host_seconds, c.cpu_wait_seconds)
+                              c.layer_steps, c.gpu_wait_seconds, c.host_seconds, c.cpu_wait_seconds, ex.miss_path,
+                              guard.best if guard is not None and ex.miss_path == "auto" else "",
+                              dict(guard.seconds_per_miss) if guard is not None else {})
     else:
         total = spec.total_routed_experts
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype))

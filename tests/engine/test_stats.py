@@ -29,3 +29,4 @@ def test_snapshot_of_resident_offloaded_and_dense_models(tmp_path):
     assert (ex.hits, ex.misses, ex.evictions, ex.bytes_copied) == (c.hits, c.misses, c.evictions, c.bytes_copied)
     assert ex.layer_steps == c.layer_steps > 0 and ex.host_seconds == c.host_seconds > 0
     assert stats.kv.pages_total == cache.allocator.num_pages and stats.as_dict()["experts"]["hit_rate"] == c.hit_rate
+    assert ex.miss_path == "auto" and ex.guard_way == "split"  # the path guard's choice (its first window: split)
