@@ -48,7 +48,9 @@ def split_qkvz(w: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([t.reshape(-1, width) for t in (q, k, v)]), z.reshape(-1, width)
 
 
-def gguf_tensors(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray]:
+def _converted(hf: dict[str, torch.Tensor], convert) -> dict[str, np.ndarray]:
+    """What both architectures' converters share: the global tensors, the routed experts stacked per layer, and
+    `convert(layer, module, w)` → {GGUF name: tensor} for every other layer tensor."""
     out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"] + 1,
            "output.weight": hf["lm_head.weight"]}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
@@ -56,25 +58,36 @@ def gguf_tensors(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray
         m = _LAYER.fullmatch(name)
         if m is None:
             continue
-        layer, module = m[1], m[2]
-        if e := _EXPERT.fullmatch(module):
-            experts.setdefault((int(layer), e[2]), {})[int(e[1])] = w
-            continue
-        if module == "linear_attn.in_proj_qkvz.weight":
-            out[f"blk.{layer}.attn_qkv.weight"], out[f"blk.{layer}.attn_gate.weight"] = split_qkvz(w, cfg)
-            continue
-        if module == "linear_attn.A_log":
-            w = -torch.exp(w)
-        elif module == "linear_attn.conv1d.weight":
-            w = w.squeeze(1)
-        elif module.endswith("norm.weight") and module != "linear_attn.norm.weight":
-            w = w + 1  # the (1 + w) norms, stored as 1 + w
-        elif module == "mlp.shared_expert_gate.weight":
-            w = w.reshape(-1)  # llama.cpp declares it {n_embd}
-        out[f"blk.{layer}.{NAMES[module]}"] = w
+        if e := _EXPERT.fullmatch(m[2]):
+            experts.setdefault((int(m[1]), e[2]), {})[int(e[1])] = w
+        else:
+            out |= convert(m[1], m[2], w)
     for (layer, part), by_id in sorted(experts.items()):
         out[f"blk.{layer}.ffn_{part}_exps.weight"] = torch.stack([by_id[i] for i in range(len(by_id))])
     return {n: t.float().numpy() for n, t in out.items()}
+
+
+def _common(module: str, w: torch.Tensor) -> torch.Tensor:
+    """The converter's changes both architectures get (Qwen3NextModel.modify_tensors)."""
+    if module == "linear_attn.A_log":
+        return -torch.exp(w)
+    if module == "linear_attn.conv1d.weight":
+        return w.squeeze(1)
+    if module.endswith("norm.weight") and module != "linear_attn.norm.weight":
+        return w + 1  # the (1 + w) norms, stored as 1 + w
+    if module == "mlp.shared_expert_gate.weight":
+        return w.reshape(-1)  # llama.cpp declares it {n_embd}
+    return w
+
+
+def gguf_tensors(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray]:
+    def convert(layer: str, module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        if module == "linear_attn.in_proj_qkvz.weight":
+            qkv, z = split_qkvz(w, cfg)
+            return {f"blk.{layer}.attn_qkv.weight": qkv, f"blk.{layer}.attn_gate.weight": z}
+        return {f"blk.{layer}.{NAMES[module]}": _common(module, w)}
+
+    return _converted(hf, convert)
 
 
 def write_qwen3next_gguf(hf_dir: Path, gguf_path: Path) -> Path:
@@ -124,38 +137,22 @@ def tile_value_heads(t: torch.Tensor, dim: int, head_dim: int, cfg: dict) -> tor
 def qwen35_tensors(hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray]:
     dv, key_total = cfg["linear_value_head_dim"], cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     tile = lambda t, dim, head_dim: tile_value_heads(t, dim, head_dim, cfg)  # noqa: E731
-    out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"] + 1,
-           "output.weight": hf["lm_head.weight"]}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for name, w in hf.items():
-        m = _LAYER.fullmatch(name)
-        if m is None:
-            continue
-        layer, module = m[1], m[2]
-        if e := _EXPERT.fullmatch(module):
-            experts.setdefault((int(layer), e[2]), {})[int(e[1])] = w
-            continue
-        if module == "linear_attn.in_proj_qkv.weight":
+
+    def convert(layer: str, module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        if module in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):  # value rows / channels
+            w = w.squeeze(1) if w.dim() == 3 else w
             w = torch.cat((w[:2 * key_total], tile(w[2 * key_total:], 0, dv)))
-        elif module == "linear_attn.in_proj_z.weight":
+            return {f"blk.{layer}.{QWEN35_NAMES[module]}": w}
+        if module == "linear_attn.in_proj_z.weight":
             w = tile(w, 0, dv)
-        elif module in ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight", "linear_attn.dt_bias"):
+        elif module in ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight", "linear_attn.dt_bias",
+                        "linear_attn.A_log"):
             w = tile(w, 0, 1)
-        elif module == "linear_attn.A_log":
-            w = -torch.exp(tile(w, 0, 1))
-        elif module == "linear_attn.conv1d.weight":
-            w = w.squeeze(1)
-            w = torch.cat((w[:2 * key_total], tile(w[2 * key_total:], 0, dv)))
         elif module == "linear_attn.out_proj.weight":
             w = tile(w, 1, dv)
-        elif module.endswith("norm.weight") and module != "linear_attn.norm.weight":
-            w = w + 1
-        elif module == "mlp.shared_expert_gate.weight":
-            w = w.reshape(-1)
-        out[f"blk.{layer}.{QWEN35_NAMES[module]}"] = w
-    for (layer, part), by_id in sorted(experts.items()):
-        out[f"blk.{layer}.ffn_{part}_exps.weight"] = torch.stack([by_id[i] for i in range(len(by_id))])
-    return {n: t.float().numpy() for n, t in out.items()}
+        return {f"blk.{layer}.{QWEN35_NAMES[module]}": _common(module, w)}
+
+    return _converted(hf, convert)
 
 
 def write_qwen35moe_gguf(hf_dir: Path, gguf_path: Path) -> Path:

@@ -204,18 +204,20 @@ def test_on_cuda_graph_decode_of_the_hybrid_equals_eager(checkpoint, monkeypatch
 # -- GGUF, as llama.cpp's converter writes qwen3next (tests/support/gguf_qwen3next.py) --
 
 
-def test_the_gguf_writer_uses_gguf_pys_names_for_qwen3next():
-    """The test writer's names are those gguf-py's own map gives the HF names (A_log and dt_bias go through the
+@pytest.mark.parametrize("arch", ["QWEN3NEXT", "QWEN35MOE"])
+def test_the_gguf_writers_use_gguf_pys_names(arch):
+    """The test writers' names are those gguf-py's own map gives the HF names (A_log and dt_bias go through the
     converter's renames first: A_log stays suffix-less, dt_bias becomes dt_proj.bias)."""
     import gguf
 
-    from support.gguf_qwen3next import NAMES
+    from support import gguf_qwen3next
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, 4)
+    ours = {"QWEN3NEXT": gguf_qwen3next.NAMES, "QWEN35MOE": gguf_qwen3next.QWEN35_NAMES}[arch]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], 4)
     renamed = {"linear_attn.A_log": "linear_attn.A_log", "linear_attn.dt_bias": "linear_attn.dt_proj.bias"}
-    for hf, ours in NAMES.items():
+    for hf, gguf_name in ours.items():
         got = names.get_name(f"model.layers.1.{renamed.get(hf, hf)}", try_suffixes=(".weight", ".bias"))
-        assert got == f"blk.1.{ours}", hf
+        assert got == f"blk.1.{gguf_name}", hf
 
 
 def test_a_gguf_of_the_checkpoint_loads_to_the_same_model(tmp_path):
@@ -235,18 +237,6 @@ def test_a_gguf_of_the_checkpoint_loads_to_the_same_model(tmp_path):
     for model in (lm, offloaded):
         ours = Generator(model).generate_ids(ids, GREEDY_32)
         assert ours == expected, divergence_report(reference, ids, ours, expected)
-
-
-def test_the_gguf_writer_uses_gguf_pys_names_for_qwen35moe():
-    import gguf
-
-    from support.gguf_qwen3next import QWEN35_NAMES
-
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, 4)
-    renamed = {"linear_attn.A_log": "linear_attn.A_log", "linear_attn.dt_bias": "linear_attn.dt_proj.bias"}
-    for hf, ours in QWEN35_NAMES.items():
-        got = names.get_name(f"model.layers.1.{renamed.get(hf, hf)}", try_suffixes=(".weight", ".bias"))
-        assert got == f"blk.1.{ours}", hf
 
 
 def test_a_qwen35moe_gguf_loads_to_the_same_model(tmp_path):
