@@ -178,12 +178,9 @@ class GGUFCheckpoint:
 
             def load(into=None, g=gname) -> torch.Tensor:  # GGUF data is dequantized: never read in place
                 t = self.file.load(g, dtype=dtype, device=device)
-                if g.endswith(".attn_k_b.weight"):  # DeepSeek's kv_b_proj, split per head by llama.cpp
-                    return gguf_model.merge_kv_b(t, self.file.load(g.replace("attn_k_b", "attn_v_b"), dtype=dtype,
-                                                                   device=device))
-                if g.endswith(".attn_qkv.weight") and self.arch == "qwen3next":  # its in_proj_qkvz, regrouped
-                    gate = self.file.load(g.replace("attn_qkv", "attn_gate"), dtype=dtype, device=device)
-                    return gguf_model.merge_qkvz(t, gate, self.config)
+                if (joined := gguf_model.joined_tensor(g, self.arch)) is not None:  # a parameter split in two
+                    other, merge = joined
+                    return merge(t, self.file.load(other, dtype=dtype, device=device), self.config)
                 return gguf_model.to_hf_layout(g, t, self.config, self.arch)
 
             yield name, load

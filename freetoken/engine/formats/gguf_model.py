@@ -284,6 +284,16 @@ def merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])
 
 
+def joined_tensor(gguf_name: str, arch: str):
+    """For a GGUF tensor that is one part of an HF parameter llama.cpp split in two: (the other part's name,
+    merge(this part, other part, config) → the HF parameter); else None."""
+    if gguf_name.endswith(".attn_k_b.weight"):  # DeepSeek's kv_b_proj, split per head
+        return gguf_name.replace("attn_k_b", "attn_v_b"), lambda k_b, v_b, cfg: merge_kv_b(k_b, v_b)
+    if arch == "qwen3next" and gguf_name.endswith(".attn_qkv.weight"):  # its in_proj_qkvz, regrouped
+        return gguf_name.replace("attn_qkv", "attn_gate"), merge_qkvz
+    return None
+
+
 def hf_name(gguf_name: str, model_type: str) -> str | None:
     """HF parameter (or stacked-expert) name for a GGUF tensor; None for tensors that carry no parameter."""
     if gguf_name in _GLOBAL_NAMES:
