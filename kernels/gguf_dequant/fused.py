@@ -50,10 +50,11 @@ if triton is not None:
     @triton.jit
     def _cast(values, TO_BF16: tl.constexpr):
         """fp32 → the destination's dtype. bf16 rounds to nearest even by hand: Triton's interpreter (the CPU
-        tests) truncates in `.to`."""
+        tests) truncates in `.to`. A NaN stays NaN: the GPU's own NaN (0x7FFFFFFF) would round over into -0."""
         if TO_BF16:
             bits = values.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(values != values, 0x7FC0, bits)
             values = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return values
 
