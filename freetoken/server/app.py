@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -70,6 +71,7 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
         return PlainTextResponse(prometheus_text(engine.stats()), media_type="text/plain; version=0.0.4")
 
     app.add_middleware(_Gate, api_key=settings.api_key)
+    app.add_middleware(_RequestLog)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -112,6 +114,33 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
 
 class ResizeRequest(BaseModel):
     size: str  # bytes with a unit, as --expert-cache takes them: "8GiB", "512MiB", "0"
+
+
+class _RequestLog:
+    """One log line per API request when its answer has been sent (streams included): method, path with its query,
+    status, seconds. Polled routes (/health, /v1/stats, /metrics) stay out of the log."""
+
+    QUIET = frozenset({"/health", "/v1/stats", "/metrics"})
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.QUIET:
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), [0]
+
+        async def logged_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                query = scope.get("query_string", b"").decode("latin-1")
+                log.info("%s %s%s %d in %.2f s", scope["method"], scope["path"], f"?{query}" if query else "",
+                         status[0], time.perf_counter() - started)
+
+        await self.app(scope, receive, logged_send)
 
 
 class _Gate:

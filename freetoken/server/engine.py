@@ -173,6 +173,12 @@ class ServingEngine:
         return self.scheduler.capacity
 
     @property
+    def reply_budget(self) -> int:
+        """The output budget agents are told to ask for (`ft launch` reads it from /v1/models): a quarter of the
+        context, so a long conversation still has room for its reply, and at most 32k tokens."""
+        return max(1, min(32768, self.context_length // 4))
+
+    @property
     def tokenizer(self):
         return self.lm.tokenizer
 

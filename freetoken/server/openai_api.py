@@ -92,7 +92,8 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         created = int(time.time())
         entry = {"id": engine.model_id, "object": "model", "type": "model", "created": created,
                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)), "owned_by": "freetoken",
-                 "display_name": engine.model_id, "context_length": engine.context_length}
+                 "display_name": engine.model_id, "context_length": engine.context_length,
+                 "max_output_tokens": engine.reply_budget}
         return {"object": "list", "data": [entry], "has_more": False, "first_id": engine.model_id,
                 "last_id": engine.model_id}
 
