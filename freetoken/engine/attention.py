@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from freetoken.engine import gpu_paths
@@ -91,6 +92,9 @@ class BatchAttention:
             self.cache.commit(seq, n)
 
 
+_ONE_TOKEN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
                      sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q [T, H, D] at positions past..past+T-1; k, v [past + T, Hkv, D] → [T, H, D]. `sinks` [H], `window`:
@@ -103,7 +107,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     t = q.shape[0]
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, tokens, D]
     if t == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+        # Not cuDNN for one token: it builds an execution plan for each new key length, ~0.5–1.3 ms of host time a
+        # call on the H200, and a batched decode step calls it per sequence and layer with lengths that grow every
+        # step (the ~100 ms step of evals/results/serve-q3-8l-h200.md).
+        with sdpa_kernel(_ONE_TOKEN_BACKENDS):
+            out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
     elif past == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:  # a later chunk: causal aligned to the last key (lower right), which the fused kernels take as a bias
