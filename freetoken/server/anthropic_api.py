@@ -247,7 +247,12 @@ def _system_text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where}: must be a string or a list of text blocks")
-    return "".join(_block_text(b, where) for b in content)
+    # Claude Code's first system block, "x-anthropic-billing-header: …; cch=…", changes with every request: kept, it
+    # would make the whole prompt after it a prefix-cache miss each turn. It tells a local model nothing.
+    return "".join(text for b in content if not (text := _block_text(b, where)).startswith(_BILLING_HEADER))
+
+
+_BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _block_text(block: Any, where: str) -> str:

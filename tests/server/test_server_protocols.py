@@ -40,6 +40,7 @@ def test_openai_chat_answers_the_question(oai, smollm2_server):
     models = oai.models.list().data
     assert [m.id for m in models] == ["smollm2"]
     assert models[0].model_extra["context_length"] == smollm2_server.engine.context_length
+    assert models[0].model_extra["max_output_tokens"] == smollm2_server.engine.context_length // 4  # ft launch reads it
 
 
 def test_openai_stream_has_the_same_text_usage_and_done(oai):
@@ -392,3 +393,18 @@ def test_a_seed_past_64_bits_is_answered_and_the_server_lives_on(oai):
         assert reply.choices[0].finish_reason in ("stop", "length")
     assert "Paris" in oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
                                                   temperature=0, max_tokens=24).choices[0].message.content
+
+
+def test_claude_codes_changing_billing_header_does_not_defeat_the_prefix_cache(ant):
+    """Claude Code opens `system` with "x-anthropic-billing-header: …; cch=<changes every request>;": dropped, so a
+    resent history is still reused from its first token on."""
+    rules = "You are a careful coding agent working in a large repository. " * 12
+    msgs = [{"role": "user", "content": "List the files."}]
+    usages = []
+    for nonce in ("fa690", "0aaa9"):
+        header = f"x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli; cch={nonce};"
+        system = [{"type": "text", "text": header}, {"type": "text", "text": rules}]
+        usages.append(ant.messages.create(model="smollm2", system=system, max_tokens=4, messages=msgs).usage)
+    assert usages[1].cache_read_input_tokens > 150 and usages[1].input_tokens <= 16
+    plain = ant.messages.count_tokens(model="smollm2", system=rules, messages=msgs).input_tokens
+    assert usages[1].input_tokens + usages[1].cache_read_input_tokens == plain  # the header is not in the prompt
