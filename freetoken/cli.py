@@ -22,6 +22,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "ask": ("freetoken.server.cli", "ask a running server one question"),
     "calibrate": ("freetoken.engine.offload.calibrate", "measure PCIe, DRAM and expert throughput; store a profile"),
     "bench": ("freetoken.bench.cli", "benchmarks on synthetic real-shape models (ft bench decode)"),
+    "top": ("freetoken.tui.cli", "live dashboard of a running server: memory, expert cache, traffic, requests"),
     "launch": ("freetoken.launchers.cli", "configure a coding agent (claude, codex, opencode, openclaw) and run it"),
 }
 

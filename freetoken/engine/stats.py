@@ -35,6 +35,10 @@ class ExpertStats:
     # auto: the way the path guard uses ("split", "cpu", "copy") and its measured seconds per miss of each way
     guard_way: str = ""
     guard_seconds_per_miss: dict[str, float] = field(default_factory=dict)
+    # the dashboard's grid: one string per MoE layer, a character per expert: "#" on the device, "+" not on it but
+    # routed to in the last HOT_TOKENS tokens, "." neither; and each layer's hit rate so far
+    grid: list[str] = field(default_factory=list)
+    layer_hit_rate: list[float] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -52,12 +56,29 @@ class KVStats:
     snapshots: int = 0  # recurrent models: whole sequences kept for later prompts (state_snapshots.py)
 
 
+@dataclass(slots=True)
+class MemoryStats:
+    """Where the device's memory goes (bytes). On CUDA: `other` is what other processes hold (the device's used
+    memory beyond this process's), `activations` what torch holds beyond weights, experts and KV (activations,
+    graph pools, its allocator's slack). On the CPU the same split of the host's RAM."""
+
+    device: str
+    total: int
+    free: int
+    weights: int
+    experts: int
+    kv: int
+    activations: int
+    other: int
+
+
 @dataclass(slots=True, frozen=True)
 class EngineStats:
     device: str
     dtype: str
     experts: ExpertStats
     kv: KVStats | None
+    memory: MemoryStats | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -78,10 +99,11 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
                               c.bytes_copied, c.copy_seconds, c.cpu_seconds, c.prefetched, c.prefetch_used,
                               c.layer_steps, c.gpu_wait_seconds, c.host_seconds, c.cpu_wait_seconds, ex.miss_path,
                               guard.best if guard is not None and ex.miss_path == "auto" else "",
-                              dict(guard.seconds_per_miss) if guard is not None else {})
+                              dict(guard.seconds_per_miss) if guard is not None else {}, *_grid(spec, ex.cache))
     else:
         total = spec.total_routed_experts
-        experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype))
+        experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype),
+                              grid=["#" * spec.num_experts for _ in spec.moe_layers])
     kv = None
     if cache is not None:
         if prefix is not None:
@@ -91,4 +113,49 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
         else:
             reuse = ()
         kv = KVStats(cache.page_size, cache.allocator.num_pages, cache.allocator.num_free, *reuse)
-    return EngineStats(str(lm.device), str(lm.dtype).removeprefix("torch."), experts, kv)
+    return EngineStats(str(lm.device), str(lm.dtype).removeprefix("torch."), experts, kv,
+                       memory_stats(lm, experts, cache))
+
+
+HOT_TOKENS = 16
+
+
+def _grid(spec, cache) -> tuple[list[str], list[float]]:
+    hot_after = cache.steps - HOT_TOKENS * len(spec.moe_layers)
+    grid, rates = [], []
+    for layer in spec.moe_layers:
+        row = []
+        for e in range(spec.num_experts):
+            key = (layer, e)
+            row.append("#" if key in cache.slot_of else "+" if cache.last_used.get(key, -1) > hot_after else ".")
+        grid.append("".join(row))
+        hits, misses = cache.layer_counts.get(layer, (0, 0))
+        rates.append(hits / (hits + misses) if hits + misses else 0.0)
+    return grid, rates
+
+
+def memory_stats(lm, experts: ExpertStats, cache: PagedKVCache | None) -> MemoryStats:
+    import torch
+
+    from freetoken.engine.offload.budget import kv_bytes_per_token
+
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    expert_bytes = experts.slots * experts.slot_bytes if experts.mode != "none" else 0
+    kv = cache.allocator.num_pages * cache.page_size * kv_bytes_per_token(lm.args, lm.dtype) if cache else 0
+    ours = weights + expert_bytes + kv
+    if lm.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(lm.device)
+        reserved = torch.cuda.memory_reserved(lm.device)
+        return MemoryStats(str(lm.device), total, free, weights, expert_bytes, kv, max(0, reserved - ours),
+                           max(0, total - free - reserved))
+    total, free = _host_memory()
+    return MemoryStats("host", total, free, weights, expert_bytes, kv, 0, max(0, total - free - ours))
+
+
+def _host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host RAM, from /proc/meminfo where there is one."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        return int(fields["MemTotal"].split()[0]) * 1024, int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0, 0

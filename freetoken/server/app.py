@@ -71,7 +71,7 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
         return PlainTextResponse(prometheus_text(engine.stats()), media_type="text/plain; version=0.0.4")
 
     app.add_middleware(_Gate, api_key=settings.api_key)
-    app.add_middleware(_RequestLog)
+    app.add_middleware(_RequestLog, activity=engine.activity)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -122,8 +122,8 @@ class _RequestLog:
 
     QUIET = frozenset({"/health", "/v1/stats", "/metrics"})
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, activity):
+        self.app, self.activity = app, activity
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self.QUIET:
@@ -137,8 +137,9 @@ class _RequestLog:
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 query = scope.get("query_string", b"").decode("latin-1")
-                log.info("%s %s%s %d in %.2f s", scope["method"], scope["path"], f"?{query}" if query else "",
-                         status[0], time.perf_counter() - started)
+                path, seconds = scope["path"] + (f"?{query}" if query else ""), time.perf_counter() - started
+                log.info("%s %s %d in %.2f s", scope["method"], path, status[0], seconds)
+                self.activity.answered(scope["method"], path, status[0], seconds)
 
         await self.app(scope, receive, logged_send)
 

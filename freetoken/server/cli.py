@@ -1,6 +1,7 @@
 """`ft serve`: load a model and serve the OpenAI and Anthropic APIs; `ft ask`: one question to a running server.
 
     ft serve [--model M] [--host H] [--port P] [--expert-cache SIZE] [--kv-cache SIZE] [--max-batch N] [--api-key K]
+             [--dashboard]
     ft ask [--url URL] [--wait S] PROMPT
 """
 
@@ -22,6 +23,7 @@ from freetoken.errors import FreeTokenError
 from freetoken.units import parse_bytes
 
 log = logging.getLogger("freetoken.server")
+_DEFAULT_URL = "http://127.0.0.1:1919"
 
 
 def serve(argv: list[str]) -> int:
@@ -40,6 +42,7 @@ def serve(argv: list[str]) -> int:
                         "(default: $FREETOKEN_API_KEY)")
     p.add_argument("--served-name", action="append", default=[], metavar="NAME",
                    help="another model name requests may use (repeatable)")
+    p.add_argument("--dashboard", action="store_true", help="show the live dashboard (`ft top`) in this terminal")
     a = p.parse_args(argv)
     if not _loopback(a.host) and not a.api_key:
         raise FreeTokenError(f"binding {a.host} exposes the server beyond this machine; give --api-key KEY "
@@ -55,7 +58,10 @@ def serve(argv: list[str]) -> int:
     state: dict = {}
     threading.Thread(target=_load_then_serve, args=(a, model_id, loading, server, state), daemon=True).start()
     try:
-        server.run()
+        if a.dashboard:
+            _run_with_dashboard(server, f"http://{a.host}:{a.port}", a.api_key)
+        else:
+            server.run()
     except SystemExit:  # uvicorn exits when it cannot bind; say so in one line below
         pass
     except KeyboardInterrupt:  # uvicorn shut down cleanly on Ctrl-C, then re-raised it
@@ -69,6 +75,29 @@ def serve(argv: list[str]) -> int:
         raise FreeTokenError(f"could not listen on {a.host}:{a.port} (in use by another server?); pick another "
                              "--port")
     return 0
+
+
+def _run_with_dashboard(server, url: str, api_key: str | None) -> None:
+    """uvicorn in a thread, the dashboard in this terminal; quitting the dashboard stops the server. Log lines
+    would tear the screen: they are held while it shows, then printed."""
+    from logging.handlers import MemoryHandler
+
+    from freetoken.tui.app import TopApp
+    from freetoken.tui.source import HttpStats
+
+    root = logging.getLogger()
+    shown, held = root.handlers[:], MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
+    root.handlers = [held]
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        TopApp(HttpStats(url, api_key)).run()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        root.handlers = shown
+        for record in held.buffer:
+            root.handle(record)
 
 
 def _load_then_serve(a: argparse.Namespace, model_id: str, loading, server, state: dict) -> None:
@@ -109,7 +138,7 @@ def ask(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ft ask", description="Ask a running `ft serve` one question; prints the "
                                 "answer. Waits for the server to come up (it may still be loading its model).")
     p.add_argument("prompt")
-    p.add_argument("--url", default="http://127.0.0.1:1919", help="the server (default http://127.0.0.1:1919)")
+    p.add_argument("--url", default=_DEFAULT_URL, help=f"the server (default {_DEFAULT_URL})")
     p.add_argument("--wait", type=float, default=600, help="seconds to wait for the server (default 600)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"))

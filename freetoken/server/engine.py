@@ -31,6 +31,7 @@ from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
 from freetoken.errors import FreeTokenError
+from freetoken.server.activity import Activity
 from freetoken.server.harmony import HarmonyParser, reply_parser
 from freetoken.server.output import OutputParser, text_parameters
 from freetoken.server.tool_choice import ToolChoice, call_opener, call_syntax, with_tools_described
@@ -138,6 +139,7 @@ class _Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.queued_at = time.perf_counter()
+        self.activity_id = 0  # its entry in ServingEngine.activity, once admitted
 
     def emit(self, item: GenerationEvent | BaseException) -> None:
         try:
@@ -159,6 +161,8 @@ class ServingEngine:
         self.lm, self.model_id, self.max_queue = lm, model_id, max_queue
         self.scheduler = BatchScheduler(lm, max_batch=max_batch, max_seq_len=max_seq_len, kv_tokens=kv_tokens)
         self.counters = Counters()
+        self.activity = Activity()
+        self._running: dict[int, _Job] = {}  # activity id → job, while the scheduler holds it
         self._jobs: queue.Queue = queue.Queue()  # _Job, _WAKE, or None to stop
         self._controls: queue.Queue = queue.Queue()
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
@@ -236,7 +240,8 @@ class ServingEngine:
         snap = snapshot(self.lm, self.scheduler.cache, self.scheduler.prefix, self.scheduler.snapshots)
         return {"model": self.model_id, "context_length": self.context_length, "queued": self._jobs.qsize(),
                 "running": len(self.scheduler.active), "max_batch": self.scheduler.max_batch,
-                "forwards": self.scheduler.forwards, "requests": asdict(self.counters), "engine": asdict(snap)}
+                "forwards": self.scheduler.forwards, "requests": asdict(self.counters), "engine": asdict(snap),
+                "activity": self.activity.snapshot()}
 
     def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Runs `fn()` on the worker between two batch steps, where nothing else touches the model; the future
@@ -306,12 +311,18 @@ class ServingEngine:
                 scheduler.abort_all(e)
                 continue
             self.counters.cancelled += len(dropped)
+            if dropped:  # the clients left: their requests end in the activity log too
+                for rid in [rid for rid, job in self._running.items() if job.cancelled.is_set()]:
+                    self.activity.end(rid, "cancelled")
+                    del self._running[rid]
 
     def _admit(self, job: _Job) -> None:
         if job.cancelled.is_set():  # the client left while queued
             self.counters.cancelled += 1
             return
         try:
+            job.activity_id = self.activity.start(len(job.prompt_ids))
+            self._running[job.activity_id] = job
             self.scheduler.add(BatchRequest(job.prompt_ids, job.params, emit=lambda ev: self._emit(job, ev),
                                             cancelled=job.cancelled.is_set))
         except FreeTokenError as e:
@@ -323,10 +334,16 @@ class ServingEngine:
             job.emit(e)
 
     def _emit(self, job: _Job, ev: GenerationEvent | BaseException) -> None:
-        c = self.counters
+        c, rid = self.counters, job.activity_id
         if isinstance(ev, BaseException):
             c.failed += 1
+            self.activity.end(rid, "error")
+            self._running.pop(rid, None)
         else:
+            self.activity.token(rid, ev.completion_tokens, ev.cached_tokens)
+            if ev.finish_reason is not None:
+                self.activity.end(rid, ev.finish_reason)
+                self._running.pop(rid, None)
             if ev.completion_tokens == 1:
                 c.last_ttft_s = time.perf_counter() - job.queued_at
             if ev.finish_reason is not None:

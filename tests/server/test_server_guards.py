@@ -50,9 +50,23 @@ def test_the_api_key_is_required_except_for_health(keyed_server):
 
 
 def test_stats_show_the_offloaded_experts_at_work(keyed_server):
+    r = httpx.post(f"{keyed_server.url}/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200
     stats = httpx.get(f"{keyed_server.url}/v1/stats", headers={"x-api-key": "s3cret"}).json()
     experts = stats["engine"]["experts"]
     assert experts["mode"] == "offloaded" and experts["slots"] == 3 and experts["misses"] > 0
+    # what the dashboard draws: a grid row per MoE layer (3 experts on the device in all), per-layer hit rates,
+    # where memory goes, and the requests answered
+    grid = experts["grid"]
+    assert len(grid) == len(experts["layer_hit_rate"]) > 0 and sum(row.count("#") for row in grid) == 3
+    assert set("".join(grid)) <= set("#+.") and "+" in "".join(grid)  # routed to lately, not on the device
+    memory = stats["engine"]["memory"]
+    assert memory["experts"] == 3 * experts["slot_bytes"] and memory["weights"] > 0 and memory["kv"] > 0
+    activity = stats["activity"]
+    done = activity["finished"][-1]
+    assert done["generated"] > 0 and done["ttft_s"] > 0 and activity["tokens_generated"] >= done["generated"]
+    assert activity["ttft_p50_s"] > 0 and not activity["running"]
+    assert any(e["path"] == "/v1/chat/completions" and e["status"] == 200 for e in activity["log"])
 
 
 def test_a_full_queue_answers_429_in_each_protocol(tiny_moe):

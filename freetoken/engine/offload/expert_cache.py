@@ -46,19 +46,31 @@ class ExpertCache:
         self.free_slots: list[int] = list(range(capacity - 1, -1, -1))
         self.counters = CacheCounters()
         self._protected: set[Hashable] = set()
+        # for the dashboard: hits and misses per layer (keys are (layer, expert)), and each key's last use, in steps
+        self.layer_counts: dict[Hashable, list[int]] = {}
+        self.last_used: dict[Hashable, int] = {}
+        self.steps = 0
 
     def begin_step(self, needed: Iterable[Hashable]) -> None:
         """Marks the keys the coming computation needs; none of them can be evicted until the next step."""
         self._protected = set(needed)
+        self.steps += 1
 
     def lookup(self, key: Hashable) -> int | None:
         """The key's slot on a hit (counted, and the policy told), None on a miss (counted)."""
         slot = self.slot_of.get(key)
+        self.last_used[key] = self.steps
+        layer = key[0] if type(key) is tuple else None
+        counts = self.layer_counts.get(layer)
+        if counts is None:
+            counts = self.layer_counts[layer] = [0, 0]
         if slot is None:
             self.counters.misses += 1
+            counts[1] += 1
             self.policy.miss(key)
             return None
         self.counters.hits += 1
+        counts[0] += 1
         self.policy.touch(key)
         return slot
 
