@@ -9,8 +9,9 @@ import urllib.request
 
 from freetoken.errors import FreeTokenError
 from freetoken.launchers.agent import Target
+from freetoken.server.cli import _DEFAULT_URL
 
-DEFAULT_URL = "http://127.0.0.1:1919"
+DEFAULT_URL = _DEFAULT_URL
 OFFLINE_CONTEXT = 32768  # for a --dry-run with no server: what the preview assumes, and says so
 
 

@@ -325,12 +325,12 @@ class ServingEngine:
             self._running[job.activity_id] = job
             self.scheduler.add(BatchRequest(job.prompt_ids, job.params, emit=lambda ev: self._emit(job, ev),
                                             cancelled=job.cancelled.is_set))
-        except FreeTokenError as e:
-            self.counters.failed += 1
-            job.emit(e)
         except Exception as e:  # noqa: BLE001 - a request the engine cannot take fails alone; the worker lives on
-            log.exception("a request could not be admitted")
+            if not isinstance(e, FreeTokenError):
+                log.exception("a request could not be admitted")
             self.counters.failed += 1
+            self.activity.end(job.activity_id, "error")
+            self._running.pop(job.activity_id, None)
             job.emit(e)
 
     def _emit(self, job: _Job, ev: GenerationEvent | BaseException) -> None:
