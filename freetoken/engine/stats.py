@@ -39,6 +39,8 @@ class ExpertStats:
     # routed to in the last HOT_TOKENS tokens, "." neither; and each layer's hit rate so far
     grid: list[str] = field(default_factory=list)
     layer_hit_rate: list[float] = field(default_factory=list)
+    pinned_layers: list[int] = field(default_factory=list)  # layers whose experts are kept on the device
+    grid_layers: list[int] = field(default_factory=list)  # the model layer of each grid row
 
     @property
     def hit_rate(self) -> float:
@@ -99,11 +101,12 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
                               c.bytes_copied, c.copy_seconds, c.cpu_seconds, c.prefetched, c.prefetch_used,
                               c.layer_steps, c.gpu_wait_seconds, c.host_seconds, c.cpu_wait_seconds, ex.miss_path,
                               guard.best if guard is not None and ex.miss_path == "auto" else "",
-                              dict(guard.seconds_per_miss) if guard is not None else {}, *_grid(spec, ex.cache))
+                              dict(guard.seconds_per_miss) if guard is not None else {}, *_grid(spec, ex.cache),
+                              sorted({key[0] for key in ex.cache.pinned}), list(spec.moe_layers))
     else:
         total = spec.total_routed_experts
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype),
-                              grid=["#" * spec.num_experts for _ in spec.moe_layers])
+                              grid=["#" * spec.num_experts for _ in spec.moe_layers], grid_layers=list(spec.moe_layers))
     kv = None
     if cache is not None:
         if prefix is not None:

@@ -60,6 +60,12 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
         nbytes = parse_bytes((await read_body(request, ResizeRequest)).size)  # a bad size: FreeTokenError → 400
         return await asyncio.wrap_future(engine.control(lambda: engine.resize_expert_cache(nbytes)))
 
+    @app.post("/admin/expert-pin", openapi_extra=body_doc(PinRequest))
+    async def expert_pin(request: Request) -> dict:
+        """Keeps one MoE layer's experts on the device (copied in now, never evicted), or releases them."""
+        body = await read_body(request, PinRequest)
+        return await asyncio.wrap_future(engine.control(lambda: engine.pin_layer(body.layer, body.pinned)))
+
     @app.post("/admin/kv-cache", openapi_extra=body_doc(ResizeRequest))
     async def kv_cache(request: Request) -> dict:
         """Resizes the KV pool while serving (between two batch steps; running requests keep their tokens)."""
@@ -110,6 +116,11 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
         return _error(request, APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
     return app
+
+
+class PinRequest(BaseModel):
+    layer: int
+    pinned: bool = True
 
 
 class ResizeRequest(BaseModel):

@@ -259,9 +259,28 @@ class ServingEngine:
                                  "SIZE to get a resizable cache")
         per_slot = spec.bytes_per_expert(ex.dtype)
         slots = min(nbytes // per_slot, spec.total_routed_experts)
-        ex.resize(slots)
+        try:
+            ex.resize(slots)
+        except ValueError as e:  # below the pinned experts
+            raise FreeTokenError(str(e)) from None
         return {"slots": slots, "bytes": slots * per_slot, "cached": len(ex.cache.slot_of),
                 "total_experts": spec.total_routed_experts}
+
+    def pin_layer(self, layer: int, pinned: bool) -> dict[str, object]:
+        """On the worker: keeps a MoE layer's experts on the device (or lets them go), without reloading weights."""
+        ex, spec = self.lm.experts, self.lm.moe_spec
+        if not isinstance(ex, OffloadedExpertExecutor):
+            raise FreeTokenError("this model's experts are not offloaded; start the server with --expert-cache "
+                                 "SIZE to pin layers")
+        if layer not in spec.moe_layers:
+            raise FreeTokenError(f"layer {layer} has no routed experts; MoE layers are {spec.moe_layers[0]}–"
+                                 f"{spec.moe_layers[-1]}")
+        try:
+            held = ex.pin_layer(layer, spec.num_experts, pinned)
+        except ValueError as e:
+            raise FreeTokenError(str(e)) from None
+        return {"layer": layer, "pinned": pinned, "pinned_experts": held,
+                "pinned_layers": sorted({k[0] for k in ex.cache.pinned})}
 
     def resize_kv_cache(self, nbytes: int) -> dict[str, int]:
         """On the worker: the KV pool to `nbytes` (whole pages), keeping every running request."""

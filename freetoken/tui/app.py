@@ -35,10 +35,12 @@ HELP = """[b]ft top[/b] — a running freetoken server, live
 
 [b]+[/b]  grow the expert cache one step (from free memory, else the KV pool)
 [b]-[/b]  shrink it one step, giving the memory to the KV pool
+[b]j[/b] / [b]k[/b]  move the layer cursor   [b]x[/b]  pin / unpin that layer's experts
 [b]p[/b]  pause / resume updates      [b]r[/b]  poll now
 [b]?[/b]  this help                   [b]q[/b]  quit
 
-Grid: ■ expert on the device, ▪ routed to lately but not on it, · cold.
+Grid: ■ expert on the device, ▪ routed to lately but not on it, · cold;
+* a pinned layer (its experts stay on the device until unpinned).
 A step is 1/16 of the model's routed experts (whole slots).
 Press any key to close."""
 
@@ -57,6 +59,9 @@ class TopApp(App):
     BINDINGS = [
         Binding("plus,equals_sign", "grow_experts", "+experts"),
         Binding("minus", "shrink_experts", "-experts"),
+        Binding("j", "layer(1)", "next layer", show=False),
+        Binding("k", "layer(-1)", "previous layer", show=False),
+        Binding("x", "pin", "pin layer"),
         Binding("p", "pause", "pause"),
         Binding("r", "poll", "poll now"),
         Binding("question_mark", "help", "help"),
@@ -133,6 +138,32 @@ class TopApp(App):
         self.redraw()
 
     async def action_poll(self) -> None:
+        await self.poll()
+
+    def action_layer(self, delta: int) -> None:
+        grid = dig(self.stats, "engine", "experts", "grid", default=[])
+        panel = self.query_one(ExpertPanel)
+        panel.cursor = max(0, min(panel.cursor + delta, len(grid) - 1 if isinstance(grid, list) else 0))
+        self.redraw()
+
+    async def action_pin(self) -> None:
+        """Pins the layer under the cursor (all its experts kept on the device), or unpins it."""
+        ex = dig(self.stats, "engine", "experts", default={})
+        layers, pinned = dig(ex, "grid_layers", default=[]), dig(ex, "pinned_layers", default=[])
+        cursor = self.query_one(ExpertPanel).cursor
+        if not isinstance(layers, list) or not 0 <= cursor < len(layers):
+            self.log_panel.note("no expert grid from this server to pin a layer of", "red")
+            self.redraw()
+            return
+        layer = layers[cursor]
+        pin = layer not in (pinned if isinstance(pinned, list) else [])
+        try:
+            done = await asyncio.to_thread(self.source.pin, layer, pin)
+        except (ActionFailed, Unreachable) as e:
+            self.log_panel.note(f"pin refused: {e}", "red")
+        else:
+            self.log_panel.note(f"layer {layer} {'pinned' if pin else 'unpinned'}: {done.get('pinned_experts')} "
+                                "experts pinned in all", "green")
         await self.poll()
 
     def action_help(self) -> None:

@@ -161,6 +161,8 @@ class TrafficPanel(Panel):
 
 
 class ExpertPanel(Panel):
+    cursor = 0  # the grid row the pin key acts on (j / k move it)
+
     def render_body(self, stats: dict, rates: Rates) -> Text:
         ex = dig(stats, "engine", "experts", default={})
         text = Text()
@@ -173,18 +175,25 @@ class ExpertPanel(Panel):
         grid, rates_ = dig(ex, "grid", default=[]), dig(ex, "layer_hit_rate", default=[])
         if not isinstance(grid, list):
             return text.append("no expert grid from this server", style="dim")
-        room, width = max(1, self.size.height - 1), max(4, self.size.width - 10)  # a line for the legend
-        shown = grid if len(grid) <= room else grid[:room - 1]
-        for i, row in enumerate(shown):
+        room, width = max(1, self.size.height - 1), max(4, self.size.width - 12)  # a line for the legend
+        layers, pinned = dig(ex, "grid_layers", default=[]), dig(ex, "pinned_layers", default=[])
+        layers = layers if isinstance(layers, list) and len(layers) == len(grid) else list(range(len(grid)))
+        pinned = set(pinned) if isinstance(pinned, list) else set()
+        first = min(max(0, self.cursor - room + 2), max(0, len(grid) - room + 1)) if len(grid) > room else 0
+        shown = grid if len(grid) <= room else grid[first:first + room - 1]
+        for i, row in enumerate(shown, start=first):
             rate = rates_[i] if isinstance(rates_, list) and i < len(rates_) else None
-            text.append(f"L{i:<3}{fmt(None if num(rate) is None else 100 * num(rate), '>3.0f', '%')} ")
+            marker = ">" if i == self.cursor else " "
+            text.append(f"{marker}L{layers[i]!s:<3}", style="bold" if i == self.cursor else "")
+            text.append("*" if layers[i] in pinned else " ", style="magenta")
+            text.append(f"{fmt(None if num(rate) is None else 100 * num(rate), '>3.0f', '%')} ")
             for cell in str(row)[:width]:
                 text.append("■" if cell == "#" else "▪" if cell == "+" else "·",
                             style="magenta" if cell == "#" else "yellow" if cell == "+" else "dim")
             text.append("\n")
         if len(shown) < len(grid):
-            text.append(f"… {len(grid) - len(shown)} more layers\n", style="dim")
-        return text.append("■ on device  ▪ hot  · cold", style="dim")
+            text.append(f"… {len(grid) - len(shown)} more layers (j/k)\n", style="dim")
+        return text.append("■ on device  ▪ hot  · cold  * pinned", style="dim")
 
 
 class SessionsPanel(Panel):

@@ -53,6 +53,9 @@ class HttpStats:
     def resize_kv(self, nbytes: int) -> dict:
         return self._request("/admin/kv-cache", {"size": f"{max(0, int(nbytes))}B"})
 
+    def pin(self, layer: int, pinned: bool) -> dict:
+        return self._request("/admin/expert-pin", {"layer": layer, "pinned": pinned})
+
 
 class RecordedStats:
     """Replays recorded `/v1/stats` answers, one per fetch, the last one repeated; actions are refused."""
@@ -71,3 +74,6 @@ class RecordedStats:
         raise ActionFailed("recorded stats: nothing to resize")
 
     resize_kv = resize_experts
+
+    def pin(self, layer: int, pinned: bool) -> dict:
+        raise ActionFailed("recorded stats: nothing to pin")

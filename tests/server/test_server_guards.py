@@ -199,3 +199,14 @@ def test_ask_reports_loading_progress_and_stops_at_a_failed_load(capsys):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_pinning_a_layer_is_refused_with_the_reason_when_it_cannot_be_done(keyed_server):
+    url, headers = keyed_server.url, {"x-api-key": "s3cret"}
+    r = httpx.post(f"{url}/admin/expert-pin", json={"layer": 99}, headers=headers)
+    assert r.status_code == 400 and "no routed experts" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/admin/expert-pin", json={"layer": 0}, headers=headers)  # 8 experts, 3 slots
+    assert r.status_code == 400 and "grow the cache" in r.json()["error"]["message"]
+    assert httpx.post(f"{url}/admin/expert-pin", json={"layer": "x"}, headers=headers).status_code == 400
+    assert httpx.post(f"{url}/admin/expert-pin", json={"layer": 0}).status_code == 401  # the key is needed
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"

@@ -129,3 +129,29 @@ def test_a_server_that_goes_away_is_reported_and_picked_up_again(tiny_moe):
         server.should_exit = True
         thread.join(timeout=30)
         engine.close()
+
+
+def test_the_pin_key_keeps_a_layers_experts_on_the_device(tiny_moe):
+    running = start_server(offloaded(tiny_moe, slots=12), "tiny")  # room for one whole layer of 8
+
+    def experts() -> dict:
+        return _stats(running.url)["engine"]["experts"]
+
+    async def scenario():
+        app = TopApp(HttpStats(running.url), interval=0.2)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await _until(pilot, lambda: app.connected)
+            layer = experts()["grid_layers"][1]
+            await pilot.press("j", "x")  # the second MoE layer
+            await _until(pilot, lambda: experts()["pinned_layers"] == [layer])
+            await asyncio.to_thread(_chat, running.url, 24)  # traffic through the other layers evicts, not these
+            row = experts()["grid"][1]
+            assert row == "#" * len(row)
+            await _until(pilot, lambda: "*" in app.query_one(ExpertPanel).text.plain)
+            await pilot.press("x")
+            await _until(pilot, lambda: experts()["pinned_layers"] == [])
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        running.stop()

@@ -449,6 +449,25 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             min_copy=len(self.cache.free_slots), copy_busy_s=copy_busy_s)
         return split.copy, split.cpu
 
+    def pin_layer(self, layer: int, experts: int, pinned: bool) -> int:
+        """Keeps every expert of `layer` on the device (copied in now, never evicted), or lets them go again.
+        Between steps only. Returns how many experts the cache holds pinned."""
+        keys = [(layer, e) for e in range(experts)]
+        if not pinned:
+            self.cache.unpin(keys)
+            return len(self.cache.pinned)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # queued compute may still read the slots it displaces
+        admitted = self.cache.pin(keys)  # ValueError when they do not fit
+        if admitted:
+            self.copier.begin(sample=False)
+            self.copier.to_slots(layer, [key[1] for _, key in admitted], self.slots, [slot for slot, _ in admitted])
+            self.copier.end()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.counters.bytes_copied += len(admitted) * self.expert_bytes
+        return len(self.cache.pinned)
+
     def resize(self, num_slots: int) -> None:
         """Changes the number of device slots while serving: shrinking evicts the coldest experts, growing keeps
         every cached one. Weights are never reloaded: survivors are moved between slots on the device."""

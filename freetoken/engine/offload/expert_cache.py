@@ -50,6 +50,7 @@ class ExpertCache:
         self.layer_counts: dict[Hashable, list[int]] = {}
         self.last_used: dict[Hashable, int] = {}
         self.steps = 0
+        self.pinned: set[Hashable] = set()  # keys never evicted (a user pinned their layer); all of them cached
 
     def begin_step(self, needed: Iterable[Hashable]) -> None:
         """Marks the keys the coming computation needs; none of them can be evicted until the next step."""
@@ -74,16 +75,34 @@ class ExpertCache:
         self.policy.touch(key)
         return slot
 
-    def admit(self, key: Hashable) -> tuple[int, Hashable | None] | None:
+    def pin(self, keys: Iterable[Hashable]) -> list[tuple[int, Hashable]]:
+        """Caches `keys` for good (each admitted now if it is not, displacing unpinned keys); returns the
+        (slot, key) pairs newly admitted, whose tensors the caller must fill. Refused when they cannot all fit."""
+        keys = list(keys)
+        if len(self.pinned | set(keys)) > self.capacity:
+            raise ValueError(f"pinning them would pin {len(self.pinned | set(keys))} experts in a cache of "
+                             f"{self.capacity} slots; grow the cache or unpin another layer first")
+        self.pinned.update(keys)
+        admitted = []
+        for key in keys:
+            if key not in self.slot_of:
+                slot, _ = self.admit(key, force=True)
+                admitted.append((slot, key))
+        return admitted
+
+    def unpin(self, keys: Iterable[Hashable]) -> None:
+        self.pinned.difference_update(keys)
+
+    def admit(self, key: Hashable, force: bool = False) -> tuple[int, Hashable | None] | None:
         """A slot for a missed key: a free one, or one taken from the policy's victim. Returns (slot, evicted
         key or None), or None when every slot holds a protected key or the policy declines to displace its
         victim for this key (the caller then computes the key another way, without caching it)."""
         evicted = None
         if not self.free_slots:
-            evicted = self.policy.victim(self._protected)
+            evicted = self.policy.victim(self._protected | self.pinned if self.pinned else self._protected)
             if evicted is None:
                 return None
-            if not self.policy.accepts(key, evicted):
+            if not force and not self.policy.accepts(key, evicted):
                 self.counters.rejected += 1
                 return None
             self._drop(evicted)
@@ -100,9 +119,12 @@ class ExpertCache:
     def resize(self, capacity: int) -> list[Hashable]:
         """Grows (keeping everything) or shrinks (evicting the coldest, then compacting into the first
         `capacity` slots). Returns the moves the caller must apply to its tensors, as (key, old, new) tuples."""
+        if capacity < len(self.pinned):
+            raise ValueError(f"the cache holds {len(self.pinned)} pinned experts; unpin a layer before shrinking "
+                             f"it to {capacity} slots")
         moves = []
         while len(self.slot_of) > capacity:
-            self._drop(self.policy.victim())
+            self._drop(self.policy.victim(self.pinned))
             self.counters.evictions += 1
         if capacity < self.capacity:
             spare = sorted(s for s in range(capacity) if s not in set(self.slot_of.values()))

@@ -155,3 +155,22 @@ def test_admission_control_streams_one_offs_and_admits_keys_that_keep_coming():
         if cache.lookup("new") is None:
             admitted = cache.admit("new")
     assert admitted is not None and "new" in cache.slot_of
+
+
+def test_pinned_keys_are_never_evicted_and_bound_the_shrink():
+    cache = ExpertCache(4, make_policy("freq"))
+    assert cache.pin([(0, 0), (0, 1)]) and set(cache.slot_of) == {(0, 0), (0, 1)}
+    for e in range(2, 12):  # a burst of other experts: they take turns in the two unpinned slots
+        cache.begin_step([(1, e)])
+        if cache.lookup((1, e)) is None:
+            cache.admit((1, e))
+        assert {(0, 0), (0, 1)} <= set(cache.slot_of)
+    with pytest.raises(ValueError, match="pinned"):
+        cache.resize(1)
+    with pytest.raises(ValueError, match="grow the cache"):
+        cache.pin([(2, e) for e in range(3)])  # 5 pinned in 4 slots
+    cache.resize(2)
+    assert set(cache.slot_of) == {(0, 0), (0, 1)}
+    cache.unpin([(0, 0), (0, 1)])
+    cache.resize(1)
+    assert len(cache.slot_of) == 1
