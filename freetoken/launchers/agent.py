@@ -32,8 +32,9 @@ class Target:
     api_key: str | None = None
 
     @property
-    def key_or_placeholder(self) -> str:
-        """Agents insist on some key; a loopback server without --api-key takes any."""
+    def agent_key(self) -> str:
+        """The key the agent sends: the server's --api-key, else a fixed non-secret token. Every agent refuses to
+        start without some key, and a server without --api-key accepts any (it binds loopback only)."""
         return self.api_key or "freetoken-local"
 
 

@@ -26,7 +26,7 @@ def variables(target: Target) -> dict[str, str]:
     model = target.model
     return {
         "ANTHROPIC_BASE_URL": target.url,
-        "ANTHROPIC_AUTH_TOKEN": target.key_or_placeholder,
+        "ANTHROPIC_AUTH_TOKEN": target.agent_key,
         "ANTHROPIC_MODEL": model,
         "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model,

@@ -21,7 +21,7 @@ def config_path(options: Options) -> Path:
 
 
 def plan(target: Target, options: Options) -> LaunchPlan:
-    provider = {"baseUrl": f"{target.url}/v1", "apiKey": target.key_or_placeholder, "api": "openai-completions",
+    provider = {"baseUrl": f"{target.url}/v1", "apiKey": target.agent_key, "api": "openai-completions",
                 "models": [{"id": target.model, "name": target.model, "contextWindow": target.context,
                             "maxTokens": target.output}]}
     settings = ((("models", "providers", PROVIDER), provider),

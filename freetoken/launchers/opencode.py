@@ -29,7 +29,7 @@ def config_path(options: Options) -> Path:
 
 def plan(target: Target, options: Options) -> LaunchPlan:
     provider = {"npm": "@ai-sdk/openai-compatible", "name": "freetoken",
-                "options": {"baseURL": f"{target.url}/v1", "apiKey": target.key_or_placeholder},
+                "options": {"baseURL": f"{target.url}/v1", "apiKey": target.agent_key},
                 "models": {target.model: {"name": target.model,
                                           "limit": {"context": target.context, "output": target.output}}}}
     model = f"{PROVIDER}/{target.model}"

@@ -10,6 +10,7 @@ import urllib.request
 from freetoken.errors import FreeTokenError
 from freetoken.launchers.agent import Target
 from freetoken.server.cli import _DEFAULT_URL
+from freetoken.server.limits import reply_budget
 
 DEFAULT_URL = _DEFAULT_URL
 OFFLINE_CONTEXT = 32768  # for a --dry-run with no server: what the preview assumes, and says so
@@ -49,11 +50,11 @@ def describe_server(url: str, api_key: str | None, *, model: str | None = None, 
         raise FreeTokenError(f"{url}/v1/models answered {e.code}") from None
     entry = listing["data"][0]
     context = int(entry.get("context_length") or OFFLINE_CONTEXT)
-    output = int(entry.get("max_output_tokens") or max(1, min(32768, context // 4)))
+    output = int(entry.get("max_output_tokens") or reply_budget(context))
     return Target(url, model or entry["id"], context, output, api_key)
 
 
 def offline_target(url: str, model: str, api_key: str | None, context: int | None) -> Target:
     """For `--dry-run --model M` with no server up: the context given, or an assumed one."""
     context = context or OFFLINE_CONTEXT
-    return Target(url.rstrip("/"), model, context, max(1, min(32768, context // 4)), api_key)
+    return Target(url.rstrip("/"), model, context, reply_budget(context), api_key)

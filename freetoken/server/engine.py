@@ -33,6 +33,7 @@ from freetoken.engine.stats import snapshot
 from freetoken.errors import FreeTokenError
 from freetoken.server.activity import Activity
 from freetoken.server.harmony import HarmonyParser, reply_parser
+from freetoken.server.limits import reply_budget
 from freetoken.server.output import OutputParser, text_parameters
 from freetoken.server.tool_choice import ToolChoice, call_opener, call_syntax, with_tools_described
 
@@ -178,9 +179,8 @@ class ServingEngine:
 
     @property
     def reply_budget(self) -> int:
-        """The output budget agents are told to ask for (`ft launch` reads it from /v1/models): a quarter of the
-        context, so a long conversation still has room for its reply, and at most 32k tokens."""
-        return max(1, min(32768, self.context_length // 4))
+        """The output budget agents are told to ask for (`ft launch` reads it from /v1/models)."""
+        return reply_budget(self.context_length)
 
     @property
     def tokenizer(self):

@@ -85,7 +85,7 @@ class Rates:
 
 
 class Panel(Static):
-    """A bordered panel whose body is redrawn from the stats."""
+    """A bordered panel whose body is redrawn from the stats; each subclass draws its own body."""
 
     def __init__(self, title: str, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -97,7 +97,9 @@ class Panel(Static):
         self.update(self.text)
 
     def render_body(self, stats: dict, rates: Rates) -> Text:
-        raise NotImplementedError
+        """The panel's text for one stats answer. Abstract: each panel below draws its own (Textual's widget
+        metaclass rules out `abc`), and the base class is never mounted."""
+        raise NotImplementedError(f"{type(self).__name__} must define render_body")
 
 
 class VramPanel(Panel):
