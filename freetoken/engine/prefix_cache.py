@@ -101,6 +101,33 @@ class PrefixCache:
         self.evicted += len(dropped)
         return len(dropped)
 
+    def tree(self, max_nodes: int = 24) -> list[dict]:
+        """The cached prefixes as a tree for the dashboard: chains of pages with one continuation each are one
+        node (`tokens`), a page several cached sequences continue is a fork (`children`). At most `max_nodes`
+        nodes; a node whose children were left out says how many (`more`)."""
+        children: dict[int, list[int]] = {}
+        for key, (_, parent, _) in self._pages.items():
+            children.setdefault(parent, []).append(key)
+        budget = [max_nodes]
+
+        def node(key: int) -> dict:
+            pages = 1
+            while len(children.get(key, ())) == 1:  # a straight run: one node
+                key, pages = children[key][0], pages + 1
+            return {"tokens": pages * self.page_size, "children": branch(children.get(key, []))}
+
+        def branch(keys: list[int]) -> list[dict]:
+            out = []
+            for i, key in enumerate(keys):
+                if budget[0] <= 0:
+                    out.append({"more": len(keys) - i})
+                    break
+                budget[0] -= 1
+                out.append(node(key))
+            return out
+
+        return branch(children.get(0, []))
+
     def renumber(self, moves: dict[int, int]) -> None:
         """Pages moved to new ids (a resized pool)."""
         for key, (page, parent, chunk) in self._pages.items():

@@ -56,6 +56,7 @@ class KVStats:
     prefix_lookups: int = 0  # prompts looked up in the prefix cache
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V were reused
     snapshots: int = 0  # recurrent models: whole sequences kept for later prompts (state_snapshots.py)
+    prefix_tree: list = field(default_factory=list)  # PrefixCache.tree(): the cached prefixes and their forks
 
 
 @dataclass(slots=True)
@@ -115,7 +116,8 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
             reuse = (0, snapshots.lookups, snapshots.hit_tokens, len(snapshots))
         else:
             reuse = ()
-        kv = KVStats(cache.page_size, cache.allocator.num_pages, cache.allocator.num_free, *reuse)
+        kv = KVStats(cache.page_size, cache.allocator.num_pages, cache.allocator.num_free, *reuse,
+                     prefix_tree=prefix.tree() if prefix is not None else [])
     return EngineStats(str(lm.device), str(lm.dtype).removeprefix("torch."), experts, kv,
                        memory_stats(lm, experts, cache))
 

@@ -198,6 +198,20 @@ class ExpertPanel(Panel):
         return text.append("■ on device  ▪ hot  · cold  * pinned", style="dim")
 
 
+def tree_lines(nodes: object, indent: str = "", first: bool = True) -> list[str]:
+    """The prefix cache's tree as indented lines: a node's tokens, "+N" under a fork (what that branch adds)."""
+    lines = []
+    nodes = nodes if isinstance(nodes, list) else []
+    for i, n in enumerate(nodes):
+        last = i == len(nodes) - 1
+        more = num(dig(n, "more"))
+        label = f"… {more:.0f} more" if more is not None else \
+            f"{'' if first else '+'}{fmt(dig(n, 'tokens'), ',.0f')} tokens"
+        lines.append(f"{indent}{'└' if last else '├'} {label}")
+        lines += tree_lines(dig(n, "children", default=[]), indent + ("  " if last else "│ "), first=False)
+    return lines
+
+
 class SessionsPanel(Panel):
     def render_body(self, stats: dict, rates: Rates) -> Text:
         kv = dig(stats, "engine", "kv", default={})
@@ -206,12 +220,19 @@ class SessionsPanel(Panel):
                     f"{fmt(pages, '.0f')} used, {fmt(dig(kv, 'pages_cached'), '.0f')} cached; "
                     f"reused {fmt(dig(kv, 'prefix_hit_tokens'), '.0f')} prompt tokens\n")
         running = dig(stats, "activity", "running", default=[])
-        if not isinstance(running, list) or not running:
-            return text.append("no request running", style="dim")
-        for r in running[: max(1, self.size.height - 1)]:
+        running = running if isinstance(running, list) else []
+        room = max(1, self.size.height - 1)
+        if not running:
+            text.append("no request running\n", style="dim")
+        for r in running[:room]:
             text.append(f"#{dig(r, 'id', default='?')}  prompt {fmt(dig(r, 'prompt_tokens'), '.0f')} "
                         f"({fmt(dig(r, 'cached_tokens'), '.0f')} cached)  "
                         f"generated {fmt(dig(r, 'generated'), '.0f')}  {fmt(dig(r, 'seconds'), '.1f', ' s')}\n")
+        tree = tree_lines(dig(kv, "prefix_tree", default=[]))
+        if tree:  # the cached conversations and where they fork: what a new prompt can start from
+            text.append("cached prefixes\n", style="bold")
+            for line in tree[:max(0, room - len(running) - 2)]:
+                text.append(line + "\n", style="dim")
         return text
 
 

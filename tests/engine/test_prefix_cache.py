@@ -155,3 +155,15 @@ def test_eviction_weighs_recompute_cost_against_age():
     alloc.free(pd + ps)
     index.clear()
     assert alloc.num_free == 256
+
+
+def test_the_tree_the_dashboard_draws_merges_straight_runs_and_shows_forks():
+    alloc, index = _index(page_size=2)
+    pages = alloc.allocate(12)
+    index.insert([1, 2, 3, 4, 5, 6], pages[0:3])  # one conversation, 3 pages
+    index.insert([1, 2, 3, 4, 7, 8, 9, 9], [pages[0], pages[1], pages[3], pages[4]])  # an edit after 2 pages
+    index.insert([5, 5], pages[5:6])  # an unrelated prompt
+    assert index.tree() == [{"tokens": 4, "children": [{"tokens": 2, "children": []},
+                                                       {"tokens": 4, "children": []}]},
+                            {"tokens": 2, "children": []}]
+    assert index.tree(max_nodes=1) == [{"tokens": 4, "children": [{"more": 2}]}, {"more": 1}]

@@ -14,7 +14,7 @@ import pytest
 from tui.conftest import offloaded
 
 from freetoken.tui.app import TopApp
-from freetoken.tui.panels import ExpertPanel, LogPanel, ThroughputPanel, TrafficPanel, VramPanel
+from freetoken.tui.panels import ExpertPanel, LogPanel, SessionsPanel, ThroughputPanel, TrafficPanel, VramPanel
 from freetoken.tui.source import HttpStats
 from support.servers import start_server
 
@@ -66,6 +66,8 @@ def test_panels_show_live_numbers_that_move_while_a_request_runs(live_server):
             assert "L0" in grid and "■" in grid  # experts on the device, per layer
             assert "weights" in app.query_one(VramPanel).text.plain
             await _until(pilot, lambda: "POST /v1/chat/completions 200" in app.query_one(LogPanel).text.plain)
+            # the finished request's pages are cached: the prefix tree shows them (prompt and reply, whole pages)
+            await _until(pilot, lambda: "cached prefixes" in app.query_one(SessionsPanel).text.plain)
 
     asyncio.run(scenario())
 

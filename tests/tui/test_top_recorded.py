@@ -43,7 +43,8 @@ MALFORMED = [
     {"engine": "not an object", "activity": None, "requests": [1, 2], "model": 7},
     {"engine": {"experts": {"mode": "offloaded", "grid": "###", "hits": "many", "misses": None,
                             "guard_seconds_per_miss": [1]},
-                "memory": {"total": "big", "weights": -1}, "kv": {"pages_total": "x"}},
+                "memory": {"total": "big", "weights": -1},
+                "kv": {"pages_total": "x", "prefix_tree": [{"tokens": "a", "children": 3}, 5, {"more": "x"}]}},
      "activity": {"log": [1, "x", {"status": "bad"}], "running": [None, {"id": 1, "prompt_tokens": "?"}],
                   "tokens_generated": "lots"}},
     {"engine": {"experts": {"mode": "none"}, "memory": {"total": 0}}, "activity": {}},  # a dense model
