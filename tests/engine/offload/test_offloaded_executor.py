@@ -307,3 +307,31 @@ def test_prefill_chunks_teach_the_prefill_planner_not_the_decode_one(checkpoint)
     prefill = ex._prefill_planner()
     assert prefill is not ex.planner and prefill.copy is not ex.planner.copy
     assert prefill.copy.samples > 0 and ex.planner.copy.samples == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_a_pinned_layer_stays_on_the_device_and_the_tokens_stay_the_residents(device, tmp_path):
+    """`pin_layer` (the dashboard's pin key): every expert of the layer copied into a slot, exactly the host's
+    weights, kept there through decode while the other layers take turns in the slots left; unpinned, they go."""
+    write_hf_checkpoint(path=tmp_path, **PARITY_CASES["qwen3_moe"])
+    resident = load_model(tmp_path, device=device, dtype=torch.float32, progress=False)
+    expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
+    spec = resident.moe_spec
+    lm = load_model(tmp_path, device=device, dtype=torch.float32, progress=False,
+                    expert_cache=(spec.num_experts + 2) * spec.bytes_per_expert(torch.float32))
+    layer, cache = spec.moe_layers[-1], lm.experts.cache
+    keys = {(layer, e) for e in range(spec.num_experts)}
+    assert lm.experts.pin_layer(layer, spec.num_experts, True) == spec.num_experts
+    for e in range(spec.num_experts):
+        copied = lm.experts.slots.weights_of(cache.slot_of[(layer, e)])
+        for d, s in zip(copied, lm.experts.host[layer].weights_of(e), strict=True):
+            assert torch.equal(d.cpu(), s.cpu())
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert keys <= set(cache.slot_of)
+    with pytest.raises(ValueError, match="pinned"):
+        lm.experts.resize(spec.num_experts - 1)
+    lm.experts.pin_layer(layer, spec.num_experts, False)
+    lm.experts.resize(1)
+    assert len(cache.slot_of) == 1
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
