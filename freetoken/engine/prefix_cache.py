@@ -106,7 +106,8 @@ class PrefixCache:
         node (`tokens`), a page several cached sequences continue is a fork (`children`). At most `max_nodes`
         nodes; a node whose children were left out says how many (`more`)."""
         children: dict[int, list[int]] = {}
-        for key, (_, parent, _) in self._pages.items():
+        # a copy taken in one C call: /v1/stats reads this from a handler thread while the engine inserts and evicts
+        for key, (_, parent, _) in tuple(self._pages.items()):
             children.setdefault(parent, []).append(key)
         budget = [max_nodes]
 

@@ -103,7 +103,7 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
                               c.layer_steps, c.gpu_wait_seconds, c.host_seconds, c.cpu_wait_seconds, ex.miss_path,
                               guard.best if guard is not None and ex.miss_path == "auto" else "",
                               dict(guard.seconds_per_miss) if guard is not None else {}, *_grid(spec, ex.cache),
-                              sorted({key[0] for key in ex.cache.pinned}), list(spec.moe_layers))
+                              sorted({key[0] for key in tuple(ex.cache.pinned)}), list(spec.moe_layers))
     else:
         total = spec.total_routed_experts
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype),
