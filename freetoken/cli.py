@@ -23,6 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "calibrate": ("freetoken.engine.offload.calibrate", "measure PCIe, DRAM and expert throughput; store a profile"),
     "bench": ("freetoken.bench.cli", "benchmarks on synthetic real-shape models (ft bench decode)"),
     "top": ("freetoken.tui.cli", "live dashboard of a running server: memory, expert cache, traffic, requests"),
+    "eval": ("freetoken.eval.cli", "replay agent traces against an endpoint: TTFT, throughput, report, compare"),
     "launch": ("freetoken.launchers.cli", "configure a coding agent (claude, codex, opencode, openclaw) and run it"),
 }
 

@@ -60,6 +60,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    ignore_eos: bool = False  # an extension (as in chat completions): generate max_tokens; ft eval's fixed lengths
 
 
 class CountRequest(BaseModel):
@@ -101,7 +102,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         params = chat.constrain(sampling_params(
             max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None, seed=None,
-            stop=list(req.stop_sequences or [])))
+            stop=list(req.stop_sequences or []), ignore_eos=req.ignore_eos))
         parser = chat.parser()
         ident = f"msg_{uuid.uuid4().hex[:24]}"
         events = engine.stream(ids, params)

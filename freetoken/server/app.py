@@ -36,6 +36,7 @@ class ServerSettings:
     port: int = 1919
     api_key: str | None = None
     model_aliases: frozenset[str] = field(default_factory=frozenset)  # other names requests may use
+    record_dir: str | None = None  # write every answered API request there as a trace (ft serve --record)
 
 
 def create_app(engine: ServingEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -76,6 +77,10 @@ def create_app(engine: ServingEngine, settings: ServerSettings | None = None) ->
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(prometheus_text(engine.stats()), media_type="text/plain; version=0.0.4")
 
+    if settings.record_dir:
+        from freetoken.server.record import RecordMiddleware, TraceRecorder
+
+        app.add_middleware(RecordMiddleware, recorder=TraceRecorder(settings.record_dir, engine.model_id))
     app.add_middleware(_Gate, api_key=settings.api_key)
     app.add_middleware(_RequestLog, activity=engine.activity)
 

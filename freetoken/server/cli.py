@@ -1,7 +1,7 @@
 """`ft serve`: load a model and serve the OpenAI and Anthropic APIs; `ft ask`: one question to a running server.
 
     ft serve [--model M] [--host H] [--port P] [--expert-cache SIZE] [--kv-cache SIZE] [--max-batch N] [--api-key K]
-             [--dashboard]
+             [--dashboard] [--record DIR] [--no-prefix-cache]
     ft ask [--url URL] [--wait S] PROMPT
 """
 
@@ -43,6 +43,11 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--served-name", action="append", default=[], metavar="NAME",
                    help="another model name requests may use (repeatable)")
     p.add_argument("--dashboard", action="store_true", help="show the live dashboard (`ft top`) in this terminal")
+    p.add_argument("--record", metavar="DIR", default=None,
+                   help="write every API request to DIR as an agent trace for `ft eval --trace` (opt-in: the files "
+                        "hold the prompts)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute every prompt whole (no reuse across requests; for measuring what reuse saves)")
     a = p.parse_args(argv)
     if not _loopback(a.host) and not a.api_key:
         raise FreeTokenError(f"binding {a.host} exposes the server beyond this machine; give --api-key KEY "
@@ -118,8 +123,9 @@ def _load_then_serve(a: argparse.Namespace, model_id: str, loading, server, stat
                 raise FreeTokenError(f"--kv-cache {a.kv_cache} holds only {kv_tokens} tokens of this model; "
                                      "give more")
         engine = state["engine"] = ServingEngine(lm, model_id, max_seq_len=kv_tokens, kv_tokens=kv_tokens,
-                                                 max_batch=a.max_batch)
-        loading.ready(create_app(engine, ServerSettings(a.host, a.port, a.api_key, frozenset(a.served_name))))
+                                                 max_batch=a.max_batch, prefix_cache=not a.no_prefix_cache)
+        settings = ServerSettings(a.host, a.port, a.api_key, frozenset(a.served_name), record_dir=a.record)
+        loading.ready(create_app(engine, settings))
     except Exception as e:  # noqa: BLE001 - every failure ends the server with one line
         message = str(e) if isinstance(e, FreeTokenError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, FreeTokenError):

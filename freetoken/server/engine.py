@@ -158,9 +158,10 @@ SWITCH_INTERVAL_S = 0.0005
 
 class ServingEngine:
     def __init__(self, lm: LoadedModel, model_id: str, *, max_queue: int = 64, max_seq_len: int | None = None,
-                 kv_tokens: int | None = None, max_batch: int = 16):
+                 kv_tokens: int | None = None, max_batch: int = 16, prefix_cache: bool = True):
         self.lm, self.model_id, self.max_queue = lm, model_id, max_queue
-        self.scheduler = BatchScheduler(lm, max_batch=max_batch, max_seq_len=max_seq_len, kv_tokens=kv_tokens)
+        self.scheduler = BatchScheduler(lm, max_batch=max_batch, max_seq_len=max_seq_len, kv_tokens=kv_tokens,
+                                        prefix_cache=prefix_cache)
         self.counters = Counters()
         self.activity = Activity()
         self._running: dict[int, _Job] = {}  # activity id → job, while the scheduler holds it

@@ -63,6 +63,7 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    ignore_eos: bool = False  # an extension (as in chat completions): generate max_output_tokens; ft eval uses it
 
 
 class ResponseStore:
@@ -114,7 +115,7 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         params = chat.constrain(sampling_params(max_tokens=req.max_output_tokens, prompt_tokens=len(ids),
                                  context=engine.context_length, temperature=req.temperature, top_p=req.top_p,
                                  top_k=None, min_p=None, seed=None, stop=[], json_object=json_object,
-                                 json_schema=json_schema))
+                                 json_schema=json_schema, ignore_eos=req.ignore_eos))
         reply = _Reply(engine, req, f"resp_{uuid.uuid4().hex}", store if req.store else None, conversation)
         parser = chat.parser()
         events = engine.stream(ids, params)

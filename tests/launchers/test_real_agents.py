@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,8 @@ import pytest
 from freetoken.launchers import AGENTS
 from freetoken.launchers.install import find_command
 from support.agent_model import write_agent_model
-from support.launching import FT, clean_env, run_ft
+from support.launching import clean_env, run_ft
+from support.serve_process import serve_process
 
 # agent → (its non-interactive turn, the request path its protocol uses)
 TURNS = {
@@ -36,29 +35,11 @@ TURNS = {
 TURN_TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory, smollm2_gguf):
     folder = tmp_path_factory.mktemp("agent-server")
-    model = write_agent_model(folder / "agent-model.gguf", smollm2_gguf)
-    port, log_path = _free_port(), folder / "serve.log"
-    log = open(log_path, "w")
-    env = {**os.environ, "FREETOKEN_HOME": str(folder / "ft-home")}
-    proc = subprocess.Popen([FT, "serve", "--model", str(model), "--port", str(port)], stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 120
-    while "serving agent-model on" not in log_path.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}", log_path
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
+    with serve_process(write_agent_model(folder / "agent-model.gguf", smollm2_gguf), folder) as server:
+        yield server.url, server.log_path
 
 
 def _installed(agent: str) -> Path:

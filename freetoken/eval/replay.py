@@ -1,0 +1,143 @@
+"""Replaying a trace: every turn sent once its `after` turns have finished, `concurrency` copies of the trace at
+once (as that many users of one agent), think time honoured or skipped, a single-turn reference measured first.
+
+A failed turn (an HTTP error, a dropped connection, a server that died) is recorded with its error and the run
+goes on, so a partial run still yields its result file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from freetoken.eval.client import Outcome, fixed_length, send
+from freetoken.eval.convert import converted
+from freetoken.eval.trace import Trace, Turn
+
+REFERENCE_PROMPT = "Write a long, detailed story about a lighthouse keeper and the storm that changed the coast."
+
+
+@dataclass(slots=True)
+class ReplayOptions:
+    endpoint: str
+    model: str
+    protocol: str = "auto"  # auto: each turn's own
+    concurrency: int = 1
+    fixed_output: bool = True  # ask for each turn's recorded reply length, ignoring end of turn
+    think: bool = False  # honour think time
+    reference_runs: int = 3  # single-turn requests measured before the trace (0: none)
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 3600.0
+
+
+@dataclass(slots=True)
+class TurnResult:
+    replica: int
+    turn: Turn
+    protocol: str
+    sent_at: float  # seconds from the run's start
+    outcome: Outcome
+
+    def to_json(self) -> dict[str, Any]:
+        o, t = self.outcome, self.turn
+        new = None if o.prompt_tokens is None else o.prompt_tokens - (o.cached_tokens or 0)
+        prefill = None if new is None or not o.ttft_s else new / o.ttft_s
+        decode = None if not o.decode_s or not o.output_tokens or o.output_tokens < 2 else \
+            (o.output_tokens - 1) / o.decode_s
+        return {"replica": self.replica, "id": t.id, "session": t.session, "label": t.label,
+                "protocol": self.protocol, "sent_at_s": round(self.sent_at, 4), "expected_output_tokens":
+                t.output_tokens, **o.to_json(), "new_prompt_tokens": new, "prefill_tok_s": prefill,
+                "decode_tok_s": decode}
+
+
+def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnResult], list[Outcome]]:
+    """(every turn's result in the order they finished, the single-turn reference requests)."""
+    reference = [reference_turn(trace, opts) for _ in range(opts.reference_runs)]
+    started = time.perf_counter()
+    results: list[TurnResult] = []
+    lock = threading.Lock()
+
+    def one(replica: int) -> None:
+        for result in _replica(trace, opts, replica, started):
+            with lock:
+                results.append(result)
+            if on_turn is not None:
+                on_turn(result)
+
+    with ThreadPoolExecutor(max_workers=opts.concurrency, thread_name_prefix="ft-eval-replica") as pool:
+        for f in [pool.submit(one, r) for r in range(opts.concurrency)]:
+            f.result()
+    return results, reference
+
+
+def _replica(trace: Trace, opts: ReplayOptions, replica: int, started: float):
+    """One copy of the trace; yields each turn's result as it finishes. Turns whose `after` turns are done run
+    at once (a subagent beside its parent's next turn, a title request beside the first turn)."""
+    done: set[str] = set()
+    pending = list(trace.turns)
+    running: dict[Future, Turn] = {}
+    workers = max(1, len(trace.sessions))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"ft-eval-{replica}") as pool:
+        while pending or running:
+            for turn in [t for t in pending if all(a in done for a in t.after)]:
+                pending.remove(turn)
+                running[pool.submit(_send_turn, turn, opts, replica, started)] = turn
+            if not running:  # unreachable for a parsed trace (after names earlier turns only)
+                raise RuntimeError(f"turns {[t.id for t in pending]} wait on turns that never run")
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in finished:
+                done.add(running.pop(f).id)
+                yield f.result()
+
+
+def _send_turn(turn: Turn, opts: ReplayOptions, replica: int, started: float) -> TurnResult:
+    if opts.think and turn.think_s:
+        time.sleep(turn.think_s)
+    protocol = turn.protocol if opts.protocol == "auto" else opts.protocol
+    request, messages = converted(turn, protocol)
+    body = Turn(turn.id, turn.session, protocol, request, messages).body(opts.model)
+    body = fixed_length(body, protocol, turn.output_tokens if opts.fixed_output else None, opts.fixed_output)
+    sent = time.perf_counter() - started
+    return TurnResult(replica, turn, protocol, sent, send(opts.endpoint, protocol, body, headers=opts.headers,
+                                                          timeout_s=opts.timeout_s))
+
+
+def reference_turn(trace: Trace, opts: ReplayOptions) -> Outcome:
+    """One short single-turn request with the trace's typical reply length: the decode rate the multi-turn
+    rate is compared with (a short context and nothing cached)."""
+    protocol = trace.turns[0].protocol if opts.protocol == "auto" else opts.protocol
+    lengths = sorted(t.output_tokens for t in trace.turns if t.output_tokens) or [128]
+    tokens = max(16, lengths[len(lengths) // 2])
+    messages: list[Any] = [{"role": "user", "content": REFERENCE_PROMPT}]
+    if protocol == "responses":
+        messages = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": REFERENCE_PROMPT}]}]
+    body = Turn("reference", "reference", protocol, {}, messages).body(opts.model)
+    return send(opts.endpoint, protocol, fixed_length(body, protocol, tokens, opts.fixed_output),
+                headers=opts.headers, timeout_s=opts.timeout_s)
+
+
+def served_model(endpoint: str, headers: dict[str, str]) -> str | None:
+    """The first model `GET /v1/models` lists, or None where the endpoint has no such route."""
+    try:
+        req = urllib.request.Request(endpoint.rstrip("/") + "/v1/models", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            data = json.load(r).get("data") or []
+        return data[0]["id"] if data else None
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def server_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
+    """freetoken's request counters (`/v1/stats`), or None from another server."""
+    try:
+        req = urllib.request.Request(endpoint.rstrip("/") + "/v1/stats", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            counters = json.load(r).get("requests")
+        return counters if isinstance(counters, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None

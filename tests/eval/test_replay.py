@@ -1,0 +1,205 @@
+"""`ft eval` end to end: every bundled trace (shrunk) replayed by the real command against a real `ft serve` with
+a tiny model, and its result, report and plots checked complete and consistent with the server's own counters;
+protocols converted; concurrency; think time; a server that dies mid-run; bad traces; `ft eval compare`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from freetoken.eval import shapes
+from support.agent_model import write_agent_model
+from support.launching import FT
+from support.serve_process import serve_process
+
+SCALE = "0.05"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def agent_model(tmp_path_factory, smollm2_gguf):
+    return write_agent_model(tmp_path_factory.mktemp("eval-model") / "agent-model.gguf", smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def endpoint(agent_model, tmp_path_factory):
+    with serve_process(agent_model, tmp_path_factory.mktemp("eval-server")) as server:
+        yield server.url
+
+
+def ft_eval(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([FT, "eval", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _stats(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/stats") as r:
+        return json.load(r)["requests"]
+
+
+def check_result(out, trace_name: str, replicas: int = 1) -> dict:
+    """The result folder is complete and its numbers agree with each other and with the server's usage."""
+    result = json.loads((out / "result.json").read_text())
+    trace = shapes.generate(trace_name, scale=float(SCALE))
+    ids = [t.id for t in trace.turns]
+    assert result["trace"]["turn_ids"] == ids
+    assert [(t["replica"], t["id"]) for t in result["turns"]] == [(r, i) for r in range(replicas) for i in ids]
+    expected = {t.id: t.output_tokens for t in trace.turns}
+    for t in result["turns"]:
+        assert t["error"] is None and t["status"] == 200, t
+        assert t["ttft_s"] > 0 and t["total_s"] >= t["ttft_s"]
+        assert t["output_tokens"] == expected[t["id"]] == t["expected_output_tokens"]  # fixed lengths held
+        assert 0 <= t["cached_tokens"] < t["prompt_tokens"]
+        assert t["new_prompt_tokens"] == t["prompt_tokens"] - t["cached_tokens"]
+    usage, turns, ref = result["server_usage"], result["turns"], result["reference"]
+    assert usage["completed"] == len(turns) + len(ref) and usage["failed"] == 0
+    assert usage["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns + ref)
+    assert usage["completion_tokens"] == sum(t["output_tokens"] for t in turns + ref)
+    summary = result["summary"]
+    assert summary["turns"] == summary["ok"] == len(turns) and summary["errors"] == 0
+    assert summary["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns)
+    assert summary["ttft_p50_s"] <= summary["ttft_p95_s"] <= summary["ttft_max_s"]
+    assert summary["decode_vs_single_turn"] > 0
+    lines = (out / "turns.jsonl").read_text().splitlines()
+    assert len(lines) == len(turns)
+    for name in ("ttft_per_turn", "decode_per_turn", "ttft_cdf"):
+        assert (out / f"{name}.png").read_bytes().startswith(PNG)
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 3 and all(i in page for i in ids)
+    return result
+
+
+@pytest.mark.parametrize("name", shapes.names())
+def test_each_bundled_trace_replays_against_a_real_server(name, endpoint, tmp_path):
+    out = tmp_path / "run"
+    proc = ft_eval("--trace", name, "--scale", SCALE, "--endpoint", endpoint, "--out", str(out), "-q",
+                   "--reference-runs", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFT p50 / p95 / max s" in proc.stdout and f"report: {out / 'report.html'}" in proc.stdout
+    result = check_result(out, name)
+    if name != "reasoning":  # follow-up turns reuse the conversation's prefix
+        assert result["summary"]["cached_share"] > 0.5
+    if name == "claude-code":  # the subagent's first turn shares nothing with the main session
+        task = next(t for t in result["turns"] if t["id"] == "task-1-01")
+        assert task["cached_tokens"] < task["prompt_tokens"] / 2
+
+
+@pytest.mark.parametrize("name, protocol", [("claude-code", "openai"), ("opencode", "anthropic"),
+                                            ("codex", "anthropic"), ("openclaw", "responses")])
+def test_a_trace_replays_in_another_protocol(name, protocol, endpoint, tmp_path):
+    out = tmp_path / "run"
+    proc = ft_eval("--trace", name, "--scale", SCALE, "--endpoint", endpoint, "--out", str(out), "-q",
+                   "--protocol", protocol, "--reference-runs", "1")
+    assert proc.returncode == 0, proc.stderr
+    result = check_result(out, name)
+    assert {t["protocol"] for t in result["turns"]} == {protocol}
+
+
+def test_concurrent_copies_and_think_time(endpoint, tmp_path):
+    out = tmp_path / "run"
+    proc = ft_eval("--trace", "opencode", "--scale", SCALE, "--endpoint", endpoint, "--out", str(out), "-q",
+                   "--concurrency", "2", "--think", "--param", "think_s=0.05", "--reference-runs", "1")
+    assert proc.returncode == 0, proc.stderr
+    result = check_result(out, "opencode", replicas=2)
+    trace = shapes.generate("opencode", scale=float(SCALE), think_s=0.05)
+    assert result["summary"]["wall_s"] >= sum(t.think_s for t in trace.turns)
+    for replica in (0, 1):  # each copy sends its turns in order, the title beside the first
+        sent = {t["id"]: t["sent_at_s"] for t in result["turns"] if t["replica"] == replica}
+        assert all(sent[f"main-{i:02d}"] < sent[f"main-{i + 1:02d}"] for i in range(1, 14))
+
+
+def test_without_an_endpoint_the_command_starts_its_own_server(agent_model, tmp_path):
+    out = tmp_path / "run"
+    proc = ft_eval("--trace", "reasoning", "--scale", SCALE, "--out", str(out), "-q", "--reference-runs", "1",
+                   "--", "--model", str(agent_model))
+    assert proc.returncode == 0, proc.stderr
+    result = check_result(out, "reasoning")
+    assert result["server_args"] == ["--model", str(agent_model)] and result["model"] == "agent-model"
+    assert "serving agent-model on" in (out / "serve.log").read_text()
+
+
+def test_a_server_that_dies_mid_run_is_reported_per_turn(agent_model, tmp_path):
+    out = tmp_path / "run"
+    with serve_process(agent_model, tmp_path) as server:
+        run = subprocess.Popen([FT, "eval", "--trace", "codex", "--scale", SCALE, "--endpoint", server.url, "--out",
+                                str(out), "-q", "--think", "--param", "think_s=0.4", "--reference-runs", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not (out / "turns.jsonl").exists() or len((out / "turns.jsonl").read_text().splitlines()) < 3:
+            assert run.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        server.proc.kill()
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 1, stderr
+    result = json.loads((out / "result.json").read_text())
+    turns = result["turns"]
+    assert len(turns) == 12  # every turn is there, answered or not
+    ok = [t for t in turns if t["error"] is None]
+    failed = [t for t in turns if t["error"]]
+    assert len(ok) >= 3 and failed and turns[-1] in failed
+    assert all(t["error"].startswith("no answer from") for t in failed)
+    assert result["summary"]["errors"] == len(failed)
+    assert f"{len(failed)} of 12 turns failed" in stderr and "Traceback" not in stderr
+    assert (out / "report.html").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"type": "header", "format": "freetoken-trace", "version": 1}\n{oops\n', "bad.jsonl line 2: not valid JSON"),
+    ('{"type": "header", "format": "freetoken-trace", "version": 1}\n'
+     '{"type": "turn", "id": "a", "session": "s", "protocol": "smtp", "request": {}, "messages": [1]}\n',
+     "bad.jsonl line 2: protocol 'smtp' is unknown"),
+    ('{"type": "header", "format": "freetoken-trace", "version": 1}\n'
+     '{"type": "turn", "id": "a", "protocol": "openai", "request": {}, "messages": [1]}\n',
+     "bad.jsonl line 2: missing field 'session'"),
+])
+def test_a_bad_trace_gets_one_line_naming_the_line(content, message, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    proc = ft_eval("--trace", str(path), "--endpoint", "http://127.0.0.1:9")
+    assert proc.returncode == 2 and proc.stderr.startswith("ft eval: error: ") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_compare_prints_ratios_and_draws_one_plot(endpoint, tmp_path):
+    runs = []
+    for label in ("first", "second"):
+        out = tmp_path / label
+        proc = ft_eval("--trace", "codex", "--scale", SCALE, "--endpoint", endpoint, "--out", str(out), "-q",
+                       "--label", label, "--reference-runs", "1")
+        assert proc.returncode == 0, proc.stderr
+        runs.append(str(out / "result.json"))
+    proc = ft_eval("compare", *runs, "--out", str(tmp_path / "cmp.png"))
+    assert proc.returncode == 0, proc.stderr
+    assert "| metric | codex · first | codex · second |" in proc.stdout
+    ttft = next(line for line in proc.stdout.splitlines() if line.startswith("| TTFT p50 s"))
+    assert "×" in ttft.split("|")[3]
+    assert (tmp_path / "cmp.png").read_bytes().startswith(PNG)
+    bad = tmp_path / "not-a-result.json"
+    bad.write_text("{}")
+    proc = ft_eval("compare", runs[0], str(bad))
+    assert proc.returncode == 2 and "is not an ft eval result" in proc.stderr
+
+
+def test_generate_writes_a_trace_the_replayer_reads(tmp_path):
+    path = tmp_path / "cc.jsonl"
+    proc = ft_eval("generate", "claude-code", "--scale", "0.1", "--out", str(path))
+    assert proc.returncode == 0 and "21 turns, sessions main, task-1" in proc.stdout
+    from freetoken.eval.trace import read_trace
+
+    assert [t.id for t in read_trace(path).turns] == [t.id for t in shapes.generate("claude-code", scale=0.1).turns]
+    listing = ft_eval("list")
+    assert all(name in listing.stdout for name in shapes.names())
+
+
+def test_without_the_prefix_cache_every_turn_computes_its_whole_prompt(agent_model, tmp_path):
+    out = tmp_path / "run"
+    with serve_process(agent_model, tmp_path, "--no-prefix-cache") as server:
+        proc = ft_eval("--trace", "codex", "--scale", SCALE, "--endpoint", server.url, "--out", str(out), "-q",
+                       "--reference-runs", "1")
+    assert proc.returncode == 0, proc.stderr
+    result = check_result(out, "codex")
+    assert all(t["cached_tokens"] == 0 for t in result["turns"]) and result["summary"]["cached_share"] == 0
