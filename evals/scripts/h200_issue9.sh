@@ -11,9 +11,11 @@
 set -uo pipefail
 commit=$1; shift
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .carry/whl/*.whl \
-  $(ls .carry/srv/*.whl .carry/plot/*.whl 2>/dev/null) . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH FREETOKEN_HOME=/tmp/ft
+if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: use the ft already on PATH (a local check of the script)
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .carry/whl/*.whl \
+    $(ls .carry/srv/*.whl .carry/plot/*.whl 2>/dev/null) . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH FREETOKEN_HOME=/tmp/ft
+fi
 export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf
 MODEL=${MODEL:-/tmp/q3-48l-q8.gguf}
 BUDGET=${BUDGET:-16GiB}
