@@ -76,11 +76,11 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
 
     from freetoken.eval.replay import ReplayOptions, replay, served_model, server_counters
     from freetoken.eval.report import write_report
-    from freetoken.eval.results import FORMAT, VERSION, outcome_json, summarize, summary_table, write_result
+    from freetoken.eval.results import FORMAT, VERSION, outcome_json, summarize, summary_table, turn_table, write_result
 
     model = a.model or served_model(endpoint, headers) or "default"
     opts = ReplayOptions(endpoint, model, a.protocol, a.concurrency, not a.no_fixed_output, a.think,
-                         a.reference_runs, headers)
+                         a.reference_runs, not a.no_fixed_output, headers)
     out.mkdir(parents=True, exist_ok=True)
     live = open(out / "turns.jsonl", "w", encoding="utf-8")  # each turn as it finishes: kept if the run dies
     before = server_counters(endpoint, headers)
@@ -112,14 +112,16 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
     result = {
         "format": FORMAT, "version": VERSION, "freetoken": __version__, "started_at": started_at,
         "label": a.label or model, "endpoint": endpoint, "model": model, "protocol": a.protocol,
-        "concurrency": a.concurrency, "fixed_output": not a.no_fixed_output, "think": "honoured" if a.think else
-        "skipped", "server_args": started_server, "interrupted": interrupted,
+        "concurrency": a.concurrency, "fixed_output": not a.no_fixed_output, "ignore_eos": opts.ignore_eos,
+        "think": "honoured" if a.think else "skipped", "server_args": started_server, "interrupted": interrupted,
         "trace": {"name": trace.name, "source": source, "description": trace.description, "generator": trace.generator,
                   "turn_ids": [t.id for t in trace.turns], "sessions": trace.sessions},
         "reference": ref, "turns": turns, "summary": summarize(turns, ref, wall),
         "server_usage": _usage_delta(before, after)}
     path = write_result(result, out)
     report = write_report(result, out)
+    if not a.quiet:
+        print(turn_table(turns) + "\n")
     print(summary_table(result["summary"]))
     print(f"\nresult: {path}\nreport: {report}")
     failed = [t for t in turns if t["error"]]

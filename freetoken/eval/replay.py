@@ -31,6 +31,7 @@ class ReplayOptions:
     fixed_output: bool = True  # ask for each turn's recorded reply length, ignoring end of turn
     think: bool = False  # honour think time
     reference_runs: int = 3  # single-turn requests measured before the trace (0: none)
+    ignore_eos: bool = True  # send the extension with fixed lengths; cleared when the server refuses it
     headers: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 3600.0
 
@@ -101,10 +102,21 @@ def _send_turn(turn: Turn, opts: ReplayOptions, replica: int, started: float) ->
     protocol = turn.protocol if opts.protocol == "auto" else opts.protocol
     request, messages = converted(turn, protocol)
     body = Turn(turn.id, turn.session, protocol, request, messages).body(opts.model)
-    body = fixed_length(body, protocol, turn.output_tokens if opts.fixed_output else None, opts.fixed_output)
     sent = time.perf_counter() - started
-    return TurnResult(replica, turn, protocol, sent, send(opts.endpoint, protocol, body, headers=opts.headers,
-                                                          timeout_s=opts.timeout_s))
+    outcome = _send_sized(opts, protocol, body, turn.output_tokens if opts.fixed_output else None)
+    return TurnResult(replica, turn, protocol, sent, outcome)
+
+
+def _send_sized(opts: ReplayOptions, protocol: str, body: dict, tokens: int | None) -> Outcome:
+    """Sends `body` asking for `tokens` reply tokens; a server that refuses the `ignore_eos` extension (a 400
+    naming it) is asked again without it, and for the rest of the run (its replies may then end early)."""
+    outcome = send(opts.endpoint, protocol, fixed_length(body, protocol, tokens, opts.ignore_eos),
+                   headers=opts.headers, timeout_s=opts.timeout_s)
+    if tokens is not None and opts.ignore_eos and outcome.status == 400 and "ignore_eos" in (outcome.error or ""):
+        opts.ignore_eos = False
+        outcome = send(opts.endpoint, protocol, fixed_length(body, protocol, tokens, False), headers=opts.headers,
+                       timeout_s=opts.timeout_s)
+    return outcome
 
 
 def reference_turn(trace: Trace, opts: ReplayOptions) -> Outcome:
@@ -117,8 +129,7 @@ def reference_turn(trace: Trace, opts: ReplayOptions) -> Outcome:
     if protocol == "responses":
         messages = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": REFERENCE_PROMPT}]}]
     body = Turn("reference", "reference", protocol, {}, messages).body(opts.model)
-    return send(opts.endpoint, protocol, fixed_length(body, protocol, tokens, opts.fixed_output),
-                headers=opts.headers, timeout_s=opts.timeout_s)
+    return _send_sized(opts, protocol, body, tokens)
 
 
 def served_model(endpoint: str, headers: dict[str, str]) -> str | None:

@@ -203,3 +203,61 @@ def test_without_the_prefix_cache_every_turn_computes_its_whole_prompt(agent_mod
     assert proc.returncode == 0, proc.stderr
     result = check_result(out, "codex")
     assert all(t["cached_tokens"] == 0 for t in result["turns"]) and result["summary"]["cached_share"] == 0
+
+
+class _NoIgnoreEos:
+    """An OpenAI-compatible server that refuses the ignore_eos extension (as OpenAI's own API does): a loopback
+    proxy in front of the real server, answering 400 to bodies that carry it and passing the rest through."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import threading
+        import urllib.request
+
+        self.refused = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if "ignore_eos" in json.loads(body):
+                    outer.refused += 1
+                    data = json.dumps({"error": {"message": "Unrecognized request argument supplied: ignore_eos",
+                                                 "type": "invalid_request_error"}}).encode()
+                    self.send_response(400)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                req = urllib.request.Request(upstream + self.path, body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req) as r:
+                    self.send_response(r.status)
+                    self.send_header("Content-Type", r.headers["Content-Type"])
+                    self.end_headers()
+                    for line in r:
+                        self.wfile.write(line)
+                        self.wfile.flush()
+
+            def do_GET(self):  # noqa: N802
+                self.send_response(404)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_server_without_ignore_eos_is_asked_again_without_it(endpoint, tmp_path):
+    proxy = _NoIgnoreEos(endpoint)
+    out = tmp_path / "run"
+    proc = ft_eval("--trace", "opencode", "--scale", SCALE, "--endpoint", proxy.url, "--out", str(out), "-q",
+                   "--model", "agent-model", "--reference-runs", "1")
+    proxy.server.shutdown()
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert proxy.refused == 1 and result["ignore_eos"] is False  # refused once, then left out for the run
+    assert all(t["error"] is None and t["output_tokens"] >= 1 for t in result["turns"])
+    assert result["server_usage"] is None  # not freetoken's /v1/stats behind this endpoint
