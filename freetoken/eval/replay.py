@@ -34,6 +34,7 @@ class ReplayOptions:
     ignore_eos: bool = True  # send the extension with fixed lengths; cleared when the server refuses it
     headers: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 3600.0
+    stop: threading.Event = field(default_factory=threading.Event)  # set: send no further turns (Ctrl-C)
 
 
 @dataclass(slots=True)
@@ -71,8 +72,12 @@ def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnRe
                 on_turn(result)
 
     with ThreadPoolExecutor(max_workers=opts.concurrency, thread_name_prefix="ft-eval-replica") as pool:
-        for f in [pool.submit(one, r) for r in range(opts.concurrency)]:
-            f.result()
+        try:
+            for f in [pool.submit(one, r) for r in range(opts.concurrency)]:
+                f.result()
+        except KeyboardInterrupt:  # the turns in flight finish; no new ones are sent
+            opts.stop.set()
+            raise
     return results, reference
 
 
@@ -84,11 +89,14 @@ def _replica(trace: Trace, opts: ReplayOptions, replica: int, started: float):
     running: dict[Future, Turn] = {}
     workers = max(1, len(trace.sessions))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"ft-eval-{replica}") as pool:
-        while pending or running:
-            for turn in [t for t in pending if all(a in done for a in t.after)]:
+        while (pending and not opts.stop.is_set()) or running:
+            for turn in [t for t in pending if all(a in done for a in t.after) and not opts.stop.is_set()]:
                 pending.remove(turn)
                 running[pool.submit(_send_turn, turn, opts, replica, started)] = turn
-            if not running:  # unreachable for a parsed trace (after names earlier turns only)
+            if not running:
+                if opts.stop.is_set():
+                    return
+                # unreachable for a parsed trace (after names earlier turns only)
                 raise RuntimeError(f"turns {[t.id for t in pending]} wait on turns that never run")
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for f in finished:
@@ -97,11 +105,12 @@ def _replica(trace: Trace, opts: ReplayOptions, replica: int, started: float):
 
 
 def _send_turn(turn: Turn, opts: ReplayOptions, replica: int, started: float) -> TurnResult:
-    if opts.think and turn.think_s:
-        time.sleep(turn.think_s)
     protocol = turn.protocol if opts.protocol == "auto" else opts.protocol
     request, messages = converted(turn, protocol)
     body = Turn(turn.id, turn.session, protocol, request, messages).body(opts.model)
+    if opts.think and turn.think_s and opts.stop.wait(turn.think_s):
+        return TurnResult(replica, turn, protocol, time.perf_counter() - started,
+                          Outcome(error="not sent: the run was interrupted"))
     sent = time.perf_counter() - started
     outcome = _send_sized(opts, protocol, body, turn.output_tokens if opts.fixed_output else None)
     return TurnResult(replica, turn, protocol, sent, outcome)

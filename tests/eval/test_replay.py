@@ -261,3 +261,22 @@ def test_a_server_without_ignore_eos_is_asked_again_without_it(endpoint, tmp_pat
     assert proxy.refused == 1 and result["ignore_eos"] is False  # refused once, then left out for the run
     assert all(t["error"] is None and t["output_tokens"] >= 1 for t in result["turns"])
     assert result["server_usage"] is None  # not freetoken's /v1/stats behind this endpoint
+
+
+def test_ctrl_c_keeps_what_was_measured(endpoint, tmp_path):
+    import signal
+
+    out = tmp_path / "run"
+    run = subprocess.Popen([FT, "eval", "--trace", "claude-code", "--scale", SCALE, "--endpoint", endpoint, "--out",
+                            str(out), "-q", "--think", "--param", "think_s=0.5", "--reference-runs", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "turns.jsonl").exists() or len((out / "turns.jsonl").read_text().splitlines()) < 2:
+        assert run.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["interrupted"] is True and 2 <= len(result["turns"]) < 21
+    assert "Traceback" not in stderr
