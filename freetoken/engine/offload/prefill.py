@@ -23,6 +23,7 @@ from freetoken.engine.experts import (
     run_groups_padded,
     sorted_expert_forward,
 )
+from freetoken.engine import gpu_paths
 from freetoken.engine.offload.planner import MissPlanner
 
 
@@ -80,6 +81,8 @@ class PrefillPath:
                 self._stream_next_layer(layer)
             return out
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
+        if self.miss_path == "auto" and self._streams_short(topk_ids):  # the link takes the whole layer
+            limit = 0
         planner = self._prefill_planner()
         to_copy, to_cpu = self._plan([g for g in misses if len(g.tokens) <= limit], lambda g: len(g.tokens),
                                      planner=planner)
@@ -114,9 +117,15 @@ class PrefillPath:
         copied anyway (in `auto`, the CPU takes experts of up to CPU_MAX_TOKENS tokens)."""
         if not self.prefill_ahead or self.miss_path == "cpu":
             return False
-        least = max(self.CPU_MAX_TOKENS, self.AHEAD_TOKENS_PER_EXPERT) if self.miss_path == "auto" else \
-            self.AHEAD_TOKENS_PER_EXPERT
+        least = max(self.CPU_MAX_TOKENS, self.AHEAD_TOKENS_PER_EXPERT) if self.miss_path == "auto" and \
+            not self._streams_short(topk_ids) else self.AHEAD_TOKENS_PER_EXPERT
         return topk_ids.numel() / self.num_experts >= least
+
+    def _streams_short(self, topk_ids: torch.Tensor) -> bool:
+        """GPU path "stream-short-chunks": a chunk that routes to nearly every expert (AHEAD_TOKENS_PER_EXPERT a
+        expert on average) but too few tokens for the long-chunk rule copies all its misses and streams ahead."""
+        return self.prefill_ahead and gpu_paths.enabled("stream-short-chunks") and \
+            topk_ids.numel() / self.num_experts >= self.AHEAD_TOKENS_PER_EXPERT
 
     def _compute_sorted(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         hits: list, streamed: list) -> torch.Tensor:

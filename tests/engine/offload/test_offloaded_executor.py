@@ -262,6 +262,38 @@ def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(c
     assert ex._chunk_ahead is None  # the last layer streams nothing ahead
 
 
+@pytest.mark.parametrize("slots", [0, 6])
+def test_short_chunks_stream_ahead_under_the_experimental_path(checkpoint, slots, monkeypatch):
+    """GPU path "stream-short-chunks": in `auto`, a chunk with too few tokens for the long-chunk rule (its experts
+    would be split between copies and the CPU) but enough to route to nearly every expert copies all its misses
+    and streams each next layer ahead; the logits stay the resident ones and the CPU takes none."""
+    from freetoken.engine.offload import prefill
+
+    monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name == "stream-short-chunks")
+    path, resident, _ = checkpoint
+    per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(path, progress=False, expert_cache=slots * per_expert, prefill_ahead=True)
+    ex = lm.experts
+    ex.miss_path, ex.planner = "auto", EVEN_SPLIT()
+    chunk = max(ex.PREFILL_TOKENS, ex.num_experts * ex.AHEAD_TOKENS_PER_EXPERT // ex._top_k)
+    assert chunk * ex._top_k / ex.num_experts < ex.CPU_MAX_TOKENS  # short: the default rule would split it
+    ids = torch.randint(0, resident.args.decoder.vocab_size, (2 * chunk,),
+                        generator=torch.Generator().manual_seed(3)).tolist()
+    expected = resident.prefill_logits(ids)
+    cache = lm.new_cache(page_size=4)
+    seq = cache.new_sequence()
+    with torch.inference_mode():
+        got = [lm.forward(torch.tensor(ids[s:s + chunk]), cache, seq) for s in range(0, len(ids), chunk)]
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-5, rtol=1e-5)
+    c = ex.counters
+    assert c.cpu_experts == 0 and 0 < c.prefetch_used <= c.prefetched and c.evictions == 0
+    monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: False)  # off: the same chunk is split
+    fresh = lm.new_cache(page_size=4)
+    with torch.inference_mode():
+        lm.forward(torch.tensor(ids[:chunk]), fresh, fresh.new_sequence())
+    assert ex.counters.cpu_experts > 0
+
+
 @pytest.mark.parametrize("miss_path", ["copy", "auto"])
 def test_prefill_chunks_fill_free_slots_but_evict_nothing(checkpoint, miss_path):
     """A prefill chunk (≥ PREFILL_TOKENS tokens) touches nearly every expert once: it takes free cache slots,
