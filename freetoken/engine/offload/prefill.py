@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.experts import (
     PADDED_GROUP_BYTES,
     PADDED_MAX_TOKENS,
@@ -23,7 +24,6 @@ from freetoken.engine.experts import (
     run_groups_padded,
     sorted_expert_forward,
 )
-from freetoken.engine import gpu_paths
 from freetoken.engine.offload.planner import MissPlanner
 
 
