@@ -116,7 +116,8 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
         "think": "honoured" if a.think else "skipped", "server_args": started_server, "interrupted": interrupted,
         "trace": {"name": trace.name, "source": source, "description": trace.description, "generator": trace.generator,
                   "turn_ids": [t.id for t in trace.turns], "sessions": trace.sessions},
-        "reference": ref, "turns": turns, "summary": summarize(turns, ref, wall),
+        "warmup": outcome_json(opts.warmup) if opts.warmup else None, "reference": ref, "turns": turns,
+        "summary": summarize(turns, ref, wall),
         "server_usage": _usage_delta(before, after)}
     path = write_result(result, out)
     report = write_report(result, out)

@@ -19,6 +19,7 @@ from freetoken.eval.client import Outcome, fixed_length, send
 from freetoken.eval.convert import converted
 from freetoken.eval.trace import Trace, Turn
 
+REFERENCE_TOKENS = 64
 REFERENCE_PROMPT = "Write a long, detailed story about a lighthouse keeper and the storm that changed the coast."
 
 
@@ -35,6 +36,7 @@ class ReplayOptions:
     headers: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 3600.0
     stop: threading.Event = field(default_factory=threading.Event)  # set: send no further turns (Ctrl-C)
+    warmup: Outcome | None = None  # the untimed request before the references (the server counted it)
 
 
 @dataclass(slots=True)
@@ -59,6 +61,8 @@ class TurnResult:
 
 def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnResult], list[Outcome]]:
     """(every turn's result in the order they finished, the single-turn reference requests)."""
+    # one untimed first: a server's first request pays its warm-up (planner, caches); kept in `warmup`
+    opts.warmup = reference_turn(trace, opts) if opts.reference_runs else None
     reference = [reference_turn(trace, opts) for _ in range(opts.reference_runs)]
     started = time.perf_counter()
     results: list[TurnResult] = []
@@ -129,11 +133,12 @@ def _send_sized(opts: ReplayOptions, protocol: str, body: dict, tokens: int | No
 
 
 def reference_turn(trace: Trace, opts: ReplayOptions) -> Outcome:
-    """One short single-turn request with the trace's typical reply length: the decode rate the multi-turn
-    rate is compared with (a short context and nothing cached)."""
+    """One short single-turn request with the trace's typical reply length (at least REFERENCE_TOKENS, so the
+    rate is not a few tokens' noise): the decode rate the multi-turn rate is compared with (a short context and
+    nothing cached)."""
     protocol = trace.turns[0].protocol if opts.protocol == "auto" else opts.protocol
     lengths = sorted(t.output_tokens for t in trace.turns if t.output_tokens) or [128]
-    tokens = max(16, lengths[len(lengths) // 2])
+    tokens = max(REFERENCE_TOKENS, lengths[len(lengths) // 2])
     messages: list[Any] = [{"role": "user", "content": REFERENCE_PROMPT}]
     if protocol == "responses":
         messages = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": REFERENCE_PROMPT}]}]

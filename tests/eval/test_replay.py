@@ -56,6 +56,8 @@ def check_result(out, trace_name: str, replicas: int = 1) -> dict:
         assert 0 <= t["cached_tokens"] < t["prompt_tokens"]
         assert t["new_prompt_tokens"] == t["prompt_tokens"] - t["cached_tokens"]
     usage, turns, ref = result["server_usage"], result["turns"], result["reference"]
+    ref = ref + [result["warmup"]]  # the untimed request before the references
+    assert all(r["output_tokens"] >= 64 for r in ref)  # long enough for a decode rate
     assert usage["completed"] == len(turns) + len(ref) and usage["failed"] == 0
     assert usage["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns + ref)
     assert usage["completion_tokens"] == sum(t["output_tokens"] for t in turns + ref)
