@@ -55,6 +55,11 @@ class BatchAttention:
     The projections, MLPs and experts see all rows together, so weights are read once per step for the whole
     batch; attention runs per sequence, each over its own cached keys."""
 
+    # A step of decode tokens only attends in one call over the sequences' keys gathered into [B, W] padded rows
+    # (one KV write and one gather per layer for the batch, not a write, a gather and an SDPA call per sequence:
+    # the batched step's launches, evals/results/serve-q3-8l-h200.md), while the padded rows stay under this.
+    BATCHED_DECODE_ROWS = 1 << 18
+
     def __init__(self, cache: PagedKVCache, seqs: list[SequenceKV], counts: list[int], device: torch.device):
         self.cache, self.seqs, self.counts = cache, seqs, counts
         for seq, n in zip(seqs, counts, strict=True):
@@ -64,9 +69,18 @@ class BatchAttention:
             self.bounds.append(self.bounds[-1] + n)
         self.positions = torch.cat([torch.arange(s.length, s.length + n) for s, n in zip(seqs, counts, strict=True)]
                                    ).to(device)
+        self._decode = None  # (write slots [B], read slots [B, W], valid [B, W]) for a decode-only step
+        width = max(s.length for s in seqs) + 1
+        if len(seqs) > 1 and all(n == 1 for n in counts) and len(seqs) * width <= self.BATCHED_DECODE_ROWS:
+            write = torch.cat([s.slots[s.length:s.length + 1] for s in seqs])
+            read = torch.stack([F.pad(s.slots[:s.length + 1], (0, width - s.length - 1)) for s in seqs])
+            lengths = torch.tensor([s.length + 1 for s in seqs], device=read.device)
+            self._decode = write, read, torch.arange(width, device=read.device)[None, :] < lengths[:, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        if self._decode is not None and sinks is None and window is None:
+            return self._attend_decode(layer, q, k, v)
         outs = []
         for i, seq in enumerate(self.seqs):
             a, b = self.bounds[i], self.bounds[i + 1]
@@ -74,6 +88,24 @@ class BatchAttention:
             outs.append(causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length, sinks=sinks,
                                          window=window))
         return torch.cat(outs)
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: q [B, H, D] over each sequence's keys (padded slots masked) → [B, H, D]."""
+        write, read, valid = self._decode
+        cache = self.cache
+        cache.k[layer].index_copy_(0, write, k.to(cache.dtype))
+        if not cache.values_are_keys:
+            cache.v[layer].index_copy_(0, write, v.to(cache.dtype))
+        b, w = read.shape
+        keys = cache.k[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *k.shape[1:])
+        values = keys if cache.values_are_keys else \
+            cache.v[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *v.shape[1:])
+        h, hkv = q.shape[1], k.shape[1]
+        qg = q.reshape(b, hkv, h // hkv, q.shape[2])  # a KV head's query heads as its G query rows
+        with sdpa_kernel(_ONE_TOKEN_BACKENDS):  # not cuDNN for one token (see causal_attention)
+            out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=valid[:, None, None, :])
+        return out.reshape(b, h, -1)
 
     def recurrent_state(self, layer: int):
         """Refused: the batch scheduler runs models with recurrent layers one sequence at a time (their state

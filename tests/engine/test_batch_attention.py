@@ -1,0 +1,57 @@
+"""BatchAttention's decode-only step: one KV write and one padded gather for all sequences, the same outputs and
+cache contents as attending one sequence at a time (GQA, latent attention's V = K, sequences of unequal length)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.attention import BatchAttention
+from freetoken.engine.kv_cache import PagedKVCache
+
+
+def _cache(values_are_keys: bool, lengths: list[int], gen: torch.Generator):
+    cache = PagedKVCache(2, 2, 8, page_size=4, values_are_keys=values_are_keys)
+    seqs = [cache.new_sequence() for _ in lengths]
+    for seq, n in zip(seqs, lengths, strict=True):  # history written through the cache's own path
+        if n:
+            cache.reserve(seq, n)
+            for layer in range(2):
+                cache.update(layer, seq, torch.randn(n, 2, 8, generator=gen), torch.randn(n, 2, 8, generator=gen))
+            cache.commit(seq, n)
+    return cache, seqs
+
+
+@pytest.mark.parametrize("values_are_keys", [False, True])
+def test_a_decode_step_attends_in_one_call_like_one_sequence_at_a_time(values_are_keys):
+    gen = torch.Generator().manual_seed(int(values_are_keys))
+    lengths = [0, 5, 13]
+    q = torch.randn(3, 4, 8, generator=gen)  # 4 query heads over 2 KV heads
+    k, v = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    if values_are_keys:  # latent attention hands its latent as both
+        v = k
+    outputs, pools = [], []
+    for batched in (True, False):
+        cache, seqs = _cache(values_are_keys, lengths, torch.Generator().manual_seed(7))
+        ctx = BatchAttention(cache, seqs, [1, 1, 1], torch.device("cpu"))
+        assert (ctx._decode is not None) is True
+        if not batched:
+            ctx._decode = None  # the per-sequence path
+        outputs.append([ctx.attend(layer, q, k, v) for layer in range(2)])
+        ctx.commit()
+        pools.append([cache.update(layer, s, k[:0], v[:0]) for layer in range(2) for s in seqs])
+    for got, want in zip(outputs[0], outputs[1], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for (gk, gv), (wk, wv) in zip(pools[0], pools[1], strict=True):  # the new tokens landed in the same slots
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_prefill_rows_or_a_too_wide_batch_attend_per_sequence():
+    cache, seqs = _cache(False, [3, 4], torch.Generator().manual_seed(1))
+    assert BatchAttention(cache, seqs, [2, 1], torch.device("cpu"))._decode is None  # a chunk among them
+    wide = BatchAttention.BATCHED_DECODE_ROWS
+    try:
+        BatchAttention.BATCHED_DECODE_ROWS = 9  # 2 sequences × 5 padded rows is over it
+        assert BatchAttention(cache, seqs, [1, 1], torch.device("cpu"))._decode is None
+    finally:
+        BatchAttention.BATCHED_DECODE_ROWS = wide
