@@ -55,9 +55,10 @@ class BatchAttention:
     The projections, MLPs and experts see all rows together, so weights are read once per step for the whole
     batch; attention runs per sequence, each over its own cached keys."""
 
-    # A step of decode tokens only attends in one call over the sequences' keys gathered into [B, W] padded rows
-    # (one KV write and one gather per layer for the batch, not a write, a gather and an SDPA call per sequence:
-    # the batched step's launches, evals/results/serve-q3-8l-h200.md), while the padded rows stay under this.
+    # The decode tokens of a step (one new token per sequence) attend in one call over their sequences' keys
+    # gathered into [B, W] padded rows: one KV write and one gather per layer for all of them, not a write, a gather
+    # and an SDPA call per sequence (the batched step's launches, evals/results/serve-q3-8l-h200.md), while the
+    # padded rows stay under this. Prefill chunks in the same step attend per sequence.
     BATCHED_DECODE_ROWS = 1 << 18
 
     def __init__(self, cache: PagedKVCache, seqs: list[SequenceKV], counts: list[int], device: torch.device):
@@ -69,29 +70,44 @@ class BatchAttention:
             self.bounds.append(self.bounds[-1] + n)
         self.positions = torch.cat([torch.arange(s.length, s.length + n) for s, n in zip(seqs, counts, strict=True)]
                                    ).to(device)
-        self._decode = None  # (write slots [B], read slots [B, W], valid [B, W]) for a decode-only step
-        width = max(s.length for s in seqs) + 1
-        if len(seqs) > 1 and all(n == 1 for n in counts) and len(seqs) * width <= self.BATCHED_DECODE_ROWS:
-            write = torch.cat([s.slots[s.length:s.length + 1] for s in seqs])
-            read = torch.stack([F.pad(s.slots[:s.length + 1], (0, width - s.length - 1)) for s in seqs])
-            lengths = torch.tensor([s.length + 1 for s in seqs], device=read.device)
-            self._decode = write, read, torch.arange(width, device=read.device)[None, :] < lengths[:, None]
+        self._decode = None  # (rows or None for all, write slots [B], read slots [B, W], valid [B, W])
+        self._chunks = range(len(seqs))  # sequences attended one at a time
+        decoding = [i for i, n in enumerate(counts) if n == 1]
+        width = max((seqs[i].length for i in decoding), default=0) + 1
+        if len(decoding) > 1 and len(decoding) * width <= self.BATCHED_DECODE_ROWS:
+            picked = [seqs[i] for i in decoding]
+            write = torch.cat([s.slots[s.length:s.length + 1] for s in picked])
+            read = torch.stack([F.pad(s.slots[:s.length + 1], (0, width - s.length - 1)) for s in picked])
+            lengths = torch.tensor([s.length + 1 for s in picked], device=read.device)
+            valid = torch.arange(width, device=read.device)[None, :] < lengths[:, None]
+            rows = None if len(decoding) == len(seqs) else \
+                torch.tensor([self.bounds[i] for i in decoding], device=device)
+            self._decode = rows, write, read, valid
+            self._chunks = [i for i, n in enumerate(counts) if n != 1]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        if self._decode is not None and sinks is None and window is None:
+        if self._decode is None or sinks is not None or window is not None:
+            return torch.cat([self._attend_one(i, layer, q, k, v, sinks, window) for i in range(len(self.seqs))])
+        rows = self._decode[0]
+        if rows is None:  # decode tokens only
             return self._attend_decode(layer, q, k, v)
-        outs = []
-        for i, seq in enumerate(self.seqs):
-            a, b = self.bounds[i], self.bounds[i + 1]
-            keys, values = self.cache.update(layer, seq, k[a:b], v[a:b])
-            outs.append(causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length, sinks=sinks,
-                                         window=window))
-        return torch.cat(outs)
+        out = torch.empty_like(q)
+        out[rows] = self._attend_decode(layer, q[rows], k[rows], v[rows])
+        for i in self._chunks:
+            out[self.bounds[i]:self.bounds[i + 1]] = self._attend_one(i, layer, q, k, v, None, None)
+        return out
+
+    def _attend_one(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+        a, b, seq = self.bounds[i], self.bounds[i + 1], self.seqs[i]
+        keys, values = self.cache.update(layer, seq, k[a:b], v[a:b])
+        return causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length, sinks=sinks,
+                                window=window)
 
     def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One new token per sequence: q [B, H, D] over each sequence's keys (padded slots masked) → [B, H, D]."""
-        write, read, valid = self._decode
+        _, write, read, valid = self._decode
         cache = self.cache
         cache.k[layer].index_copy_(0, write, k.to(cache.dtype))
         if not cache.values_are_keys:

@@ -46,9 +46,26 @@ def test_a_decode_step_attends_in_one_call_like_one_sequence_at_a_time(values_ar
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
 
-def test_prefill_rows_or_a_too_wide_batch_attend_per_sequence():
+def test_decode_rows_beside_a_prefill_chunk_attend_together_and_the_chunk_alone():
+    lengths, counts = [4, 0, 9, 2], [1, 3, 1, 1]  # a 3-token chunk of a new sequence among three decode tokens
+    gen = torch.Generator().manual_seed(5)
+    rows = sum(counts)
+    q, k, v = torch.randn(rows, 4, 8, generator=gen), torch.randn(rows, 2, 8, generator=gen), \
+        torch.randn(rows, 2, 8, generator=gen)
+    outputs = []
+    for batched in (True, False):
+        cache, seqs = _cache(False, lengths, torch.Generator().manual_seed(8))
+        ctx = BatchAttention(cache, seqs, counts, torch.device("cpu"))
+        assert ctx._decode is not None and list(ctx._chunks) == [1]
+        if not batched:
+            ctx._decode = None
+        outputs.append(torch.cat([ctx.attend(layer, q, k, v) for layer in range(2)]))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
+
+
+def test_a_lone_decode_token_or_a_too_wide_batch_attend_per_sequence():
     cache, seqs = _cache(False, [3, 4], torch.Generator().manual_seed(1))
-    assert BatchAttention(cache, seqs, [2, 1], torch.device("cpu"))._decode is None  # a chunk among them
+    assert BatchAttention(cache, seqs, [2, 1], torch.device("cpu"))._decode is None  # one decode token only
     wide = BatchAttention.BATCHED_DECODE_ROWS
     try:
         BatchAttention.BATCHED_DECODE_ROWS = 9  # 2 sequences × 5 padded rows is over it
