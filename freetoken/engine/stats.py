@@ -61,9 +61,9 @@ class KVStats:
 
 @dataclass(slots=True)
 class MemoryStats:
-    """Where the device's memory goes (bytes). On CUDA: `other` is what other processes hold (the device's used
-    memory beyond this process's), `activations` what torch holds beyond weights, experts and KV (activations,
-    graph pools, its allocator's slack). On the CPU the same split of the host's RAM."""
+    """Where the device's memory goes (bytes). On CUDA: `other` is what other processes hold (NVML's process list,
+    else the device's used memory beyond what torch holds), `activations` what torch holds beyond weights, experts
+    and KV (activations, graph pools, its allocator's slack). On the CPU the same split of the host's RAM."""
 
     device: str
     total: int
@@ -73,6 +73,9 @@ class MemoryStats:
     kv: int
     activations: int
     other: int
+    # where `other` comes from: "nvml" (the driver's process list), "estimate" (used beyond what torch holds: also
+    # counts this process's CUDA context), "host" (the rest of the system's RAM)
+    other_from: str = "estimate"
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,12 +152,17 @@ def memory_stats(lm, experts: ExpertStats, cache: PagedKVCache | None) -> Memory
     kv = cache.allocator.num_pages * cache.page_size * kv_bytes_per_token(lm.args, lm.dtype) if cache else 0
     ours = weights + expert_bytes + kv
     if lm.device.type == "cuda":
+        from freetoken.engine import nvml
+
         free, total = torch.cuda.mem_get_info(lm.device)
         reserved = torch.cuda.memory_reserved(lm.device)
+        bus = nvml.bus_id_of(lm.device)
+        other = nvml.other_processes_bytes(bus) if bus else None  # NVML's process list where it has one
         return MemoryStats(str(lm.device), total, free, weights, expert_bytes, kv, max(0, reserved - ours),
-                           max(0, total - free - reserved))
+                           max(0, total - free - reserved) if other is None else other,
+                           "estimate" if other is None else "nvml")
     total, free = _host_memory()
-    return MemoryStats("host", total, free, weights, expert_bytes, kv, 0, max(0, total - free - ours))
+    return MemoryStats("host", total, free, weights, expert_bytes, kv, 0, max(0, total - free - ours), "host")
 
 
 def _host_memory() -> tuple[int, int]:

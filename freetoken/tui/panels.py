@@ -122,7 +122,8 @@ class VramPanel(Panel):
         text.append("░" * (width - used), style="dim")
         text.append("\n")
         for name, color in self.PARTS:
-            text.append("■ ", style=color).append(f"{name} {gib(dig(memory, name))}  ")
+            label = "other (NVML)" if name == "other" and dig(memory, "other_from") == "nvml" else name
+            text.append("■ ", style=color).append(f"{label} {gib(dig(memory, name))}  ")
         return text.append(f"free {gib(dig(memory, 'free'))}", style="dim")
 
 
