@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken.bench.random_fill import random_bytes_, random_uniform_
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.loader import LoadedModel, attach_experts, build_executor, empty_model, resolve_device
 from freetoken.engine.models import family_for
@@ -151,8 +152,12 @@ def synthetic_config(shape: str, layers: int | None = None, vocab_size: int | No
     return cfg
 
 
-def _fill_(t: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
-    bound = std * math.sqrt(3.0)  # uniform with the given standard deviation: cheaper than normal at 60 GB
+def _fill_(t: torch.Tensor, std: float, gen: torch.Generator, seed: int | None = None) -> torch.Tensor:
+    """Uniform with the given standard deviation (cheaper than normal at 60 GB). A host tensor with a `seed`
+    takes the hashed fill (random_fill.py: memory speed, where torch's generator fills at ~70 MB/s)."""
+    bound = std * math.sqrt(3.0)
+    if seed is not None and t.device.type == "cpu" and t.is_contiguous():
+        return random_uniform_(t, bound, seed)
     return t.uniform_(-bound, bound, generator=gen)
 
 
@@ -192,13 +197,14 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
     gen = torch.Generator(device=device).manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * args.decoder.n_layers)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for index, (name, p) in enumerate(model.named_parameters()):
+            tensor_seed = seed * 1_000_003 + index
             if "norm" in name:
                 p.fill_(0.0 if _centred_norm(model, name) else 1.0)
-            elif name.endswith("embed_tokens.weight"):
-                _fill_(p, 1.0, gen)  # token identity must dominate what the layers add in common to all tokens
+            elif name.endswith("embed_tokens.weight"):  # token identity must dominate what layers add to all
+                _fill_(p, 1.0, gen, tensor_seed)
             else:
-                _fill_(p, residual_std if _writes_residual(name) else 0.02, gen)
+                _fill_(p, residual_std if _writes_residual(name) else 0.02, gen, tensor_seed)
         if skew:
             _skew_router_(model, skew, gen)
     offload = expert_cache is not None
@@ -235,8 +241,9 @@ def host_experts(spec, dtype: torch.dtype, device: torch.device, pin: bool, seed
     for layer in spec.moe_layers:
         tensors = [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
                    for shape in ((e, i, h), (e, i, h), (e, h, i))]
-        for t, std in zip(tensors, (0.02, 0.02, 0.02 / math.sqrt(2 * len(spec.moe_layers))), strict=True):
-            _fill_(t, std, gen)  # the expert down projection writes into the residual stream too
+        stds = (0.02, 0.02, 0.02 / math.sqrt(2 * len(spec.moe_layers)))  # down writes into the residual stream
+        for k, (t, std) in enumerate(zip(tensors, stds, strict=True)):
+            _fill_(t, std, gen, seed * 1_000_003 + 3 * layer + k)
         layers[layer] = LayerExperts(*tensors)
     return layers
 
@@ -244,17 +251,16 @@ def host_experts(spec, dtype: torch.dtype, device: torch.device, pin: bool, seed
 def quantized_host_experts(spec, fmt: str, pin: bool, seed: int) -> dict[int, QuantizedExperts]:
     """Random blocks of `fmt` ("Q8_0": an fp16 scale + 32 int8 weights; "MXFP4": an E8M0 scale byte + 32 four-bit
     codes), scaled like the dense experts; built in place."""
-    gen = torch.Generator().manual_seed(seed)
     h, i, e = spec.hidden_size, spec.expert_intermediate_size, spec.num_experts
     shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
     stds = {"gate_proj": 0.02, "up_proj": 0.02, "down_proj": 0.02 / math.sqrt(2 * len(spec.moe_layers))}
     layers = {}
     for layer in spec.moe_layers:
         raw = {}
-        for p, (out, inp) in shapes.items():
+        for k, (p, (out, inp)) in enumerate(shapes.items()):
             blocks, size = out * inp // 32, 34 if fmt == "Q8_0" else 17
             data = torch.empty((e, blocks, size), dtype=torch.uint8, pin_memory=pin)
-            data.random_(0, 256, generator=gen)
+            random_bytes_(data, seed * 1_000_003 + 3 * layer + k)
             if fmt == "Q8_0":  # int8 uniform in [-128, 127] has std ≈ 74; the scale maps that onto the target
                 data[:, :, :2] = torch.tensor([stds[p] / 74.0], dtype=torch.float16).view(torch.uint8)
             else:  # uniform codes ±{0, 1, 2, 3, 4, 6, 8, 12} have std ≈ 5.85; the power of two nearest the target

@@ -461,3 +461,48 @@ uint64_t ft_read_bytes(const void *buf, size_t n) {
     parallel_for(read_task, &j, (int)((n + j.chunk - 1) / j.chunk));
     return atomic_load(&j.sum);
 }
+
+/* ---- Seeded random fills for synthetic models (freetoken/bench/random_fill.py has the same in torch) ----
+   Word i of a fill is splitmix64's finaliser of i * GOLDEN + seed: counter-based, so the bytes do not depend on
+   the thread count or the chunking, and every pool thread fills at memory speed. */
+
+#define FILL_GOLDEN 0x9E3779B97F4A7C15ull
+
+INLINE uint64_t fill_mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+typedef struct { uint8_t *buf; size_t n, chunk; uint64_t seed; int dtype; float bound; } fill_job;
+
+static void fill_task(void *ctx, int task) {
+    fill_job *j = ctx;
+    size_t lo = task * j->chunk, hi = lo + j->chunk < j->n ? lo + j->chunk : j->n;
+    if (j->dtype < 0) {  /* bytes: 8 a word */
+        for (size_t w = lo / 8; w * 8 < hi; w++) {
+            uint64_t v = fill_mix(w * FILL_GOLDEN + j->seed);
+            size_t at = w * 8, take = hi - at < 8 ? hi - at : 8;
+            memcpy(j->buf + at, &v, take);
+        }
+        return;
+    }
+    float scale = 2.0f * j->bound / (float)(1 << 24);
+    for (size_t i = lo; i < hi; i++) {  /* values: 24 random bits each, uniform in [-bound, bound) */
+        float f = (float)((fill_mix(i * FILL_GOLDEN + j->seed) >> 40) & 0xFFFFFF) * scale - j->bound;
+        if (j->dtype == FT_F32) {
+            ((float *)j->buf)[i] = f;
+        } else {  /* bf16, rounded to nearest even (as torch converts) */
+            uint32_t bits;
+            memcpy(&bits, &f, 4);
+            ((uint16_t *)j->buf)[i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+        }
+    }
+}
+
+/* Fills n bytes (dtype -1) or n values (FT_F32 / FT_BF16, uniform in [-bound, bound)) of buf from seed. Chunks
+   are whole words of bytes (a multiple of 8) so that each word is written by one task. */
+void ft_random_fill(void *buf, size_t n, uint64_t seed, int dtype, float bound) {
+    fill_job j = {.buf = buf, .n = n, .chunk = 1 << 20, .seed = seed, .dtype = dtype, .bound = bound};
+    parallel_for(fill_task, &j, (int)((n + j.chunk - 1) / j.chunk));
+}

@@ -178,6 +178,14 @@ class CpuExpertKernel:
         µs of system calls) overlaps the caller's wait instead of delaying the call. Nothing when none sleeps."""
         self.lib.ft_pool_wake(int(spin_s * 1e9))
 
+    def random_fill(self, t: torch.Tensor, seed: int, bound: float | None = None) -> None:
+        """Seeded random bytes into a contiguous CPU tensor (`bound` None), or values uniform in [-bound, bound)
+        into an f32/bf16 one, on all pool threads (freetoken/bench/random_fill.py is the torch form)."""
+        kind = -1 if bound is None else {torch.float32: 0, torch.bfloat16: 1}[t.dtype]
+        n = t.numel() * t.element_size() if bound is None else t.numel()
+        with self._call_lock:
+            self.lib.ft_random_fill(t.data_ptr(), n, seed % (1 << 64), kind, 0.0 if bound is None else bound)
+
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""
         with self._call_lock:
