@@ -124,16 +124,23 @@ def test_without_an_endpoint_the_command_starts_its_own_server(agent_model, tmp_
     assert "serving agent-model on" in (out / "serve.log").read_text()
 
 
+def _eval_until_turns(trace: str, endpoint: str, out, turns: int, think_s: float) -> subprocess.Popen:
+    """`ft eval` started in the background (think time on, so turns are spaced), returned once `turns` turns
+    have finished."""
+    run = subprocess.Popen([FT, "eval", "--trace", trace, "--scale", SCALE, "--endpoint", endpoint, "--out", str(out),
+                            "-q", "--think", "--param", f"think_s={think_s}", "--reference-runs", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "turns.jsonl").exists() or len((out / "turns.jsonl").read_text().splitlines()) < turns:
+        assert run.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return run
+
+
 def test_a_server_that_dies_mid_run_is_reported_per_turn(agent_model, tmp_path):
     out = tmp_path / "run"
     with serve_process(agent_model, tmp_path) as server:
-        run = subprocess.Popen([FT, "eval", "--trace", "codex", "--scale", SCALE, "--endpoint", server.url, "--out",
-                                str(out), "-q", "--think", "--param", "think_s=0.4", "--reference-runs", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while not (out / "turns.jsonl").exists() or len((out / "turns.jsonl").read_text().splitlines()) < 3:
-            assert run.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        run = _eval_until_turns("codex", server.url, out, turns=3, think_s=0.4)
         server.proc.kill()
     stdout, stderr = run.communicate(timeout=120)
     assert run.returncode == 1, stderr
@@ -269,13 +276,7 @@ def test_ctrl_c_keeps_what_was_measured(endpoint, tmp_path):
     import signal
 
     out = tmp_path / "run"
-    run = subprocess.Popen([FT, "eval", "--trace", "claude-code", "--scale", SCALE, "--endpoint", endpoint, "--out",
-                            str(out), "-q", "--think", "--param", "think_s=0.5", "--reference-runs", "0"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (out / "turns.jsonl").exists() or len((out / "turns.jsonl").read_text().splitlines()) < 2:
-        assert run.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    run = _eval_until_turns("claude-code", endpoint, out, turns=2, think_s=0.5)
     run.send_signal(signal.SIGINT)
     stdout, stderr = run.communicate(timeout=60)
     assert run.returncode == 130, stderr
