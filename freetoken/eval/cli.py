@@ -130,7 +130,15 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
         first = failed[0]
         print(f"ft eval: {len(failed)} of {len(turns)} turns failed; first: {first['id']}: {first['error']}",
               file=sys.stderr)
+        if any(_too_long(t["error"]) for t in failed):
+            print("ft eval: prompts past the server's context: shrink a bundled trace with --scale (e.g. 0.25) or "
+                  "serve a model with a longer context", file=sys.stderr)
     return 130 if interrupted else 1 if failed else 0
+
+
+def _too_long(error: str) -> bool:
+    """A context-length refusal, in OpenAI's or Anthropic's words."""
+    return "maximum context length" in error or "prompt is too long" in error
 
 
 def _usage_delta(before: dict | None, after: dict | None) -> dict | None:

@@ -283,3 +283,14 @@ def test_ctrl_c_keeps_what_was_measured(endpoint, tmp_path):
     result = json.loads((out / "result.json").read_text())
     assert result["interrupted"] is True and 2 <= len(result["turns"]) < 21
     assert "Traceback" not in stderr
+
+
+def test_prompts_past_the_context_are_reported_with_the_fix(agent_model, tmp_path):
+    out = tmp_path / "run"
+    with serve_process(agent_model, tmp_path, "--kv-cache", "1MiB") as server:  # a few thousand tokens a request
+        proc = ft_eval("--trace", "openclaw", "--scale", "0.2", "--endpoint", server.url, "--out", str(out), "-q",
+                       "--reference-runs", "1")
+    assert proc.returncode == 1
+    assert "turns failed" in proc.stderr and "shrink a bundled trace with --scale" in proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["summary"]["errors"] == 13 and result["reference"][0]["error"] is None
