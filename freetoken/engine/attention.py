@@ -87,15 +87,15 @@ class BatchAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        if self._decode is None or sinks is not None or window is not None:
+        if self._decode is None:
             return torch.cat([self._attend_one(i, layer, q, k, v, sinks, window) for i in range(len(self.seqs))])
         rows = self._decode[0]
         if rows is None:  # decode tokens only
-            return self._attend_decode(layer, q, k, v)
+            return self._attend_decode(layer, q, k, v, sinks, window)
         out = torch.empty_like(q)
-        out[rows] = self._attend_decode(layer, q[rows], k[rows], v[rows])
+        out[rows] = self._attend_decode(layer, q[rows], k[rows], v[rows], sinks, window)
         for i in self._chunks:
-            out[self.bounds[i]:self.bounds[i + 1]] = self._attend_one(i, layer, q, k, v, None, None)
+            out[self.bounds[i]:self.bounds[i + 1]] = self._attend_one(i, layer, q, k, v, sinks, window)
         return out
 
     def _attend_one(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -105,8 +105,11 @@ class BatchAttention:
         return causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length, sinks=sinks,
                                 window=window)
 
-    def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence: q [B, H, D] over each sequence's keys (padded slots masked) → [B, H, D]."""
+    def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """One new token per sequence: q [B, H, D] over each sequence's keys (padded slots masked) → [B, H, D].
+        `window`: each token sees its last `window` positions; `sinks` [H]: a virtual key per head whose logit is
+        the sink and whose value is 0 (as in `sink_attention`)."""
         _, write, read, valid = self._decode
         cache = self.cache
         cache.k[layer].index_copy_(0, write, k.to(cache.dtype))
@@ -116,11 +119,24 @@ class BatchAttention:
         keys = cache.k[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *k.shape[1:])
         values = keys if cache.values_are_keys else \
             cache.v[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *v.shape[1:])
-        h, hkv = q.shape[1], k.shape[1]
+        h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        mask = valid
+        if window is not None:  # the query sits at its row's last valid slot
+            last = valid.sum(dim=1, keepdim=True) - 1
+            mask = mask & (torch.arange(w, device=valid.device)[None, :] > last - window)
+        if sinks is not None:  # the virtual key first: a coordinate sink·√D in q, 1 in the key, 0 in the value
+            pad = (-(d + 1)) % 8
+            q = torch.cat((q, (sinks.to(q.dtype) * d ** 0.5)[None, :, None].expand(b, h, 1), q.new_zeros(b, h, pad)),
+                          dim=-1)
+            sink_key = keys.new_zeros(b, 1, hkv, d + 1 + pad)
+            sink_key[..., d] = 1
+            keys = torch.cat((sink_key, torch.cat((keys, keys.new_zeros(b, w, hkv, 1 + pad)), dim=-1)), dim=1)
+            values = torch.cat((values.new_zeros(b, 1, hkv, values.shape[-1]), values), dim=1)
+            mask = torch.cat((mask.new_ones(b, 1), mask), dim=1)
         qg = q.reshape(b, hkv, h // hkv, q.shape[2])  # a KV head's query heads as its G query rows
         with sdpa_kernel(_ONE_TOKEN_BACKENDS):  # not cuDNN for one token (see causal_attention)
             out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=valid[:, None, None, :])
+                                                 attn_mask=mask[:, None, None, :], scale=d ** -0.5)
         return out.reshape(b, h, -1)
 
     def recurrent_state(self, layer: int):

@@ -22,14 +22,17 @@ def _cache(values_are_keys: bool, lengths: list[int], gen: torch.Generator):
     return cache, seqs
 
 
-@pytest.mark.parametrize("values_are_keys", [False, True])
-def test_a_decode_step_attends_in_one_call_like_one_sequence_at_a_time(values_are_keys):
+@pytest.mark.parametrize("values_are_keys, sinks, window", [(False, False, None), (True, False, None),
+                                                            (False, True, None), (False, False, 4), (False, True, 6)])
+def test_a_decode_step_attends_in_one_call_like_one_sequence_at_a_time(values_are_keys, sinks, window):
+    """Also with gpt-oss's attention sinks and sliding window."""
     gen = torch.Generator().manual_seed(int(values_are_keys))
     lengths = [0, 5, 13]
     q = torch.randn(3, 4, 8, generator=gen)  # 4 query heads over 2 KV heads
     k, v = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
     if values_are_keys:  # latent attention hands its latent as both
         v = k
+    extra = {"sinks": torch.randn(4, generator=gen) if sinks else None, "window": window}
     outputs, pools = [], []
     for batched in (True, False):
         cache, seqs = _cache(values_are_keys, lengths, torch.Generator().manual_seed(7))
@@ -37,7 +40,7 @@ def test_a_decode_step_attends_in_one_call_like_one_sequence_at_a_time(values_ar
         assert (ctx._decode is not None) is True
         if not batched:
             ctx._decode = None  # the per-sequence path
-        outputs.append([ctx.attend(layer, q, k, v) for layer in range(2)])
+        outputs.append([ctx.attend(layer, q, k, v, **extra) for layer in range(2)])
         ctx.commit()
         pools.append([cache.update(layer, s, k[:0], v[:0]) for layer in range(2) for s in seqs])
     for got, want in zip(outputs[0], outputs[1], strict=True):
