@@ -52,6 +52,8 @@ def serve(argv: list[str]) -> int:
     if not _loopback(a.host) and not a.api_key:
         raise FreeTokenError(f"binding {a.host} exposes the server beyond this machine; give --api-key KEY "
                              "(or bind 127.0.0.1)")
+    if a.record:
+        _check_record_dir(Path(a.record))
     import uvicorn
 
     from freetoken.server.loading import LoadingApp
@@ -191,6 +193,18 @@ def _wait_healthy(url: str, seconds: float) -> str:
             raise FreeTokenError(f"no server answered at {url} within {seconds:.0f}s; start one with "
                                  "`ft serve`") from None
         time.sleep(0.5)
+
+
+def _check_record_dir(path: Path) -> None:
+    """--record's folder exists (made here, private) and takes files; before the model loads, not after."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe = path / f".ft-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise FreeTokenError(f"--record {path}: cannot write there ({e.strerror}); give a folder you can write to")\
+            from None
 
 
 def _loopback(host: str) -> bool:

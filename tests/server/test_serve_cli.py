@@ -39,3 +39,12 @@ def test_ask_without_a_server_says_how_to_start_one(tmp_path):
     ask = subprocess.run([sys.executable, "-m", "freetoken.cli", "ask", "--url", f"http://127.0.0.1:{port}",
                           "--wait", "1", "hi"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert ask.returncode == 2 and "ft serve" in ask.stderr and len(ask.stderr.strip().splitlines()) == 1
+
+
+def test_an_unwritable_record_folder_is_refused_before_loading(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    serve = subprocess.run([sys.executable, "-m", "freetoken.cli", "serve", "--port", str(_free_port()), "--record",
+                            str(blocker / "traces")], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert serve.returncode == 2 and len(serve.stderr.strip().splitlines()) == 1
+    assert serve.stderr.startswith(f"ft serve: error: --record {blocker / 'traces'}: cannot write there")
