@@ -70,7 +70,8 @@ class BatchAttention:
             self.bounds.append(self.bounds[-1] + n)
         self.positions = torch.cat([torch.arange(s.length, s.length + n) for s, n in zip(seqs, counts, strict=True)]
                                    ).to(device)
-        self._decode = None  # (rows or None for all, write slots [B], read slots [B, W], valid [B, W])
+        # (rows or None for all, write slots [B], read slots [B, W], valid [B, W], each row's position [B, 1])
+        self._decode = None
         self._chunks = range(len(seqs))  # sequences attended one at a time
         decoding = [i for i, n in enumerate(counts) if n == 1]
         width = max((seqs[i].length for i in decoding), default=0) + 1
@@ -79,10 +80,11 @@ class BatchAttention:
             write = torch.cat([s.slots[s.length:s.length + 1] for s in picked])
             read = torch.stack([F.pad(s.slots[:s.length + 1], (0, width - s.length - 1)) for s in picked])
             lengths = torch.tensor([s.length + 1 for s in picked], device=read.device)
-            valid = torch.arange(width, device=read.device)[None, :] < lengths[:, None]
+            last = lengths[:, None] - 1  # each row's own slot: the query's position
+            valid = torch.arange(width, device=read.device)[None, :] <= last
             rows = None if len(decoding) == len(seqs) else \
                 torch.tensor([self.bounds[i] for i in decoding], device=device)
-            self._decode = rows, write, read, valid
+            self._decode = rows, write, read, valid, last
             self._chunks = [i for i, n in enumerate(counts) if n != 1]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -110,7 +112,7 @@ class BatchAttention:
         """One new token per sequence: q [B, H, D] over each sequence's keys (padded slots masked) → [B, H, D].
         `window`: each token sees its last `window` positions; `sinks` [H]: a virtual key per head whose logit is
         the sink and whose value is 0 (as in `sink_attention`)."""
-        _, write, read, valid = self._decode
+        _, write, read, valid, last = self._decode
         cache = self.cache
         cache.k[layer].index_copy_(0, write, k.to(cache.dtype))
         if not cache.values_are_keys:
@@ -121,8 +123,7 @@ class BatchAttention:
             cache.v[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *v.shape[1:])
         h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
         mask = valid
-        if window is not None:  # the query sits at its row's last valid slot
-            last = valid.sum(dim=1, keepdim=True) - 1
+        if window is not None:  # slot j of a row holds position j
             mask = mask & (torch.arange(w, device=valid.device)[None, :] > last - window)
         if sinks is not None:  # the virtual key first: a coordinate sink·√D in q, 1 in the key, 0 in the value
             pad = (-(d + 1)) % 8

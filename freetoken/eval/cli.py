@@ -47,11 +47,11 @@ def _params(pairs: list[str]) -> dict[str, float]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         try:
-            out[key] = float(value) if sep else None
+            if not sep:
+                raise ValueError(pair)
+            out[key] = float(value)
         except ValueError:
-            out[key] = None
-        if out[key] is None:
-            raise FreeTokenError(f"--param {pair!r}: write KEY=NUMBER, e.g. --param turns=8")
+            raise FreeTokenError(f"--param {pair!r}: write KEY=NUMBER, e.g. --param turns=8") from None
     return out
 
 

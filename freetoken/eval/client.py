@@ -34,8 +34,10 @@ class Outcome:
     error: str | None = None
 
     @property
-    def ok(self) -> bool:
-        return self.error is None
+    def decode_tok_s(self) -> float | None:
+        """The reply's tokens after the first over the time from the first piece to the stream's end."""
+        n, s = self.output_tokens, self.decode_s
+        return (n - 1) / s if n and n > 1 and s else None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -51,12 +51,10 @@ class TurnResult:
         o, t = self.outcome, self.turn
         new = None if o.prompt_tokens is None else o.prompt_tokens - (o.cached_tokens or 0)
         prefill = None if new is None or not o.ttft_s else new / o.ttft_s
-        decode = None if not o.decode_s or not o.output_tokens or o.output_tokens < 2 else \
-            (o.output_tokens - 1) / o.decode_s
         return {"replica": self.replica, "id": t.id, "session": t.session, "label": t.label,
                 "protocol": self.protocol, "sent_at_s": round(self.sent_at, 4), "expected_output_tokens":
                 t.output_tokens, **o.to_json(), "new_prompt_tokens": new, "prefill_tok_s": prefill,
-                "decode_tok_s": decode}
+                "decode_tok_s": o.decode_tok_s}
 
 
 def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnResult], list[Outcome]]:

@@ -48,10 +48,7 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
 
 def outcome_json(outcome) -> dict[str, Any]:
     """A reference request's measurements with its decode rate."""
-    data = outcome.to_json()
-    n, s = outcome.output_tokens, outcome.decode_s
-    data["decode_tok_s"] = (n - 1) / s if n and n > 1 and s else None
-    return data
+    return {**outcome.to_json(), "decode_tok_s": outcome.decode_tok_s}
 
 
 def write_result(result: dict, out: Path) -> Path:
