@@ -3,14 +3,10 @@ the run's folder, stopped when the eval ends."""
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from freetoken.errors import FreeTokenError
@@ -36,25 +32,17 @@ class LocalServer:
         return self
 
     def _wait(self) -> None:
-        deadline, said = time.monotonic() + self.wait_s, -1.0
-        while True:
+        from freetoken.server.cli import wait_healthy
+
+        def exited() -> None:
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
                 raise FreeTokenError("the ft serve this eval started exited before serving: " + " | ".join(tail))
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    json.load(r)
-                    return
-            except urllib.error.HTTPError as e:  # 503 while loading
-                share = _json(e).get("progress")
-                if isinstance(share, int | float) and share - said >= 0.25:
-                    log.info("loading the model: %.0f%% of the weights", 100 * share)
-                    said = share
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise FreeTokenError(f"ft serve did not come up within {self.wait_s:.0f}s; see {self.log_path}")
-            time.sleep(0.3)
+
+        try:
+            wait_healthy(self.url, self.wait_s, exited)
+        except FreeTokenError as e:
+            raise FreeTokenError(f"{e} (its log: {self.log_path})") from None
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -76,14 +64,6 @@ def _ft_command() -> list[str]:
     working directory first on the path, and a source checkout there would shadow the installed package)."""
     script = Path(sys.executable).parent / "ft"
     return [str(script)] if script.exists() else [sys.executable, "-m", "freetoken.cli"]
-
-
-def _json(e: urllib.error.HTTPError) -> dict:
-    try:
-        data = json.loads(e.read())
-        return data if isinstance(data, dict) else {}
-    except (ValueError, OSError):
-        return {}
 
 
 def _free_port() -> int:

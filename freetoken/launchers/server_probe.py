@@ -28,7 +28,7 @@ def _get(url: str, api_key: str | None, timeout: float = 5) -> dict:
 
 def describe_server(url: str, api_key: str | None, *, model: str | None = None, wait_s: float = 600) -> Target:
     """The target for an agent: the server's own model (or `model`), its context and its reply budget."""
-    from freetoken.server.cli import _wait_healthy
+    from freetoken.server.cli import wait_healthy
 
     url = url.rstrip("/")
     try:
@@ -37,7 +37,7 @@ def describe_server(url: str, api_key: str | None, *, model: str | None = None, 
         if e.code != 503:
             raise ServerDown(f"{url} answered {e.code} to /health: it is not a freetoken server? Give --server URL"
                              ) from None
-        _wait_healthy(url, wait_s)  # 503: loading its model; says how far it is
+        wait_healthy(url, wait_s)  # 503: loading its model; says how far it is
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, json.JSONDecodeError):
         raise ServerDown(f"no freetoken server answers at {url}; start one with `ft serve` (in another terminal), "
                          "then run this again, or give --server URL") from None

@@ -152,7 +152,7 @@ def ask(argv: list[str]) -> int:
     p.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"))
     a = p.parse_args(argv)
     url = a.url.rstrip("/")
-    model = _wait_healthy(url, a.wait)
+    model = wait_healthy(url, a.wait)
     body = {"model": model, "messages": [{"role": "user", "content": a.prompt}], "max_tokens": a.max_tokens,
             "temperature": 0}
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {a.api_key}"} if a.api_key else {})}
@@ -166,10 +166,13 @@ def ask(argv: list[str]) -> int:
     return 0
 
 
-def _wait_healthy(url: str, seconds: float) -> str:
-    """The served model's name once /health says ok; says on stderr how loading goes, stops at a failed load."""
+def wait_healthy(url: str, seconds: float, exited=None) -> str:
+    """The served model's name once /health says ok; says on stderr how loading goes, stops at a failed load.
+    `exited`: a check that the server's process is gone (one this caller started), raised at once, not waited out."""
     deadline, said, said_at = time.monotonic() + seconds, None, 0.0
     while True:
+        if exited is not None:
+            exited()
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
                 return json.load(r)["model"]
