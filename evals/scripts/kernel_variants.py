@@ -4,9 +4,10 @@ interleave, and the table gives each variant's median and best GB/s with the DRA
     python evals/scripts/kernel_variants.py [--rounds 15] [--threads 15] [--pool-mib 1024] [--out FILE]
 
 Variants are the kernel's switches (`ft_set_q16`: Q8_0 rows against int16 activations at one token per expert,
-or the fp32 path; `ft_set_amx`: tiles on or off), switched between calls in one process, so every variant reads
-the very same expert pool. (Earlier variants, measured and dropped: software prefetch, Q8_0 through bf16 dot
-products (commit 7389ec5), rows dotted one at a time instead of two interleaved (commit 48d99b5).)
+or the fp32 path; `ft_set_amx`: tiles on or off, and from how many tokens per expert Q8_0 takes them), switched
+between calls in one process, so every variant reads the very same expert pool. (Earlier variants, measured and
+dropped: software prefetch, Q8_0 through bf16 dot products (commit 7389ec5), rows dotted one at a time instead of
+two interleaved (commit 48d99b5).)
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import torch
 from freetoken.kernels.cpu_experts.bench import HIDDEN, INTER, PER_CALL, expert_pool
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 
-# name → (Q8_0 through the fp32 path, AMX disabled)
+# name → (Q8_0 through the fp32 path, fewest tokens per expert for Q8_0 tiles, AMX disabled)
 VARIANTS = {
-    "default": (0, 0),
-    "Q8_0 fp32 path": (1, 0),
-    "AMX off": (0, 1),
+    "default": (0, 6, 0),
+    "Q8_0 fp32 path": (1, 6, 0),
+    "AMX off": (0, 6, 1),
+    "Q8_0 tiles from 2 tokens": (0, 2, 0),
 }
 
 
@@ -66,19 +68,19 @@ def main() -> int:
         t0 = time.perf_counter()
         kernel.read_bytes(probe)
         results.setdefault(("DRAM read probe", "", 0), []).append(probe.numel() / (time.perf_counter() - t0) / 1e9)
-        for name, (q8_fp32, amx_off) in VARIANTS.items():
+        for name, (q8_fp32, q8_tiles_from, amx_off) in VARIANTS.items():
             kernel.lib.ft_set_q16(int(not q8_fp32))
-            kernel.lib.ft_set_amx(2, amx_off)
+            kernel.lib.ft_set_amx(2, q8_tiles_from, amx_off)
             for fmt in pools:
                 if q8_fp32 and fmt != "Q8_0":
                     continue
                 for batch in a.batches:
-                    if amx_off and batch == 1:  # tiles start at 2 tokens
-                        continue
+                    if (amx_off and batch == 1) or (q8_tiles_from < 6 and (fmt != "Q8_0" or batch >= 6)):
+                        continue  # the same code as the default there
                     results.setdefault((name, fmt, batch), []).append(one_pass(fmt, batch))
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     kernel.lib.ft_set_q16(1)
-    kernel.lib.ft_set_amx(2, 0)
+    kernel.lib.ft_set_amx(2, 6, 0)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

@@ -87,7 +87,7 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
                                  p, p, p, i, f, f]
     lib.ft_has_bf16_dot.argtypes, lib.ft_has_bf16_dot.restype = [], i
     lib.ft_has_amx.argtypes, lib.ft_has_amx.restype = [], i
-    lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i], None
+    lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i, i], None
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double

@@ -294,11 +294,11 @@ static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
         int n = j->pair_offsets[e + 1] - j->pair_offsets[e];
         most = n > most ? n : most;
     }
-    /* Block-format rows (Q8_0, MXFP4, FP8_B32) are dequantized into a scratch tile first, which costs what the
-       vector path costs at a few tokens: tiles pay for them only from about 6 tokens on (measured for Q8_0 on a
-       Sapphire Rapids-class core). */
+    /* Block-format rows (Q8_0, MXFP4, FP8_B32) are dequantized to bf16 rows first, which costs what the vector
+       path costs at a few tokens: tiles pay for them only from about 6 tokens on (measured for Q8_0 on a Sapphire
+       Rapids-class core). */
     int q8 = j->gate_type >= FT_Q8_0 || j->up_type >= FT_Q8_0 || j->down_type >= FT_Q8_0;
-    int least = q8 && amx_min_tokens < AMX_Q8_MIN_TOKENS ? AMX_Q8_MIN_TOKENS : amx_min_tokens;
+    int least = q8 ? amx_block_min_tokens : amx_min_tokens;
     return most >= least && amx_permitted();
 #else
     (void)j, (void)xb_amx;
@@ -409,16 +409,19 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     return 0;
 }
 
-/* AMX tuning: the fewest tokens per expert worth tiles, and a switch for measuring without them. */
 /* The int16-activation Q8_0 path on (default) or off, for tests and measurements against the fp32 path. */
 void ft_set_q16(int on) { q16_disabled = !on; }
 
-void ft_set_amx(int min_tokens, int disabled) {
+/* AMX tuning: the fewest tokens per expert worth tiles for bf16 and for block-format weights (defaults 2 and 6),
+   and a switch for measuring without them. */
+
+void ft_set_amx(int min_tokens, int block_min_tokens, int disabled) {
 #if HAVE_AMX
     amx_min_tokens = min_tokens;
+    amx_block_min_tokens = block_min_tokens;
     amx_disabled = disabled;
 #else
-    (void)min_tokens, (void)disabled;
+    (void)min_tokens, (void)block_min_tokens, (void)disabled;
 #endif
 }
 

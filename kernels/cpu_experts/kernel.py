@@ -81,7 +81,7 @@ class CpuExpertKernel:
         self.bf16_dot = bool(lib.ft_has_bf16_dot())  # AVX-512-BF16: bf16 x bf16 products when the model is bf16
         self.amx = bool(lib.ft_has_amx())  # AMX tiles for bf16 experts at 2-16 tokens per expert
         if os.environ.get("FREETOKEN_CPU_AMX") == "0":
-            lib.ft_set_amx(2, 1)
+            lib.ft_set_amx(2, 6, 1)
         self._call_lock = threading.Lock()
 
     @classmethod

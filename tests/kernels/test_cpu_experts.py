@@ -226,11 +226,11 @@ def test_amx_tiles_match_the_reference(kernel, tokens):
                torch.tensor(every + some, dtype=torch.int32), torch.rand(tokens + len(some), generator=gen))
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     tiles = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    kernel.lib.ft_set_amx(2, 1)
+    kernel.lib.ft_set_amx(2, 6, 1)
     try:
         vectors = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     finally:
-        kernel.lib.ft_set_amx(2, 0)
+        kernel.lib.ft_set_amx(2, 6, 0)
     assert torch.isfinite(tiles).all()
     assert (tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
 
