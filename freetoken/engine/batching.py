@@ -1,10 +1,13 @@
 """Continuous batching: the requests in flight share every forward.
 
-Each step runs one forward over the next token of every sequence that is decoding plus, interleaved, one chunk
-of at most `prefill_chunk` tokens of a prompt still being prefilled, so a long prompt never stalls the streams
-already talking. Requests join and leave between steps. All sequences live in one paged KV cache; a finished or
-cancelled sequence returns its pages at once, except its full pages, which the prefix cache keeps (until the
-pool needs them) so a later prompt that starts with the same tokens, an agent's next turn, reuses their K/V.
+Each step runs one forward over the next token of every sequence that is decoding plus, interleaved, at most
+`prefill_chunk` tokens of the prompts still being prefilled, so a long prompt never stalls the streams already
+talking. Those tokens go to the prompts with the fewest tokens left first, several chunks packed into one step:
+a short request that arrives beside a long one (an agent's title request beside its first turn) is answered
+after one step, not after the whole long prefill, and the long prompt takes the rest of each step's tokens.
+Requests join and leave between steps. All sequences live in one paged KV cache; a finished or cancelled
+sequence returns its pages at once, except its full pages, which the prefix cache keeps (until the pool needs
+them) so a later prompt that starts with the same tokens, an agent's next turn, reuses their K/V.
 Models with recurrent layers run one sequence at a time and reuse whole-sequence snapshots instead
 (state_snapshots.py: each prompt's end and each finished request).
 On CUDA a step with a single decoding sequence replays the CUDA graph of the single-sequence path (the KV pool is
@@ -123,25 +126,30 @@ class BatchScheduler:
 
     @torch.inference_mode()
     def step(self) -> list[BatchRequest]:
-        """One forward for the batch: every decoding request's next token plus one prefill chunk. Returns the
-        requests dropped because they were cancelled (their pages are free again)."""
+        """One forward for the batch: every decoding request's next token plus the step's prefill chunks.
+        Returns the requests dropped because they were cancelled (their pages are free again)."""
         dropped = [r for r in self.active if r.cancelled()]
         for req in dropped:
             self._finish(req)
         decoding = [r for r in self.active if r.decoding]
-        prefilling = next((r for r in self.active if not r.decoding), None)
-        if not decoding and prefilling is None:
+        # fewest prompt tokens left first (sorted is stable: arrival order among equals)
+        prefilling = sorted((r for r in self.active if not r.decoding), key=lambda r: len(r.prompt_ids) - r.prefilled)
+        if not decoding and not prefilling:
             return dropped
         batch, tokens, counts = [], [], []
         for r in decoding:
             batch.append(r)
             tokens.append(r.next_token)
             counts.append(1)
-        if prefilling is not None:
-            chunk = prefilling.prompt_ids[prefilling.prefilled:prefilling.prefilled + self.prefill_chunk]
-            batch.append(prefilling)
+        room = self.prefill_chunk
+        for r in prefilling:
+            if room <= 0:
+                break
+            chunk = r.prompt_ids[r.prefilled:r.prefilled + room]
+            batch.append(r)
             tokens += chunk
             counts.append(len(chunk))
+            room -= len(chunk)
         try:
             self._make_room(batch, counts)
         except KVCacheFull:

@@ -77,6 +77,44 @@ def test_interleaved_prefill_and_decode_give_each_request_its_own_tokens(model, 
         assert lm.experts.counters.misses > 0
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_short_prompt_beside_a_long_one_is_prefilled_in_the_first_step(model, offload):
+    """Prefill tokens go to the prompts with the fewest left first, packed into one step: the short request's
+    first token comes after one forward, the long prompt takes the rest of each step's tokens, and both get the
+    tokens they would get alone."""
+    lm = load_model(model, progress=False)
+    long_prompt = prompt_ids(" ".join(TEXTS) * 2)
+    short_prompt = prompt_ids("Hi")
+    chunk = 8
+    assert len(short_prompt) < chunk < len(long_prompt) - chunk
+    expected = [Generator(lm).generate_ids(p, GREEDY) for p in (long_prompt, short_prompt)]
+    if offload:
+        if lm.moe_spec is None:
+            pytest.skip("a dense model has no experts to offload")
+        lm = load_model(model, progress=False, expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
+    scheduler = BatchScheduler(lm, prefill_chunk=chunk)
+    first_token_step = {}
+    out = [[], []]
+
+    def emit(i):
+        def on_event(ev):
+            first_token_step.setdefault(i, scheduler.forwards)
+            out[i].extend(ev.token_ids)
+        return on_event
+
+    reqs = [BatchRequest(p, GREEDY, emit=emit(i)) for i, p in enumerate((long_prompt, short_prompt))]
+    for r in reqs:  # the long one arrives first
+        scheduler.add(r)
+    scheduler.step()
+    assert first_token_step == {1: 1}  # the short prompt was answered by the first forward
+    assert reqs[0].prefilled == chunk - len(short_prompt)  # the long one took the rest of that step's tokens
+    while scheduler.active:
+        scheduler.step()
+    assert out == expected
+    assert first_token_step[0] == -(-(len(long_prompt) + len(short_prompt)) // chunk)  # no step left tokens unused
+    assert _all_pages_back(scheduler)
+
+
 def test_a_cancelled_request_leaves_and_frees_its_pages(model):
     lm = load_model(model, progress=False)
     scheduler = BatchScheduler(lm)
