@@ -54,6 +54,18 @@ SHAPES: dict[str, dict] = {
         qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    # GLM-5 (transformers' GlmMoeDsaConfig defaults): MLA with DeepSeek Sparse Attention (32 indexer heads of 128,
+    # each query attends to 2,048 keys), 78 layers, the first 3 dense, 256 experts of 6144×2048, top-8, one
+    # shared expert. 1.4 TB of bf16 experts: --layers (and Q8_0) on any one host.
+    "glm-5": dict(
+        model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
+        num_key_value_heads=64, intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=256,
+        num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=3,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=32,
+        max_position_embeddings=202752, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
     # GLM-4.5-Air (transformers' Glm4MoeConfig defaults): 46 layers, the first dense, 128 experts of 4096×1408,
     # top-8, one shared expert, partial RoPE. 199 GB of bf16 experts: Q8_0 or --layers on a 128 GB host.
     "glm-4.5-air": dict(
@@ -92,6 +104,16 @@ SHAPES: dict[str, dict] = {
         num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
         routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
         qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    # GLM-5's sparse attention small enough for a CPU test run: each query sees 16 keys, layer 3 reuses layer 2's
+    "tiny-dsa": dict(
+        model_type="glm_moe_dsa", vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=16,
+        num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, index_topk=16, index_head_dim=32, index_n_heads=8,
+        indexer_types=["full", "full", "full", "shared"], max_position_embeddings=4096, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
     # qwen3-30b-a3b's routing structure (48 layers of 128 experts, top-8) on a small hidden size: routing traces

@@ -13,6 +13,8 @@ Shapes: T new tokens, W window of key slots, H query heads, Hkv KV heads, D head
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -30,10 +32,14 @@ class SequenceAttention:
         self._pending_state: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, window: int | None = None,
+               select: KeySelection | None = None) -> torch.Tensor:
         """`sinks` [H] (gpt-oss: a learnt logit per head in every softmax's denominator), `window`: each token
-        sees only its last `window` positions (itself included)."""
+        sees only its last `window` positions (itself included), `select`: each token sees only the cached keys
+        the selection picks for it (sparse attention)."""
         keys, values = self.cache.update(layer, self.seq, k, v)  # [L + T, Hkv, D]
+        if select is not None:
+            return selected_attention(q, keys.to(q.dtype), values.to(q.dtype), self.seq.length, select, 0)
         return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.seq.length, sinks=sinks,
                                 window=window)
 
@@ -88,31 +94,36 @@ class BatchAttention:
             self._chunks = [i for i, n in enumerate(counts) if n != 1]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, window: int | None = None,
+               select: KeySelection | None = None) -> torch.Tensor:
         if self._decode is None:
-            return torch.cat([self._attend_one(i, layer, q, k, v, sinks, window) for i in range(len(self.seqs))])
+            return torch.cat([self._attend_one(i, layer, q, k, v, sinks, window, select)
+                              for i in range(len(self.seqs))])
         rows = self._decode[0]
         if rows is None:  # decode tokens only
-            return self._attend_decode(layer, q, k, v, sinks, window)
+            return self._attend_decode(layer, q, k, v, sinks, window, select)
         out = torch.empty_like(q)
-        out[rows] = self._attend_decode(layer, q[rows], k[rows], v[rows], sinks, window)
+        out[rows] = self._attend_decode(layer, q[rows], k[rows], v[rows], sinks, window, select)
         for i in self._chunks:
-            out[self.bounds[i]:self.bounds[i + 1]] = self._attend_one(i, layer, q, k, v, sinks, window)
+            out[self.bounds[i]:self.bounds[i + 1]] = self._attend_one(i, layer, q, k, v, sinks, window, select)
         return out
 
     def _attend_one(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+                    sinks: torch.Tensor | None, window: int | None, select: KeySelection | None) -> torch.Tensor:
         a, b, seq = self.bounds[i], self.bounds[i + 1], self.seqs[i]
         keys, values = self.cache.update(layer, seq, k[a:b], v[a:b])
+        if select is not None:
+            return selected_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), seq.length, select, a)
         return causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length, sinks=sinks,
                                 window=window)
 
     def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None, window: int | None = None,
+                       select: KeySelection | None = None) -> torch.Tensor:
         """One new token per sequence: q [B, H, D] over each sequence's keys (padded slots masked) → [B, H, D].
         `window`: each token sees its last `window` positions; `sinks` [H]: a virtual key per head whose logit is
-        the sink and whose value is 0 (as in `sink_attention`)."""
-        _, write, read, valid, last = self._decode
+        the sink and whose value is 0 (as in `sink_attention`); `select`: the keys it picks per row."""
+        rows, write, read, valid, last = self._decode
         cache = self.cache
         cache.k[layer].index_copy_(0, write, k.to(cache.dtype))
         if not cache.values_are_keys:
@@ -125,6 +136,8 @@ class BatchAttention:
         mask = valid
         if window is not None:  # slot j of a row holds position j
             mask = mask & (torch.arange(w, device=valid.device)[None, :] > last - window)
+        if select is not None:  # each row one query: [B, 1, W]
+            mask = select.visible(slice(None) if rows is None else rows, keys, mask[:, None, :])[:, 0]
         if sinks is not None:  # the virtual key first: a coordinate sink·√D in q, 1 in the key, 0 in the value
             pad = (-(d + 1)) % 8
             q = torch.cat((q, (sinks.to(q.dtype) * d ** 0.5)[None, :, None].expand(b, h, 1), q.new_zeros(b, h, pad)),
@@ -187,6 +200,40 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
 
 
 SINK_QUERY_ROWS = 2048  # queries per SDPA call with an explicit mask: bounds the [rows, L] mask of a long chunk
+
+
+class KeySelection(Protocol):
+    """Sparse attention's choice of keys (DeepSeek Sparse Attention's indexer): which of the visible cached keys
+    each query attends to."""
+
+    heads: int  # scores per query and key (the indexer's heads): bounds how many queries are scored at once
+
+    def visible(self, rows: slice | torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """`rows`: the queries' rows in the forward; `keys` [..., L, Hkv, D]: the cached key rows they may see
+        (with a leading batch dimension in a batched decode step), `visible` [..., T, L] bool: the keys each
+        query may see (causal, padding) → the subset it attends to, same shape."""
+        ...
+
+
+# Scores a selection holds at once ([rows, indexer heads, keys] in fp32): bounds a long chunk's query blocks.
+SELECTION_SCORES = 1 << 26
+
+
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, select: KeySelection,
+                       first_row: int) -> torch.Tensor:
+    """`causal_attention` where each query attends only to the keys `select` picks among its visible ones; q
+    [T, H, D] are the forward's rows first_row.. at positions past..; queries in blocks that bound the
+    selection's scores."""
+    t, n = q.shape[0], k.shape[0]
+    key_pos = torch.arange(n, device=q.device)
+    block = max(1, min(SINK_QUERY_ROWS, SELECTION_SCORES // (n * select.heads)))
+    outs = []
+    for lo in range(0, t, block):
+        hi = min(t, lo + block)
+        visible = key_pos[None, :] <= torch.arange(past + lo, past + hi, device=q.device)[:, None]
+        visible = select.visible(slice(first_row + lo, first_row + hi), k, visible)
+        outs.append(sink_attention(q[lo:hi], k[:past + hi], v[:past + hi], visible[:, :past + hi], None))
+    return torch.cat(outs)
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, sinks: torch.Tensor | None,
@@ -296,12 +343,13 @@ class StaticDecodeAttention:
                 self._state[layer] = tuple(t.clone() for t in state)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, window: int | None = None,
+               select: KeySelection | None = None) -> torch.Tensor:
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool.index_copy_(0, self.write_slot, k.to(k_pool.dtype))
         if v_pool is not k_pool:  # (a cache whose values are its keys holds one pool)
             v_pool.index_copy_(0, self.write_slot, v.to(v_pool.dtype))
-        plain = sinks is None and window is None
+        plain = sinks is None and window is None and select is None
         paged = self._paged_kernel(q) if plain else None
         if paged is not None:  # reads the window's rows in place (no gather), the window split across the SMs
             return paged(q, k_pool, v_pool, self.read_slots, self.positions)
@@ -312,7 +360,8 @@ class StaticDecodeAttention:
             return static_decode_attention(q, keys, values, valid)
         if window is not None:
             valid = valid & (self.key_positions > self.positions - window)
-        return sink_attention(q, keys, values, valid[None, :], sinks)
+        visible = valid[None, :] if select is None else select.visible(slice(None), keys, valid[None, :])
+        return sink_attention(q, keys, values, visible, sinks)
 
 
 def static_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -34,10 +34,11 @@ def test_synthetic_model_is_seeded_and_offloading_is_lossless():
     assert offloaded.experts.counters.evictions > 0
 
 
-@pytest.mark.parametrize("shape", ["tiny-hybrid", "tiny-mla", "tiny-gpt-oss"])
+@pytest.mark.parametrize("shape", ["tiny-hybrid", "tiny-mla", "tiny-dsa", "tiny-gpt-oss"])
 def test_the_new_families_shapes_decode_under_every_strategy(shape, tmp_path):
     """The synthetic Qwen3-Next structure (DeltaNet layers with recurrent state, shared expert), DeepSeek-V3's
-    (latent attention, grouped sigmoid routing) and gpt-oss's (sinks, windows, expert biases): every miss path
+    (latent attention, grouped sigmoid routing), GLM-5's (sparse attention: 16 keys of the 40-token context) and
+    gpt-oss's (sinks, windows, expert biases): every miss path
     gives the resident run's tokens."""
     out = tmp_path / "shape.md"
     argv = ["--shape", shape, "--device", "cpu", "--dtype", "float32", "--context", "40", "--tokens", "5",
@@ -147,6 +148,7 @@ def test_every_named_shape_reads_as_its_family():
         gb[shape] = spec.total_routed_experts * spec.bytes_per_expert(torch.bfloat16) / 1e9
     assert round(gb["qwen3-next-80b-a3b"]) == 155 and round(gb["glm-4.5-air"]) == 199
     assert round(gb["deepseek-v3"], -2) == 1300 and round(gb["qwen3.5-35b-a3b"]) == 64
+    assert round(gb["glm-5"], -2) == 1400
 
 
 def test_recurrent_shapes_without_their_graph_path_refuse_the_graph_row_and_decode_eagerly(tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ from transformers import (
     DeepseekV3Config,
     GenerationConfig,
     Glm4MoeConfig,
+    GlmMoeDsaConfig,
     GptOssConfig,
     LlamaConfig,
     MixtralConfig,
@@ -162,6 +163,18 @@ def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool
                                 q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                 v_head_dim=12, rope_interleave=True,
                                 rope_parameters=_deepseek_rope(rope))
+    if family == "glm_moe_dsa":
+        # deepseek_v3's MLA case plus DSA: each query sees the 8 keys its indexer scores highest (fewer than the
+        # test prompt's tokens), layer 2 reuses layer 1's choice (a "shared" layer); layer 0 dense. 8 indexer
+        # heads: a key all of whose heads' relu gives 0 (a tie, which transformers' topk breaks arbitrarily) is rare.
+        common = {**_COMMON, "num_key_value_heads": 4}
+        return GlmMoeDsaConfig(**common, intermediate_size=128, num_hidden_layers=3, moe_intermediate_size=32,
+                               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4,
+                               topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                               q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=12, index_topk=8, index_head_dim=16, index_n_heads=8,
+                               indexer_types=["full", "full", "shared"],
+                               rope_parameters=_rope_parameters("default", 10000.0))
     if family == "gpt_oss":
         # Sliding (window 8, shorter than the test prompt) and full attention alternating, sinks, biases, YaRN
         # without truncation; a SwiGLU limit low enough that both clamps bite.

@@ -7,6 +7,7 @@ from types import ModuleType
 from freetoken.engine.models import (
     deepseek_v3,
     glm4_moe,
+    glm_moe_dsa,
     gpt_oss,
     llama,
     mixtral,
@@ -19,7 +20,8 @@ from freetoken.errors import UnsupportedArchitectureError
 
 FAMILIES: dict[str, ModuleType] = {
     model_type: m
-    for m in (llama, qwen3_moe, qwen2_moe, mixtral, qwen3_next, qwen3_5_moe, glm4_moe, deepseek_v3, gpt_oss)
+    for m in (llama, qwen3_moe, qwen2_moe, mixtral, qwen3_next, qwen3_5_moe, glm4_moe, glm_moe_dsa, deepseek_v3,
+              gpt_oss)
     for model_type in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))  # a family may answer to several names
 }
 

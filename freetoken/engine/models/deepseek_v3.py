@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from freetoken.engine.attention import KeySelection
 from freetoken.engine.config import MoESpec
 from freetoken.engine.models.common_args import decoder_args
 from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, RMSNorm
@@ -98,21 +99,34 @@ class LatentAttention(nn.Module):
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rope(x, cos, sin)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext, *,
+                q_resid: torch.Tensor | None = None, extra_key: torch.Tensor | None = None,
+                select: KeySelection | None = None) -> torch.Tensor:
+        """`q_resid`: the query LoRA's normed down-projection if the caller has it; `extra_key` [T, E]: columns
+        cached after each token's [latent, k_pe] that attention itself ignores (the query is zero there: the
+        sparse-attention indexer's keys), `select`: the keys each query attends to (see attention.KeySelection)."""
         la, h, t = self.la, self.n_heads, x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if la.q_lora_rank else self.q_proj(x)
+        if la.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_resid is None else q_resid)
+        else:
+            q = self.q_proj(x)
         q_nope, q_pe = q.view(t, h, la.nope_dim + la.rope_dim).split([la.nope_dim, la.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([la.kv_lora_rank, la.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe[:, None, :], cos, sin)
         w = self.kv_b_proj.weight.view(h, la.nope_dim + la.v_dim, la.kv_lora_rank)
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w[:, :la.nope_dim])  # W_UK absorbed into the query
-        width = la.kv_lora_rank + la.rope_dim
-        query = torch.cat((q_latent, q_pe), dim=-1) * (la.softmax_scale * math.sqrt(width))
-        keys = torch.cat((latent[:, None, :], k_pe), dim=-1)
+        parts, key_parts = [q_latent, q_pe], [latent[:, None, :], k_pe]
+        if extra_key is not None:
+            parts.append(q_pe.new_zeros(t, h, extra_key.shape[-1]))
+            key_parts.append(extra_key[:, None, :].to(k_pe.dtype))
+        width = sum(p.shape[-1] for p in parts)
+        query = torch.cat(parts, dim=-1) * (la.softmax_scale * math.sqrt(width))
+        keys = torch.cat(key_parts, dim=-1)
         # the values are the keys: the output's latent columns are the weighted latents, its rotary columns
         # (weighted rotary keys) are dropped; so the cache holds each token's [latent, k_pe] once
-        out = ctx.attend(self.layer_idx, query, keys, keys)[..., :la.kv_lora_rank]  # [T, H, r]
+        extra = {} if select is None else {"select": select}
+        out = ctx.attend(self.layer_idx, query, keys, keys, **extra)[..., :la.kv_lora_rank]  # [T, H, r]
         out = torch.einsum("thr,hvr->thv", out, w[:, la.nope_dim:])  # back through W_UV
         return self.o_proj(out.reshape(t, h * la.v_dim))
 

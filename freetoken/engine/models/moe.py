@@ -131,11 +131,13 @@ class GroupedRouting:
     @classmethod
     def from_config(cls, cfg: dict, n_layers: int) -> GroupedRouting:
         first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        kinds = cfg.get("mlp_layer_types")  # GLM-5 spells the layers out ("dense" / "sparse")
+        moe_layers = tuple(i for i, k in enumerate(kinds) if k == "sparse") if kinds else tuple(range(first_dense,
+                                                                                                      n_layers))
         return cls(int(cfg["intermediate_size"]), int(cfg["moe_intermediate_size"]),
                    int(cfg.get("n_routed_experts") or cfg.get("num_local_experts")), int(cfg["num_experts_per_tok"]),
                    int(cfg.get("n_shared_experts") or 0), int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1),
-                   bool(cfg.get("norm_topk_prob", True)), float(cfg.get("routed_scaling_factor") or 1.0),
-                   tuple(range(first_dense, n_layers)))
+                   bool(cfg.get("norm_topk_prob", True)), float(cfg.get("routed_scaling_factor") or 1.0), moe_layers)
 
     def moe_spec(self, hidden_size: int) -> MoESpec:
         shared = self.n_shared_experts

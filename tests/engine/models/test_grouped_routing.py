@@ -1,5 +1,6 @@
-"""The DeepSeek-style families — GLM-4.5 (`glm4_moe`: GQA with q/k norm, qkv biases, partial RoPE) and
-DeepSeek-V3 (`deepseek_v3`: multi-head latent attention, interleaved RoPE) — share grouped sigmoid routing with
+"""The DeepSeek-style families — GLM-4.5 (`glm4_moe`: GQA with q/k norm, qkv biases, partial RoPE),
+DeepSeek-V3 (`deepseek_v3`: multi-head latent attention, interleaved RoPE) and GLM-5 (`glm_moe_dsa`: MLA with
+DeepSeek Sparse Attention, each query seeing 8 keys of a longer prompt) — share grouped sigmoid routing with
 a selection bias and scaling, shared experts and a leading dense layer. Each against transformers on a tiny
 random checkpoint written with transformers' own config class: the router, fp32 logits within 1e-4, 32 greedy
 tokens equal to `generate` (also across prefill chunks), offloaded below the pool and batched with another
@@ -23,7 +24,7 @@ from support.checkpoints import divergence_report, hf_greedy, hf_logits, prompt_
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-SHARED_EXPERTS = {"glm4_moe": 1, "deepseek_v3": 2}  # the tiny configs' (tests/support/checkpoints.py)
+SHARED_EXPERTS = {"glm4_moe": 1, "deepseek_v3": 2, "glm_moe_dsa": 1}  # the tiny configs' (tests/support/checkpoints.py)
 
 
 @pytest.fixture(scope="module", params=list(SHARED_EXPERTS))

@@ -1,0 +1,100 @@
+"""GLM-5 (`glm_moe_dsa`) specifics: DeepSeek Sparse Attention's indexer keys ride in the latent cache row, the
+selection really narrows attention past `index_topk` tokens, a shared layer reuses its full layer's choice, and a
+long chunk's selection in query blocks equals one block (the family's parity with transformers, offloaded and
+batched, is in test_grouped_routing.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine import attention
+from freetoken.engine.loader import load_model
+from freetoken.engine.models.glm_moe_dsa import SharedKeys, TopKeys
+from support.checkpoints import hf_logits, prompt_ids, write_hf_checkpoint
+
+TOPK = 8  # the tiny config's index_topk (tests/support/checkpoints.py)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("glm_moe_dsa")
+    return path, write_hf_checkpoint("glm_moe_dsa", path)
+
+
+@pytest.fixture
+def lm(checkpoint):
+    return load_model(checkpoint[0], device="cpu", dtype=torch.float32, progress=False)
+
+
+def _dense(lm) -> None:
+    """Every key selected, whatever the length."""
+    for layer in lm.model.model.layers:
+        if hasattr(layer.self_attn, "indexer"):
+            layer.self_attn.indexer.ia.topk = 10**6
+
+
+def test_the_cache_row_holds_latent_rotary_and_indexer_keys(lm):
+    """One KV "head" of kv_lora_rank + rotary width + indexer dim: 32 + 8 + 16 numbers a token."""
+    a = lm.args.decoder.attention
+    assert (a.n_kv_heads, a.head_dim) == (1, 56)
+    assert lm.args.indexer.full == (True, True, False)
+
+
+def test_the_selection_narrows_attention_past_topk_tokens(checkpoint, lm):
+    """The first TOPK positions see every earlier key either way; later ones see only the chosen TOPK, so the
+    logits part from dense attention's there, and dense attention matches transformers' dense model."""
+    ids = prompt_ids()
+    assert len(ids) > 2 * TOPK
+    sparse = lm.prefill_logits(ids)
+    _dense(lm)
+    dense = lm.prefill_logits(ids)
+    torch.testing.assert_close(sparse[:TOPK], dense[:TOPK], atol=1e-5, rtol=0)
+    assert (sparse[TOPK:] - dense[TOPK:]).abs().max() > 1e-2
+    reference = checkpoint[1]
+    reference.config.index_topk = 10**6
+    for layer in reference.model.layers:
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.index_topk = 10**6
+    try:
+        torch.testing.assert_close(dense, hf_logits(reference, ids), atol=1e-4, rtol=0)
+    finally:
+        reference.config.index_topk = TOPK
+        for layer in reference.model.layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.index_topk = TOPK
+
+
+def test_a_shared_layer_has_no_indexer_and_reuses_the_full_layers_choice(lm, monkeypatch):
+    layers = lm.model.model.layers
+    assert hasattr(layers[1].self_attn, "indexer") and not hasattr(layers[2].self_attn, "indexer")
+    seen = []
+    original = SharedKeys.visible
+
+    def spy(self, rows, keys, visible):
+        out = original(self, rows, keys, visible)
+        seen.append((self.source, out))
+        return out
+
+    monkeypatch.setattr(SharedKeys, "visible", spy)
+    lm.prefill_logits(prompt_ids())
+    assert len(seen) == 1
+    source, chosen = seen[0]
+    assert isinstance(source, TopKeys) and chosen is source.chosen[0]
+    assert (chosen.sum(-1) <= TOPK).all() and (chosen.sum(-1)[TOPK:] == TOPK).all()
+
+
+def test_a_long_chunks_selection_in_query_blocks_equals_one_block(lm, monkeypatch):
+    ids = prompt_ids()
+    whole = lm.prefill_logits(ids)
+    monkeypatch.setattr(attention, "SELECTION_SCORES", 8 * 64)  # 64 keys × 8 heads: one query a block
+    torch.testing.assert_close(lm.prefill_logits(ids), whole, atol=1e-5, rtol=0)
+
+
+def test_static_window_decode_selects_as_eager_decode(lm):
+    """The graph-capturable decode step (a fixed window of slots, the unused ones masked) selects among the
+    sequence's keys only: its logits equal eager decode's past index_topk tokens."""
+    from support.decode_checks import static_window_equals_eager
+
+    assert len(prompt_ids()) > TOPK
+    static_window_equals_eager(lm, window=64, steps=6, tol=1e-5)
