@@ -108,7 +108,7 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
     after = server_counters(endpoint, headers)
     order = {t.id: i for i, t in enumerate(trace.turns)}
     turns = [r.to_json() for r in sorted(results, key=lambda r: (r.replica, order[r.turn.id]))]
-    ref = [outcome_json(o) for o in reference]
+    ref = [{**outcome_json(o), "when": when} for when, o in reference]
     result = {
         "format": FORMAT, "version": VERSION, "freetoken": __version__, "started_at": started_at,
         "label": a.label or model, "endpoint": endpoint, "model": model, "protocol": a.protocol,
@@ -216,7 +216,8 @@ def main(verb: str, argv: list[str]) -> int:
     p.add_argument("--no-fixed-output", action="store_true",
                    help="let the server end replies (default: ask for each turn's recorded length, ignore_eos)")
     p.add_argument("--reference-runs", type=int, default=3,
-                   help="single-turn requests measured first, for the decode ratio (default 3)")
+                   help="single-turn requests measured before the trace and as many after it, for the decode "
+                        "ratio (default 3)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _shape_args(p)
     a = p.parse_args(argv)

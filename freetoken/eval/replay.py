@@ -1,5 +1,6 @@
 """Replaying a trace: every turn sent once its `after` turns have finished, `concurrency` copies of the trace at
-once (as that many users of one agent), think time honoured or skipped, a single-turn reference measured first.
+once (as that many users of one agent), think time honoured or skipped, single-turn references measured before
+and after it.
 
 A failed turn (an HTTP error, a dropped connection, a server that died) is recorded with its error and the run
 goes on, so a partial run still yields its result file.
@@ -31,7 +32,7 @@ class ReplayOptions:
     concurrency: int = 1
     fixed_output: bool = True  # ask for each turn's recorded reply length, ignoring end of turn
     think: bool = False  # honour think time
-    reference_runs: int = 3  # single-turn requests measured before the trace (0: none)
+    reference_runs: int = 3  # single-turn requests measured before the trace, and as many after it (0: none)
     ignore_eos: bool = True  # send the extension with fixed lengths; cleared when the server refuses it
     headers: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 3600.0
@@ -57,11 +58,14 @@ class TurnResult:
                 "decode_tok_s": o.decode_tok_s}
 
 
-def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnResult], list[Outcome]]:
-    """(every turn's result in the order they finished, the single-turn reference requests)."""
+def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnResult], list[tuple[str, Outcome]]]:
+    """(every turn's result in the order they finished, the single-turn reference requests, each with "before"
+    or "after" the trace). References run on both sides because a server's single-turn rate depends on its
+    state: with offloaded experts, on what the expert cache holds (the same server measured 16 and 25 tok/s
+    before two traces of one session), and the trace's turns decode in the state the trace leaves."""
     # one untimed first: a server's first request pays its warm-up (planner, caches); kept in `warmup`
     opts.warmup = reference_turn(trace, opts) if opts.reference_runs else None
-    reference = [reference_turn(trace, opts) for _ in range(opts.reference_runs)]
+    reference = [("before", reference_turn(trace, opts)) for _ in range(opts.reference_runs)]
     started = time.perf_counter()
     results: list[TurnResult] = []
     lock = threading.Lock()
@@ -80,6 +84,8 @@ def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnRe
         except KeyboardInterrupt:  # the turns in flight finish; no new ones are sent
             opts.stop.set()
             raise
+    if not opts.stop.is_set():
+        reference += [("after", reference_turn(trace, opts)) for _ in range(opts.reference_runs)]
     return results, reference
 
 

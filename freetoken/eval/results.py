@@ -29,7 +29,7 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
     ttft = [t["ttft_s"] for t in ok if t["ttft_s"] is not None]
     decode = [t["decode_tok_s"] for t in ok if t["decode_tok_s"]]
     prefill = [t["prefill_tok_s"] for t in ok if t["prefill_tok_s"]]
-    ref = [r["decode_tok_s"] for r in reference if r.get("decode_tok_s")]
+    ref = [r["decode_tok_s"] for r in reference if r.get("decode_tok_s")]  # before and after the trace
     prompt = sum(t["prompt_tokens"] or 0 for t in ok)
     cached = sum(t["cached_tokens"] or 0 for t in ok)
     decode_median = statistics.median(decode) if decode else None

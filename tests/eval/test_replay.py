@@ -56,6 +56,8 @@ def check_result(out, trace_name: str, replicas: int = 1) -> dict:
         assert 0 <= t["cached_tokens"] < t["prompt_tokens"]
         assert t["new_prompt_tokens"] == t["prompt_tokens"] - t["cached_tokens"]
     usage, turns, ref = result["server_usage"], result["turns"], result["reference"]
+    sides = [r["when"] for r in ref]  # as many references after the trace as before it
+    assert sides and sides == ["before"] * (len(sides) // 2) + ["after"] * (len(sides) // 2)
     ref = ref + [result["warmup"]]  # the untimed request before the references
     assert all(r["output_tokens"] >= 64 for r in ref)  # long enough for a decode rate
     assert usage["completed"] == len(turns) + len(ref) and usage["failed"] == 0
