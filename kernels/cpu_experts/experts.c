@@ -284,16 +284,22 @@ static void moe_task(void *ctx, int task) {
     if (atomic_fetch_add(&run->phase2_done, 1) + 1 == run->phase2_tasks) run->end_ns = now_ns();
 }
 
-/* Whether this job can run on AMX tiles: bf16 path on, shapes in whole tiles, and at least AMX_MIN tokens on
-   some expert (below that the AVX-512 path is as fast and needs no packing). */
-static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
-#if HAVE_AMX
-    if (!xb_amx || j->hidden % 32 || j->inter % 32 || amx_disabled) return 0;
+/* The most tokens any of the job's experts takes. */
+static int most_tokens(const moe_job *j) {
     int most = 0;
     for (int e = 0; e < j->n_experts; e++) {
         int n = j->pair_offsets[e + 1] - j->pair_offsets[e];
         most = n > most ? n : most;
     }
+    return most;
+}
+
+/* Whether this job can run on AMX tiles: bf16 path on, shapes in whole tiles, and at least AMX_MIN tokens on
+   some expert (below that the AVX-512 path is as fast and needs no packing). */
+static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
+#if HAVE_AMX
+    if (!xb_amx || j->hidden % 32 || j->inter % 32 || amx_disabled) return 0;
+    int most = most_tokens(j);
     /* Block-format rows (Q8_0, MXFP4, FP8_B32) are dequantized to bf16 rows first, which costs what the vector
        path costs at a few tokens: tiles pay for them only from about 6 tokens on (measured for Q8_0 on a Sapphire
        Rapids-class core). */
@@ -397,7 +403,11 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
         }
     }
 #endif
-    if (!current.xp && current.xb_amx && !q16_disabled) start_q16(&current.job, tokens, pair_offsets[n_experts]);
+    /* int16 copies only where every expert takes one token: experts with more take the fp32 path, and quantizing
+       for them anyway cost batches of 2-4 up to a sixth of their rate (H200 host,
+       evals/results/cpu-expert-kernel-h200.md) */
+    if (!current.xp && current.xb_amx && !q16_disabled && most_tokens(&current.job) == 1)
+        start_q16(&current.job, tokens, pair_offsets[n_experts]);
     if (current.job.xq) current.phase0_tasks = tokens;
     current.phase1_tasks = n_experts * ((inter + current.job.gate_rows - 1) / current.job.gate_rows);
     current.phase2_tasks = (hidden + ROW_BLOCK - 1) / ROW_BLOCK;

@@ -98,3 +98,33 @@ def test_static_window_decode_selects_as_eager_decode(lm):
 
     assert len(prompt_ids()) > TOPK
     static_window_equals_eager(lm, window=64, steps=6, tol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_cuda_graph_decode_selects_as_eager_decode(checkpoint, monkeypatch):
+    """The selection inside captured decode graphs (fixed windows of 128 and 256 slots) and in the batched
+    step picks what eager decode picks: the same greedy tokens, offloaded too."""
+    from freetoken.engine import cuda_graphs
+    from freetoken.engine.batching import BatchRequest, BatchScheduler
+    from freetoken.engine.generator import Generator
+    from freetoken.engine.sampling import SamplingParams
+
+    monkeypatch.setattr(cuda_graphs, "MIN_WINDOW", 64)  # the tiny model's context is only 256
+    ids = (prompt_ids() * 20)[:100]  # 100 + 40 tokens crosses the 128-slot window into the 256 one
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    lm = load_model(checkpoint[0], device="cuda", dtype=torch.float32, progress=False)
+    expected = Generator(lm, cuda_graphs=False).generate_ids(ids, params)
+    graphed = Generator(lm, cuda_graphs=True, max_seq_len=1024)
+    assert graphed.generate_ids(ids, params) == expected
+    assert set(graphed._graphs.captured) == {128, 256}
+    offloaded = load_model(checkpoint[0], device="cuda", dtype=torch.float32, progress=False,
+                           expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
+    assert Generator(offloaded, cuda_graphs=True, max_seq_len=1024).generate_ids(ids, params) == expected
+    scheduler = BatchScheduler(lm, cuda_graphs=False)
+    out = {0: [], 1: []}
+    for i, p in enumerate((ids, ids[:60])):
+        scheduler.add(BatchRequest(p, params, emit=lambda ev, i=i: out[i].extend(ev.token_ids)))
+    while scheduler.active:
+        scheduler.step()
+    assert out[0] == expected
+    assert out[1] == Generator(lm, cuda_graphs=False).generate_ids(ids[:60], params)
