@@ -30,6 +30,8 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
     decode = [t["decode_tok_s"] for t in ok if t["decode_tok_s"]]
     prefill = [t["prefill_tok_s"] for t in ok if t["prefill_tok_s"]]
     ref = [r["decode_tok_s"] for r in reference if r.get("decode_tok_s")]  # before and after the trace
+    sides = {side: [r["decode_tok_s"] for r in reference if r.get("decode_tok_s") and r.get("when") == side]
+             for side in ("before", "after")}
     prompt = sum(t["prompt_tokens"] or 0 for t in ok)
     cached = sum(t["cached_tokens"] or 0 for t in ok)
     decode_median = statistics.median(decode) if decode else None
@@ -40,6 +42,8 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "prefill_tok_s_median": statistics.median(prefill) if prefill else None,
         "decode_tok_s_median": decode_median, "single_turn_decode_tok_s": ref_median,
+        "single_turn_before_tok_s": statistics.median(sides["before"]) if sides["before"] else None,
+        "single_turn_after_tok_s": statistics.median(sides["after"]) if sides["after"] else None,
         "decode_vs_single_turn": decode_median / ref_median if decode_median and ref_median else None,
         "prompt_tokens": prompt, "cached_tokens": cached, "cached_share": cached / prompt if prompt else None,
         "output_tokens": sum(t["output_tokens"] or 0 for t in ok),
@@ -93,6 +97,13 @@ def turn_table(turns: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _sides(summary: dict) -> str:
+    """The references' medians before and after the trace, where both were measured (results of older runs
+    lack them)."""
+    before, after = summary.get("single_turn_before_tok_s"), summary.get("single_turn_after_tok_s")
+    return "" if before is None or after is None else f" (before {before:.1f}, after {after:.1f})"
+
+
 def summary_table(summary: dict) -> str:
     share = summary["cached_share"]
     ratio = summary["decode_vs_single_turn"]
@@ -101,7 +112,7 @@ def summary_table(summary: dict) -> str:
                                        f"{_num(summary['ttft_max_s'], 3)}"),
             ("prefill tok/s (median)", _num(summary["prefill_tok_s_median"], 0)),
             ("decode tok/s (median)", _num(summary["decode_tok_s_median"], 1)),
-            ("single-turn decode tok/s", _num(summary["single_turn_decode_tok_s"], 1)),
+            ("single-turn decode tok/s", _num(summary["single_turn_decode_tok_s"], 1) + _sides(summary)),
             ("decode vs single turn", "—" if ratio is None else f"{ratio:.3f}×"),
             ("prompt tokens (cached)", f"{summary['prompt_tokens']:,} ({'—' if share is None else f'{share:.1%}'})"),
             ("output tokens", f"{summary['output_tokens']:,}"),

@@ -5,6 +5,8 @@ protocols converted; concurrency; think time; a server that dies mid-run; bad tr
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import subprocess
 import time
 
@@ -68,6 +70,9 @@ def check_result(out, trace_name: str, replicas: int = 1) -> dict:
     assert summary["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns)
     assert summary["ttft_p50_s"] <= summary["ttft_p95_s"] <= summary["ttft_max_s"]
     assert summary["decode_vs_single_turn"] > 0
+    for side in ("before", "after"):
+        rates = [r["decode_tok_s"] for r in result["reference"] if r["when"] == side]
+        assert summary[f"single_turn_{side}_tok_s"] == pytest.approx(statistics.median(rates))
     lines = (out / "turns.jsonl").read_text().splitlines()
     assert len(lines) == len(turns)
     for name in ("ttft_per_turn", "decode_per_turn", "ttft_cdf"):
@@ -84,6 +89,7 @@ def test_each_bundled_trace_replays_against_a_real_server(name, endpoint, tmp_pa
                    "--reference-runs", "2")
     assert proc.returncode == 0, proc.stderr
     assert "TTFT p50 / p95 / max s" in proc.stdout and f"report: {out / 'report.html'}" in proc.stdout
+    assert re.search(r"single-turn decode tok/s +[\d.]+ \(before [\d.]+, after [\d.]+\)", proc.stdout)
     result = check_result(out, name)
     if name != "reasoning":  # follow-up turns reuse the conversation's prefix
         assert result["summary"]["cached_share"] > 0.5
