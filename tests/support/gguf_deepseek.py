@@ -8,6 +8,10 @@ the tiny checkpoints `write_hf_checkpoint("deepseek_v3", ...)` writes:
   `attn_kv_b`, per-head key/value lengths, KV heads = heads;
 - YaRN's attention scale as `yarn_log_multiplier` = 0.1 × mscale_all_dim; rotary pairs left in the checkpoint's
   (interleaved) order; routed experts stacked; the router's selection bias as `exp_probs_b.bias`.
+
+GLM-5 (`write_hf_checkpoint("glm_moe_dsa", ...)`) as glm-dsa: the same, plus the sparse-attention indexer's
+tensors (`indexer.attn_q_b`, `indexer.attn_k`, `indexer.k_norm`, `indexer.proj`; none on shared layers) and its
+sizes as `attention.indexer.head_count` / `key_length` / `top_k`, as llama.cpp's converter adds them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ _NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+_INDEXER_NAMES = {  # glm-dsa's own
+    "self_attn.indexer.wq_b": "indexer.attn_q_b", "self_attn.indexer.wk": "indexer.attn_k",
+    "self_attn.indexer.k_norm": "indexer.k_norm", "self_attn.indexer.weights_proj": "indexer.proj",
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj")
@@ -54,16 +62,22 @@ def gguf_tensors(hf: dict[str, torch.Tensor], cfg: dict, split_kv_b: bool) -> di
             out[f"blk.{layer}.attn_k_b.weight"] = k_b.transpose(1, 2).contiguous()
             out[f"blk.{layer}.attn_v_b.weight"] = v_b.contiguous()
         else:
-            out[f"blk.{layer}.{_NAMES[module]}.{kind}"] = w
+            out[f"blk.{layer}.{(_NAMES | _INDEXER_NAMES)[module]}.{kind}"] = w
     for (layer, part), by_id in sorted(experts.items()):
         out[f"blk.{layer}.ffn_{part}_exps.weight"] = torch.stack([by_id[i] for i in range(len(by_id))])
     return {n: t.float().numpy() for n, t in out.items()}
 
 
 def write_deepseek_gguf(hf_dir: Path, gguf_path: Path, *, split_kv_b: bool = True) -> Path:
+    """deepseek2 from a deepseek_v3 checkpoint, glm-dsa from a glm_moe_dsa one."""
     cfg, hf = read_checkpoint(hf_dir)
     latent, rope_dim, heads = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["num_attention_heads"]
-    w = open_writer(gguf_path, "deepseek2", cfg)
+    dsa = cfg["model_type"] == "glm_moe_dsa"
+    w = open_writer(gguf_path, "glm-dsa" if dsa else "deepseek2", cfg)
+    if dsa:
+        w.add_indexer_head_count(cfg["index_n_heads"])
+        w.add_indexer_key_length(cfg["index_head_dim"])
+        w.add_indexer_top_k(cfg["index_topk"])
     w.add_rope_dimension_count(rope_dim)
     if cfg.get("q_lora_rank"):
         w.add_q_lora_rank(cfg["q_lora_rank"])

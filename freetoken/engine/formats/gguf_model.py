@@ -9,7 +9,8 @@ llama.cpp lays some tensors out differently from HF, and this is the one place t
   untruncated, sliding window on every other layer from the first;
 - deepseek2 (DeepSeek-V3/R1) states MLA as the MQA it runs (one KV head of the latent; the per-head sizes in
   `*_mla` keys) and splits `kv_b_proj` per head into `attn_k_b` (transposed) and `attn_v_b`, joined again here;
-  its rotary pairs stay in the checkpoint's interleaved order (no permutation);
+  its rotary pairs stay in the checkpoint's interleaved order (no permutation); glm-dsa (GLM-5) is deepseek2
+  plus the sparse-attention indexer (`indexer.*` tensors, `attention.indexer.*` sizes);
 - qwen3next (Qwen3-Next) stores its (1 + w) norms as 1 + w, A_log as A = -exp(A_log), the conv kernel squeezed,
   and the DeltaNet input projection regrouped: `attn_qkv` (all q, all k, all v) and `attn_gate` (z) instead of
   HF's per-key-head [q, k, v, z] groups, rebuilt here;
@@ -29,8 +30,8 @@ from freetoken.errors import UnsupportedArchitectureError
 
 # GGUF general.architecture → HF model_type (llama with experts is Mixtral).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe",
-                      "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next",
-                      "qwen35moe": "qwen3_5_moe_text"}
+                      "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3", "glm-dsa": "glm_moe_dsa",
+                      "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -63,6 +64,9 @@ _DEEPSEEK_BLOCK_NAMES = {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.kv_b_proj",  # (k_b and v_b joined: merge_kv_b)
     **{k: v for k, v in _GLM_BLOCK_NAMES.items() if "shexp" in k},
+    # GLM-5 (glm-dsa): deepseek2's tensors plus the sparse-attention indexer's
+    "indexer.attn_q_b": "self_attn.indexer.wq_b", "indexer.attn_k": "self_attn.indexer.wk",
+    "indexer.k_norm": "self_attn.indexer.k_norm", "indexer.proj": "self_attn.indexer.weights_proj",
 }
 # Qwen3-Next (qwen3next): its Gated DeltaNet mixers; attn_qkv (with attn_gate) is the fused in_proj_qkvz
 _QWEN3NEXT_BLOCK_NAMES = {
@@ -78,7 +82,7 @@ _QWEN35_BLOCK_NAMES = {
     "ssm_alpha": "linear_attn.in_proj_a.weight", "ssm_beta": "linear_attn.in_proj_b.weight",
 }
 _STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # (ssm_a has no suffix)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:indexer\.)?\w+?)(?:\.(weight|bias))?")  # (ssm_a has no suffix)
 
 
 def stacked_expert_name(layer: int, projection: str) -> str:
@@ -125,6 +129,9 @@ def hf_config(gguf: GGUFFile) -> dict:
         cfg.update(_gpt_oss_config(gguf, get, cfg))
     elif model_type == "deepseek_v3":
         cfg.update(_deepseek_config(gguf, get, cfg))
+    elif model_type == "glm_moe_dsa":
+        cfg.update(_deepseek_config(gguf, get, cfg))
+        cfg.update(_indexer_config(gguf, get, cfg))
     elif model_type in ("qwen3_next", "qwen3_5_moe_text"):
         cfg.update(_qwen3next_config(gguf, get, cfg))
     elif n_experts:
@@ -229,6 +236,16 @@ def _deepseek_config(gguf: GGUFFile, get, cfg: dict) -> dict:
     }
 
 
+def _indexer_config(gguf: GGUFFile, get, cfg: dict) -> dict:
+    """GLM-5's sparse-attention indexer as llama.cpp's converter writes glm-dsa: its sizes as
+    `attention.indexer.*` keys; a layer without indexer tensors reuses the previous one's choice ("shared")."""
+    n = int(cfg["num_hidden_layers"])
+    kinds = ["full" if f"blk.{i}.indexer.attn_k.weight" in gguf.tensors else "shared" for i in range(n)]
+    return {"index_n_heads": int(get("attention.indexer.head_count")),
+            "index_head_dim": int(get("attention.indexer.key_length")),
+            "index_topk": int(get("attention.indexer.top_k")), "indexer_types": kinds}
+
+
 def _grouped_routing(get, cfg: dict) -> dict:
     """GLM-4.5's and DeepSeek-V3's routing keys (grouped sigmoid top-k, shared experts, leading dense blocks), and
     their layer count without the multi-token-prediction blocks the block count includes."""
@@ -311,12 +328,12 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return f"model.layers.{layer}.{_QWEN35_BLOCK_NAMES[part]}"
     if kind is None:
         return None
-    if model_type == "deepseek_v3":
+    if model_type in ("deepseek_v3", "glm_moe_dsa"):
         if part == "attn_v_b":
             return None  # read with attn_k_b
         if part in _DEEPSEEK_BLOCK_NAMES:
             return f"model.layers.{layer}.{_DEEPSEEK_BLOCK_NAMES[part]}.{kind}"
-    if model_type in ("glm4_moe", "deepseek_v3"):
+    if model_type in ("glm4_moe", "deepseek_v3", "glm_moe_dsa"):
         if part == "exp_probs_b":
             return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
         if part in _GLM_BLOCK_NAMES:
