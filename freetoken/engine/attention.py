@@ -39,7 +39,8 @@ class SequenceAttention:
         the selection picks for it (sparse attention)."""
         keys, values = self.cache.update(layer, self.seq, k, v)  # [L + T, Hkv, D]
         if select is not None:
-            return selected_attention(q, keys.to(q.dtype), values.to(q.dtype), self.seq.length, select, 0)
+            return selected_attention(q, keys.to(q.dtype), values.to(q.dtype), self.seq.length, select, 0, sinks,
+                                      window)
         return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.seq.length, sinks=sinks,
                                 window=window)
 
@@ -113,7 +114,8 @@ class BatchAttention:
         a, b, seq = self.bounds[i], self.bounds[i + 1], self.seqs[i]
         keys, values = self.cache.update(layer, seq, k[a:b], v[a:b])
         if select is not None:
-            return selected_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), seq.length, select, a)
+            return selected_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), seq.length, select, a, sinks,
+                                      window)
         return causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length, sinks=sinks,
                                 window=window)
 
@@ -220,19 +222,22 @@ SELECTION_SCORES = 1 << 26
 
 
 def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, select: KeySelection,
-                       first_row: int) -> torch.Tensor:
-    """`causal_attention` where each query attends only to the keys `select` picks among its visible ones; q
-    [T, H, D] are the forward's rows first_row.. at positions past..; queries in blocks that bound the
-    selection's scores."""
+                       first_row: int, sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """`causal_attention` where each query attends only to the keys `select` picks among its visible ones (within
+    its `window`, with `sinks`: as in `SequenceAttention.attend`); q [T, H, D] are the forward's rows
+    first_row.. at positions past..; queries in blocks that bound the selection's scores."""
     t, n = q.shape[0], k.shape[0]
     key_pos = torch.arange(n, device=q.device)
     block = max(1, min(SINK_QUERY_ROWS, SELECTION_SCORES // (n * select.heads)))
     outs = []
     for lo in range(0, t, block):
         hi = min(t, lo + block)
-        visible = key_pos[None, :] <= torch.arange(past + lo, past + hi, device=q.device)[:, None]
+        query_pos = torch.arange(past + lo, past + hi, device=q.device)[:, None]
+        visible = key_pos[None, :] <= query_pos
+        if window is not None:
+            visible &= key_pos[None, :] > query_pos - window
         visible = select.visible(slice(first_row + lo, first_row + hi), k, visible)
-        outs.append(sink_attention(q[lo:hi], k[:past + hi], v[:past + hi], visible[:, :past + hi], None))
+        outs.append(sink_attention(q[lo:hi], k[:past + hi], v[:past + hi], visible[:, :past + hi], sinks))
     return torch.cat(outs)
 
 

@@ -75,3 +75,29 @@ def test_a_lone_decode_token_or_a_too_wide_batch_attend_per_sequence():
         assert BatchAttention(cache, seqs, [1, 1], torch.device("cpu"))._decode is None
     finally:
         BatchAttention.BATCHED_DECODE_ROWS = wide
+
+
+class _EveryKey:
+    """A selection that keeps every visible key: selected attention must then be plain causal attention."""
+
+    heads = 1
+
+    def visible(self, rows, keys, visible):
+        return visible
+
+
+@pytest.mark.parametrize("sinks, window", [(False, None), (True, None), (False, 4), (True, 6)])
+def test_a_selection_keeping_every_key_is_causal_attention(sinks, window, monkeypatch):
+    """The sparse-attention path honours sinks and windows like the dense one, and its query blocks (forced
+    small here) change nothing."""
+    from freetoken.engine import attention
+
+    gen = torch.Generator().manual_seed(7)
+    past, t = 9, 7
+    q = torch.randn(t, 4, 8, generator=gen)
+    k, v = torch.randn(past + t, 2, 8, generator=gen), torch.randn(past + t, 2, 8, generator=gen)
+    s = torch.randn(4, generator=gen) if sinks else None
+    want = attention.causal_attention(q, k, v, past, sinks=s, window=window)
+    monkeypatch.setattr(attention, "SELECTION_SCORES", 2 * (past + t))  # two queries a block
+    got = attention.selected_attention(q, k, v, past, _EveryKey(), 0, s, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
