@@ -99,9 +99,13 @@ class TopApp(App):
             return
         try:
             stats = await asyncio.to_thread(self.source.fetch)
+            if self._widgets_gone():
+                return
             if not isinstance(stats, dict):
                 raise Unreachable(f"{getattr(self.source, 'url', 'the server')} sent stats that are not an object")
         except Unreachable as e:
+            if self._widgets_gone():
+                return
             if self.connected is not False:
                 self.log_panel.note(f"disconnected: {e}; retrying every {self.interval:g} s", "red")
             self.connected, self.problem = False, str(e)
@@ -113,6 +117,10 @@ class TopApp(App):
             recorded = num(stats.get("_t"))  # recorded stats carry their own clock
             self.rates.add(self.clock() if recorded is None else recorded, stats)
         self.redraw()
+
+    def _widgets_gone(self) -> bool:
+        """The app quit while a fetch was in flight: its widgets are gone (a slow server, seen in CI)."""
+        return not self.query("#status")
 
     @property
     def log_panel(self) -> LogPanel:

@@ -90,3 +90,32 @@ def test_resize_on_a_source_that_refuses_says_why():
             assert "resize refused: recorded stats" in app.query_one(LogPanel).text.plain
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("answer", [RECORDED[0], Unreachable("no answer from x (timed out)")])
+def test_an_answer_arriving_after_the_app_quit_is_dropped(answer):
+    """A slow server answers a poll after the app has quit and taken its widgets down: nothing is drawn and
+    nothing raises (seen in CI as a NoMatches for the status line)."""
+    import threading
+
+    release = threading.Event()
+
+    class Slow:
+        url = "http://slow"
+
+        def fetch(self):
+            release.wait(10)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    async def scenario():
+        app = TopApp(Slow(), interval=3600)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            late = asyncio.ensure_future(app.poll())
+            await asyncio.sleep(0.05)
+        release.set()  # the app's widgets are gone by now
+        await late
+
+    asyncio.run(scenario())
