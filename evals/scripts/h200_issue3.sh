@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | d1-qwen35 | d1-qwen3next | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -70,6 +70,9 @@ for part in "$@"; do
     d1-qwen3next) ft bench decode --shape qwen3-next-80b-a3b --layers 24 --context 1024 --tokens 16 \
              --budgets 0,16GiB --strategies resident-graphs,copy,cpu,auto --commit "$commit" \
              --out "$OUT/d1-qwen3-next-80b-a3b-24l-1k.md" ;;
+    d1-glm5) ft bench decode --shape glm-5 --layers 8 --expert-format Q8_0 --context 4096 --tokens 16 \
+             --budgets 0,16GiB --strategies resident-graphs,copy,cpu,auto --commit "$commit" \
+             --out "$OUT/d1-glm-5-8l-q8_0-4k.md" ;;  # 4k context: past index_topk (2,048), attention is sparse
     d1-glm45air) ft bench decode --shape glm-4.5-air --layers 24 --context 1024 --tokens 16 --budgets 0,16GiB \
              --strategies resident-graphs,copy,auto --commit "$commit" --out "$OUT/d1-glm-4.5-air-24l-1k.md" ;;
     gptoss-tests) (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -rf \
