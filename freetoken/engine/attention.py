@@ -226,9 +226,17 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: 
     """`causal_attention` where each query attends only to the keys `select` picks among its visible ones (within
     its `window`, with `sinks`: as in `SequenceAttention.attend`); q [T, H, D] are the forward's rows
     first_row.. at positions past..; queries in blocks that bound the selection's scores."""
+    return _masked_attention(q, k, v, past, sinks, window, (select, first_row))
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, sinks: torch.Tensor | None,
+                      window: int | None, select: tuple[KeySelection, int] | None = None) -> torch.Tensor:
+    """`causal_attention` with attention sinks, a sliding window and/or a key selection (with the forward's row
+    of q's first query): an explicit mask, queries in blocks (smaller where a selection scores every key)."""
     t, n = q.shape[0], k.shape[0]
     key_pos = torch.arange(n, device=q.device)
-    block = max(1, min(SINK_QUERY_ROWS, SELECTION_SCORES // (n * select.heads)))
+    block = SINK_QUERY_ROWS if select is None else \
+        max(1, min(SINK_QUERY_ROWS, SELECTION_SCORES // (n * select[0].heads)))
     outs = []
     for lo in range(0, t, block):
         hi = min(t, lo + block)
@@ -236,23 +244,8 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: 
         visible = key_pos[None, :] <= query_pos
         if window is not None:
             visible &= key_pos[None, :] > query_pos - window
-        visible = select.visible(slice(first_row + lo, first_row + hi), k, visible)
-        outs.append(sink_attention(q[lo:hi], k[:past + hi], v[:past + hi], visible[:, :past + hi], sinks))
-    return torch.cat(outs)
-
-
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, sinks: torch.Tensor | None,
-                      window: int | None) -> torch.Tensor:
-    """`causal_attention` with attention sinks and/or a sliding window: an explicit mask, queries in blocks."""
-    t, n = q.shape[0], k.shape[0]
-    key_pos = torch.arange(n, device=q.device)
-    outs = []
-    for lo in range(0, t, SINK_QUERY_ROWS):
-        hi = min(t, lo + SINK_QUERY_ROWS)
-        query_pos = torch.arange(past + lo, past + hi, device=q.device)[:, None]
-        visible = key_pos[None, :] <= query_pos
-        if window is not None:
-            visible &= key_pos[None, :] > query_pos - window
+        if select is not None:
+            visible = select[0].visible(slice(select[1] + lo, select[1] + hi), k, visible)
         # keys no query of the block sees are left out (a window's old keys): less work, same result
         first = 0 if window is None else max(0, past + lo - window + 1)
         outs.append(sink_attention(q[lo:hi], k[first:past + hi], v[first:past + hi], visible[:, first:past + hi],

@@ -72,3 +72,24 @@ KERNEL_RUNS = [pytest.param("cpu", True, marks=interpreter_only, id="interpreter
                pytest.param("cuda", False, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
                             id="compiled-cuda")]
 
+
+
+def gguf_matches_transformers(path, reference, tokens: int = 24):
+    """The GGUF at `path` gives transformers' fp32 logits (within 1e-4) and `tokens` greedy tokens, resident and
+    with its routed experts offloaded below the pool; returns the resident model."""
+    from freetoken.engine.generator import Generator
+    from freetoken.engine.loader import load_model
+    from freetoken.engine.sampling import SamplingParams
+    from support.checkpoints import divergence_report, hf_greedy, hf_logits, prompt_ids
+
+    lm = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    ids = prompt_ids()
+    torch.testing.assert_close(lm.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    expected = hf_greedy(reference, ids, tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    offloaded = load_model(path, device="cpu", dtype=torch.float32, progress=False,
+                           expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
+    for model in (lm, offloaded):
+        ours = Generator(model).generate_ids(ids, params)
+        assert ours == expected, divergence_report(reference, ids, ours, expected)
+    return lm

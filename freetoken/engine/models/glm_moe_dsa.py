@@ -18,6 +18,7 @@ Shapes: T tokens, Hi indexer heads, Di indexer head dim, L cached keys.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,24 +91,30 @@ class Indexer(nn.Module):
     def selection(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> TopKeys:
         ia, t = self.ia, x.shape[0]
-        queries = self._rope(self.wq_b(q_resid).view(t, ia.heads, ia.dim), cos, sin)
-        weights = self.weights_proj(x).float() * ia.heads ** -0.5
-        return TopKeys(queries.float(), weights, ia)
+
+        def scoring() -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hi, Di] queries, [T, Hi] head weights (fp32)
+            queries = self._rope(self.wq_b(q_resid).view(t, ia.heads, ia.dim), cos, sin)
+            return queries.float(), self.weights_proj(x).float() * ia.heads ** -0.5
+
+        return TopKeys(scoring, ia)
 
 
 class TopKeys:
     """A full layer's selection (attention.KeySelection): the `topk` visible keys of highest index score per query.
-    Keeps what it chose, call by call, for the shared layers after it."""
+    Keeps what it chose, call by call, for the shared layers after it. Its queries are projected only once some
+    call has more than `topk` keys (a shorter sequence attends densely: nothing to score)."""
 
-    def __init__(self, queries: torch.Tensor, weights: torch.Tensor, ia: IndexerArgs):
-        self.queries, self.weights, self.ia = queries, weights, ia  # [T, Hi, Di] fp32, [T, Hi] fp32
-        self.heads = ia.heads
+    def __init__(self, scoring: Callable[[], tuple[torch.Tensor, torch.Tensor]], ia: IndexerArgs):
+        self.scoring, self.ia, self.heads = scoring, ia, ia.heads
+        self._scores_in: tuple[torch.Tensor, torch.Tensor] | None = None
         self.chosen: list[torch.Tensor] = []
 
     def visible(self, rows: slice | torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         if keys.shape[-3] > self.ia.topk:
+            if self._scores_in is None:
+                self._scores_in = self.scoring()
             k = keys[..., 0, -self.ia.dim:].float()  # [..., L, Di]
-            q, w = self.queries[rows], self.weights[rows]
+            q, w = self._scores_in[0][rows], self._scores_in[1][rows]
             if keys.dim() == 4:  # a batched decode step: B sequences of one query each
                 q, w = q[:, None], w[:, None]
             scores = torch.relu(torch.einsum("...thd,...ld->...thl", q, k) * self.ia.dim ** -0.5)

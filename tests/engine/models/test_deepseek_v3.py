@@ -82,21 +82,10 @@ def test_a_gguf_of_the_checkpoint_loads_to_the_same_model(rope, split_kv_b, tmp_
     """deepseek2 GGUFs: MLA as MQA with kv_b_proj split per head (the current converter) or whole with per-head
     sizes (older files); YaRN's scale as its log multiplier. Same logits and greedy tokens as transformers,
     resident and with the routed experts offloaded."""
-    from freetoken.engine.generator import Generator
-    from freetoken.engine.sampling import SamplingParams
-    from support.checkpoints import divergence_report, hf_greedy
+    from support.decode_checks import gguf_matches_transformers
     from support.gguf_deepseek import write_deepseek_gguf
 
     reference = write_hf_checkpoint("deepseek_v3", tmp_path / "hf", rope=rope)
     path = write_deepseek_gguf(tmp_path / "hf", tmp_path / "ds.gguf", split_kv_b=split_kv_b)
-    lm = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    lm = gguf_matches_transformers(path, reference)
     assert (lm.args.latent.nope_dim, lm.args.latent.v_dim, lm.args.latent.kv_lora_rank) == (16, 12, 32)
-    ids = prompt_ids()
-    torch.testing.assert_close(lm.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
-    expected = hf_greedy(reference, ids, 24)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    offloaded = load_model(path, device="cpu", dtype=torch.float32, progress=False,
-                           expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
-    for model in (lm, offloaded):
-        ours = Generator(model).generate_ids(ids, params)
-        assert ours == expected, divergence_report(reference, ids, ours, expected)

@@ -147,22 +147,10 @@ def test_the_gguf_writer_uses_gguf_pys_names_for_glm_dsa():
 def test_a_glm_dsa_gguf_loads_to_the_same_model(checkpoint, tmp_path):
     """deepseek2's MLA tensors plus the indexer's, its sizes from `attention.indexer.*`, the shared layer read
     from the tensors it lacks: transformers' logits and greedy tokens, resident and offloaded."""
-    from freetoken.engine.generator import Generator
-    from freetoken.engine.sampling import SamplingParams
-    from support.checkpoints import divergence_report, hf_greedy
+    from support.decode_checks import gguf_matches_transformers
     from support.gguf_deepseek import write_deepseek_gguf
 
     path, reference = checkpoint
-    gguf_path = write_deepseek_gguf(path, tmp_path / "glm5.gguf")
-    lm = load_model(gguf_path, device="cpu", dtype=torch.float32, progress=False)
+    lm = gguf_matches_transformers(write_deepseek_gguf(path, tmp_path / "glm5.gguf"), reference)
     ia = lm.args.indexer
     assert (ia.heads, ia.dim, ia.topk, ia.full) == (8, 16, TOPK, (True, True, False))
-    ids = prompt_ids()
-    torch.testing.assert_close(lm.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
-    expected = hf_greedy(reference, ids, 24)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    offloaded = load_model(gguf_path, device="cpu", dtype=torch.float32, progress=False,
-                           expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
-    for model in (lm, offloaded):
-        ours = Generator(model).generate_ids(ids, params)
-        assert ours == expected, divergence_report(reference, ids, ours, expected)
