@@ -1,12 +1,13 @@
 """Where attention reads and writes its keys and values: the contexts a model forward runs in.
 
 A model's attention layer hands q, k, v to the context and gets the attention output back; the context owns
-the KV cache traffic and the causal mask. Three contexts:
+the KV cache traffic and the causal mask. Four contexts:
 - `SequenceAttention`: T new tokens of one sequence appended to the paged cache (prefill, eager decode).
 - `BatchAttention`: new tokens of several sequences in one forward (continuous batching): every other layer runs
   over all their rows at once, attention per sequence over its own keys.
 - `StaticDecodeAttention`: one token whose position and slots live in device buffers with fixed shapes, so the
   whole decode step can be captured once in a CUDA graph and replayed (see cuda_graphs.py).
+- `StaticBatchAttention`: the same for one token of each of B sequences (a continuous-batching decode step).
 
 Shapes: T new tokens, W window of key slots, H query heads, Hkv KV heads, D head dim.
 """
@@ -77,7 +78,7 @@ class BatchAttention:
             self.bounds.append(self.bounds[-1] + n)
         self.positions = torch.cat([torch.arange(s.length, s.length + n) for s, n in zip(seqs, counts, strict=True)]
                                    ).to(device)
-        # (rows or None for all, write slots [B], read slots [B, W], valid [B, W], each row's position [B, 1])
+        # (rows or None for all, write slots [B], read slots [B, W], each row's position [B])
         self._decode = None
         self._chunks = range(len(seqs))  # sequences attended one at a time
         decoding = [i for i, n in enumerate(counts) if n == 1]
@@ -86,12 +87,10 @@ class BatchAttention:
             picked = [seqs[i] for i in decoding]
             write = torch.cat([s.slots[s.length:s.length + 1] for s in picked])
             read = torch.stack([F.pad(s.slots[:s.length + 1], (0, width - s.length - 1)) for s in picked])
-            lengths = torch.tensor([s.length + 1 for s in picked], device=read.device)
-            last = lengths[:, None] - 1  # each row's own slot: the query's position
-            valid = torch.arange(width, device=read.device)[None, :] <= last
+            positions = torch.tensor([s.length for s in picked], device=read.device)  # each row's own slot
             rows = None if len(decoding) == len(seqs) else \
                 torch.tensor([self.bounds[i] for i in decoding], device=device)
-            self._decode = rows, write, read, valid, last
+            self._decode = rows, write, read, positions
             self._chunks = [i for i, n in enumerate(counts) if n != 1]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -122,38 +121,9 @@ class BatchAttention:
     def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        sinks: torch.Tensor | None = None, window: int | None = None,
                        select: KeySelection | None = None) -> torch.Tensor:
-        """One new token per sequence: q [B, H, D] over each sequence's keys (padded slots masked) → [B, H, D].
-        `window`: each token sees its last `window` positions; `sinks` [H]: a virtual key per head whose logit is
-        the sink and whose value is 0 (as in `sink_attention`); `select`: the keys it picks per row."""
-        rows, write, read, valid, last = self._decode
-        cache = self.cache
-        cache.k[layer].index_copy_(0, write, k.to(cache.dtype))
-        if not cache.values_are_keys:
-            cache.v[layer].index_copy_(0, write, v.to(cache.dtype))
-        b, w = read.shape
-        keys = cache.k[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *k.shape[1:])
-        values = keys if cache.values_are_keys else \
-            cache.v[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *v.shape[1:])
-        h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-        mask = valid
-        if window is not None:  # slot j of a row holds position j
-            mask = mask & (torch.arange(w, device=valid.device)[None, :] > last - window)
-        if select is not None:  # each row one query: [B, 1, W]
-            mask = select.visible(slice(None) if rows is None else rows, keys, mask[:, None, :])[:, 0]
-        if sinks is not None:  # the virtual key first: a coordinate sink·√D in q, 1 in the key, 0 in the value
-            pad = (-(d + 1)) % 8
-            q = torch.cat((q, (sinks.to(q.dtype) * d ** 0.5)[None, :, None].expand(b, h, 1), q.new_zeros(b, h, pad)),
-                          dim=-1)
-            sink_key = keys.new_zeros(b, 1, hkv, d + 1 + pad)
-            sink_key[..., d] = 1
-            keys = torch.cat((sink_key, torch.cat((keys, keys.new_zeros(b, w, hkv, 1 + pad)), dim=-1)), dim=1)
-            values = torch.cat((values.new_zeros(b, 1, hkv, values.shape[-1]), values), dim=1)
-            mask = torch.cat((mask.new_ones(b, 1), mask), dim=1)
-        qg = q.reshape(b, hkv, h // hkv, q.shape[2])  # a KV head's query heads as its G query rows
-        with sdpa_kernel(_ONE_TOKEN_BACKENDS):  # not cuDNN for one token (see causal_attention)
-            out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=mask[:, None, None, :], scale=d ** -0.5)
-        return out.reshape(b, h, -1)
+        rows, write, read, positions = self._decode
+        return decode_rows_attention(self.cache, layer, q, k, v, write, read, positions,
+                                     slice(None) if rows is None else rows, sinks, window, select)
 
     def recurrent_state(self, layer: int):
         """Refused: the batch scheduler runs models with recurrent layers one sequence at a time (their state
@@ -173,6 +143,45 @@ class BatchAttention:
 
 
 _ONE_TOKEN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decode_rows_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          write: torch.Tensor, read: torch.Tensor, positions: torch.Tensor,
+                          rows: slice | torch.Tensor, sinks: torch.Tensor | None = None, window: int | None = None,
+                          select: KeySelection | None = None) -> torch.Tensor:
+    """One new token per sequence: q [B, H, D] (the forward's `rows`) over each sequence's keys → [B, H, D]. Row i
+    writes its K/V to slot write[i] and reads the slots read[i, :positions[i] + 1] (the rest of the row is padding).
+    `window`: each token sees its last `window` positions; `sinks` [H]: a virtual key per head whose logit is
+    the sink and whose value is 0 (as in `sink_attention`); `select`: the keys it picks per row."""
+    last = positions[:, None]
+    cache.k[layer].index_copy_(0, write, k.to(cache.dtype))
+    if not cache.values_are_keys:
+        cache.v[layer].index_copy_(0, write, v.to(cache.dtype))
+    b, w = read.shape
+    valid = torch.arange(w, device=read.device)[None, :] <= last  # slot j of a row holds position j
+    keys = cache.k[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *k.shape[1:])
+    values = keys if cache.values_are_keys else \
+        cache.v[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *v.shape[1:])
+    h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    mask = valid
+    if window is not None:
+        mask = mask & (torch.arange(w, device=valid.device)[None, :] > last - window)
+    if select is not None:  # each row one query: [B, 1, W]
+        mask = select.visible(rows, keys, mask[:, None, :])[:, 0]
+    if sinks is not None:  # the virtual key first: a coordinate sink·√D in q, 1 in the key, 0 in the value
+        pad = (-(d + 1)) % 8
+        q = torch.cat((q, (sinks.to(q.dtype) * d ** 0.5)[None, :, None].expand(b, h, 1), q.new_zeros(b, h, pad)),
+                      dim=-1)
+        sink_key = keys.new_zeros(b, 1, hkv, d + 1 + pad)
+        sink_key[..., d] = 1
+        keys = torch.cat((sink_key, torch.cat((keys, keys.new_zeros(b, w, hkv, 1 + pad)), dim=-1)), dim=1)
+        values = torch.cat((values.new_zeros(b, 1, hkv, values.shape[-1]), values), dim=1)
+        mask = torch.cat((mask.new_ones(b, 1), mask), dim=1)
+    qg = q.reshape(b, hkv, h // hkv, q.shape[2])  # a KV head's query heads as its G query rows
+    with sdpa_kernel(_ONE_TOKEN_BACKENDS):  # not cuDNN for one token (see causal_attention)
+        out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask[:, None, None, :], scale=d ** -0.5)
+    return out.reshape(b, h, -1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
@@ -360,6 +369,46 @@ class StaticDecodeAttention:
             valid = valid & (self.key_positions > self.positions - window)
         visible = valid[None, :] if select is None else select.visible(slice(None), keys, valid[None, :])
         return sink_attention(q, keys, values, visible, sinks)
+
+
+class StaticBatchAttention:
+    """One decode token for each of up to B sequences over a fixed window of W slots: `StaticDecodeAttention` for a
+    continuous-batching step, captured per (B, W) (cuda_graphs.py). Rows past the step's sequences are padding: they
+    write to and read from one scratch slot the caller lends (a page nobody else holds), so the real rows' keys are
+    never touched and every tensor keeps its shape. Models with recurrent layers are not batched (BatchAttention)."""
+
+    def __init__(self, cache: PagedKVCache, batch: int, window: int):
+        device = cache.device
+        self.cache, self.batch, self.window = cache, batch, window
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.write_slots = torch.zeros(batch, dtype=torch.long, device=device)
+        self.read_slots = torch.zeros(batch, window, dtype=torch.long, device=device)
+
+    def prepare(self, seqs: list[SequenceKV], scratch_slot: int) -> None:
+        """Points row i at token `seqs[i].length` (its slot reserved), the rows after them at `scratch_slot`."""
+        n = len(seqs)
+        if n > self.batch or max(s.length for s in seqs) + 1 > self.window:
+            raise ValueError(f"{n} sequences up to {max(s.length for s in seqs)} tokens do not fit this step of "
+                             f"{self.batch} rows of {self.window} slots")
+        host = torch.tensor([s.length for s in seqs] + [0] * (self.batch - n), dtype=torch.long)
+        self.positions.copy_(host.pin_memory() if self.positions.is_cuda else host, non_blocking=True)
+        pad = [torch.full((self.batch - n,), scratch_slot, dtype=torch.long, device=self.write_slots.device)]
+        self.write_slots.copy_(torch.cat([s.slots[s.length:s.length + 1] for s in seqs] + pad))
+        for i, s in enumerate(seqs):
+            self.read_slots[i, :s.length + 1].copy_(s.slots[:s.length + 1])
+        if n < self.batch:
+            self.read_slots[n:, 0] = scratch_slot  # a padding row sees its own slot only
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               sinks: torch.Tensor | None = None, window: int | None = None,
+               select: KeySelection | None = None) -> torch.Tensor:
+        return decode_rows_attention(self.cache, layer, q, k, v, self.write_slots, self.read_slots, self.positions,
+                                     slice(None), sinks, window, select)
+
+    def recurrent_state(self, layer: int):
+        raise RecurrentStateError("layers with recurrent state run one sequence at a time, not in a batched step")
+
+    set_recurrent_state = recurrent_state
 
 
 def static_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

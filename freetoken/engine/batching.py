@@ -10,9 +10,9 @@ sequence returns its pages at once, except its full pages, which the prefix cach
 them) so a later prompt that starts with the same tokens, an agent's next turn, reuses their K/V.
 Models with recurrent layers run one sequence at a time and reuse whole-sequence snapshots instead
 (state_snapshots.py: each prompt's end and each finished request).
-On CUDA a step with a single decoding sequence replays the CUDA graph of the single-sequence path (the KV pool is
-then allocated at full size up front, as the graphs need); every other step runs eagerly through
-`LoadedModel.forward_batch`.
+On CUDA a step of decode tokens only replays a CUDA graph: the single-sequence path's for one sequence, a batched
+step's for several (cuda_graphs.py; the KV pool is then allocated at full size up front, as the graphs need); a
+step with prefill chunks runs eagerly through `LoadedModel.forward_batch`.
 
 Shapes: B sequences in a step, V vocabulary.
 """
@@ -180,12 +180,16 @@ class BatchScheduler:
         return dropped
 
     def _forward(self, batch: list[BatchRequest], tokens: list[int], counts: list[int]) -> torch.Tensor:
-        if self.use_graphs and len(batch) == 1 and counts == [1]:
+        if self.use_graphs and len(tokens) == len(batch):  # decode tokens only: a captured step
             if self._graphs is None:
                 from freetoken.engine.cuda_graphs import GraphedDecoder
 
                 self._graphs = GraphedDecoder(self.lm, self.cache)
-            return self._graphs.step(batch[0].seq, tokens[0])[None]
+            if len(batch) == 1:
+                return self._graphs.step(batch[0].seq, tokens[0])[None]
+            logits = self._graphs.step_batch([r.seq for r in batch], tokens)
+            if logits is not None:
+                return logits
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
         if len(batch) == 1:
             return self.lm.forward(ids, self.cache, batch[0].seq, "last")

@@ -12,18 +12,34 @@ the static input of segment i+1. The dense work still replays from graphs; only 
 An executor that offers the graph-boundary calls (`prepare_graph_io`, `capture_route`, `capture_experts`,
 `capture_combine`, `run_boundary`: the offloading executor) gets more captured: the segment also copies the
 routing to the host, its expert matmul is a graph of its own, and only planning and copies stay on the host.
+
+A continuous-batching step of B sequences decoding one token each (`step_batch`) is captured the same way, per
+batch size (powers of two from 2: a step of 5 sequences replays the graph of 8 with three padding rows) and window
+(the longest sequence's). Eager, that step is bound by the host launching ~100 kernels per layer (~20 ms for 8
+layers at 4 and at 16 sequences, evals/results/serve-q3-8l-h200.md). Padding rows write their keys to a scratch
+page borrowed for the step and are left out of every expert call the host makes, so they never cost a copy.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
-from freetoken.engine.attention import StaticDecodeAttention
+from freetoken.engine.attention import BatchAttention, StaticBatchAttention, StaticDecodeAttention
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 
+log = logging.getLogger(__name__)
+
 MIN_WINDOW = 256
+BATCH_ROWS = BatchAttention.BATCHED_DECODE_ROWS  # batch × window of a captured batched step: its gathered keys
+
+
+def batch_size_for(n: int) -> int:
+    """The captured batch size a step of `n` sequences replays: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(slots=True)
@@ -43,21 +59,26 @@ class _Boundary:
 class _Captured:
     graphs: list[torch.cuda.CUDAGraph]  # one, or one more than boundaries
     boundaries: list[_Boundary]
-    ctx: StaticDecodeAttention
-    token: torch.Tensor  # [1] input buffer
-    logits: torch.Tensor  # [1, V] output buffer
+    ctx: StaticDecodeAttention | StaticBatchAttention
+    tokens: torch.Tensor  # [B] input buffer
+    logits: torch.Tensor  # [B, V] output buffer
     slots_version: int = 0  # the executor's slot tensors these graphs read (recaptured when they change)
     kv_version: int = 0  # the KV pool tensors they read (a resized pool is reallocated)
 
-    def replay(self, experts) -> None:
+    def replay(self, experts, rows: int) -> None:
+        """Replays the step; the host's expert calls see only the first `rows` rows (the rest are padding)."""
+        batch = self.tokens.shape[0]
         for i, graph in enumerate(self.graphs):
             graph.replay()
             if i < len(self.boundaries):
                 b = self.boundaries[i]
                 if b.route is not None:
-                    experts.run_boundary(b.route, b.experts_graph.replay)
-                else:
+                    experts.run_boundary(b.route, b.experts_graph.replay, rows)
+                elif rows == batch:
                     b.out.copy_(experts.forward(b.layer, b.hidden, b.topk_ids, b.topk_weights))
+                else:  # padding rows keep what their buffer held (zeros, or an earlier step's rows): finite
+                    b.out[:rows].copy_(experts.forward(b.layer, b.hidden[:rows], b.topk_ids[:rows],
+                                                       b.topk_weights[:rows]))
 
 
 class _SegmentingExecutor:
@@ -66,9 +87,9 @@ class _SegmentingExecutor:
 
     capturable = True
 
-    def __init__(self, pool, executor):
+    def __init__(self, pool, executor, tokens: int):
         self.pool, self.executor = pool, executor
-        self.two_phase = hasattr(executor, "graph_boundaries") and executor.graph_boundaries(1)
+        self.two_phase = hasattr(executor, "graph_boundaries") and executor.graph_boundaries(tokens)
         self.graphs = [torch.cuda.CUDAGraph()]
         self.boundaries: list[_Boundary] = []
 
@@ -78,7 +99,7 @@ class _SegmentingExecutor:
         route = ex.capture_route(layer, hidden, topk_ids, topk_weights) if self.two_phase else None
         self.graphs[-1].capture_end()
         if route is None:
-            out = torch.empty_like(hidden)
+            out = torch.zeros_like(hidden)
             self.boundaries.append(_Boundary(layer, hidden, topk_ids, topk_weights, out))
         else:
             experts_graph = torch.cuda.CUDAGraph()
@@ -98,7 +119,7 @@ class GraphedDecoder:
             raise ValueError("CUDA-graph decode needs a KV cache allocated at its full size")
         self.lm, self.cache = lm, cache
         self.pool = torch.cuda.graph_pool_handle()
-        self.captured: dict[int, _Captured] = {}
+        self.captured: dict[tuple[int, int], _Captured] = {}  # (batch, window) → its step
 
     @property
     def capacity(self) -> int:
@@ -114,55 +135,90 @@ class GraphedDecoder:
     def step(self, seq: SequenceKV, token: int) -> torch.Tensor:
         """Appends `token` to `seq` and returns the next-token logits [V]."""
         self.cache.reserve(seq, 1)
-        window = self.window_for(seq.length + 1)
-        entry = self.captured.get(window)
-        if entry is None or entry.slots_version != getattr(self.lm.experts, "slots_version", 0) \
-                or entry.kv_version != self.cache.version:
-            entry = self._capture(window, seq)  # first use, or the executor's slots or the KV pool moved
+        entry = self._entry(1, self.window_for(seq.length + 1), lambda ctx: ctx.prepare(seq))
         entry.ctx.prepare(seq)
-        entry.token.fill_(token)
-        entry.replay(self.lm.experts)
+        entry.tokens.fill_(token)
+        entry.replay(self.lm.experts, 1)
         self.cache.commit(seq, 1)
         entry.ctx.commit_state(seq)
         return entry.logits[0]
 
-    def _capture(self, window: int, seq: SequenceKV) -> _Captured:
-        ctx = StaticDecodeAttention(self.cache, window)
-        ctx.prepare(seq)  # warm-up and capture write this step's K/V to its own slot; the replay rewrites them
-        token = torch.zeros(1, dtype=torch.long, device=self.cache.device)
+    def step_batch(self, seqs: list[SequenceKV], tokens: list[int]) -> torch.Tensor | None:
+        """Appends tokens[i] to seqs[i] (two or more sequences) and returns their next-token logits [N, V]; None,
+        with nothing appended, where the step does not fit a captured one (its padded batch × window past
+        BATCH_ROWS, or no free page to lend the padding rows): the caller runs it eagerly."""
+        n, cache = len(seqs), self.cache
+        batch, window = batch_size_for(n), self.window_for(max(s.length for s in seqs) + 1)
+        if batch * window > BATCH_ROWS or (batch > n and cache.allocator.num_free == 0):
+            return None
+        for seq in seqs:
+            cache.reserve(seq, 1)
+        scratch = cache.allocator.allocate(1) if batch > n else []  # the padding rows' keys go here
+        try:
+            slot = scratch[0] * cache.page_size if scratch else 0
+            entry = self._entry(batch, window, lambda ctx: ctx.prepare(seqs, slot))
+            entry.ctx.prepare(seqs, slot)
+            entry.tokens.copy_(torch.tensor(tokens + [0] * (batch - n)).pin_memory(), non_blocking=True)
+            entry.replay(self.lm.experts, n)
+        finally:
+            cache.allocator.free(scratch)  # (later work that reuses the page is queued after this step's)
+        for seq in seqs:
+            cache.commit(seq, 1)
+        return entry.logits[:n]
+
+    def _entry(self, batch: int, window: int, prepare) -> _Captured:
+        """The captured step of this size, captured now on first use or when the executor's slots or the KV pool
+        moved; `prepare(ctx)` points a new context at the step's sequences (warm-up and capture write the step's
+        K/V to its own slots; the replay rewrites them)."""
+        entry = self.captured.get((batch, window))
+        if entry is None or entry.slots_version != getattr(self.lm.experts, "slots_version", 0) \
+                or entry.kv_version != self.cache.version:
+            ctx = StaticDecodeAttention(self.cache, window) if batch == 1 else \
+                StaticBatchAttention(self.cache, batch, window)
+            prepare(ctx)
+            t0 = time.perf_counter()
+            entry = self._capture(ctx, batch)
+            self.captured[(batch, window)] = entry
+            log.debug("captured the decode step of %d sequence(s) over %d slots in %.0f ms (%d graphs)", batch, window,
+                      1e3 * (time.perf_counter() - t0), len(entry.graphs))
+        return entry
+
+    def _capture(self, ctx: StaticDecodeAttention | StaticBatchAttention, batch: int) -> _Captured:
+        tokens = torch.zeros(batch, dtype=torch.long, device=self.cache.device)
+        logits_for = "last" if batch == 1 else "all"
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the capture stream, as CUDA graphs require
             for _ in range(2):
-                self.lm.model(token, ctx, "last")
+                self.lm.model(tokens, ctx, logits_for)
         torch.cuda.current_stream().wait_stream(side)
         if getattr(self.lm.experts, "capturable", True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.lm.model(token, ctx, "last")
-            entry = _Captured([graph], [], ctx, token, logits)
+                logits = self.lm.model(tokens, ctx, logits_for)
+            entry = _Captured([graph], [], ctx, tokens, logits)
         else:
-            entry = self._capture_segments(ctx, token)
+            entry = self._capture_segments(ctx, tokens, logits_for)
         entry.kv_version = self.cache.version
-        self.captured[window] = entry
         return entry
 
-    def _capture_segments(self, ctx: StaticDecodeAttention, token: torch.Tensor) -> _Captured:
+    def _capture_segments(self, ctx: StaticDecodeAttention | StaticBatchAttention, tokens: torch.Tensor,
+                          logits_for: str) -> _Captured:
         from freetoken.engine.loader import attach_experts
 
         experts = self.lm.experts
-        segmenter = _SegmentingExecutor(self.pool, experts)
+        segmenter = _SegmentingExecutor(self.pool, experts, int(tokens.numel()))
         if segmenter.two_phase:
-            experts.prepare_graph_io(int(token.numel()))
+            experts.prepare_graph_io(int(tokens.numel()))
         attach_experts(self.lm.model, segmenter)
         torch.cuda.synchronize()
         try:
             with torch.cuda.stream(torch.cuda.Stream()):  # capture needs a side stream, as torch.cuda.graph uses
                 segmenter.graphs[0].capture_begin(pool=self.pool)
-                logits = self.lm.model(token, ctx, "last")
+                logits = self.lm.model(tokens, ctx, logits_for)
                 segmenter.graphs[-1].capture_end()
         finally:
             attach_experts(self.lm.model, experts)
         torch.cuda.synchronize()
-        return _Captured(segmenter.graphs, segmenter.boundaries, ctx, token, logits,
+        return _Captured(segmenter.graphs, segmenter.boundaries, ctx, tokens, logits,
                          getattr(experts, "slots_version", 0))

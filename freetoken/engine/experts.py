@@ -218,7 +218,9 @@ def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor, 
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by stack row
     rows = stacks.num_experts
-    ends = torch.cumsum(torch.bincount(flat, minlength=rows), 0).to(torch.int32)  # group g ends here
+    # group g ends after the pairs of rows ≤ g (searchsorted, not bincount's cumsum: bincount syncs with the host to
+    # size its output, which CUDA-graph capture of a batched decode step does not allow)
+    ends = torch.searchsorted(flat[order], torch.arange(rows, device=flat.device), right=True).to(torch.int32)
     x = hidden[order // k]  # [N*K, H]
     gate, up, down = (w.transpose(1, 2) for w in (stacks.gate_proj, stacks.up_proj, stacks.down_proj))
     biased = None if form is None or form is PLAIN else (form, expert_ids.reshape(-1)[order])
@@ -293,16 +295,22 @@ class ResidentExpertExecutor:
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        if hidden.is_cuda and (topk_ids.numel() <= self.GATHER_PAIRS or torch.cuda.is_current_stream_capturing()):
-            return gathered_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
+        if hidden.is_cuda:
+            capturing = torch.cuda.is_current_stream_capturing()
+            # a captured batched step of many pairs takes the grouped matmuls (sync-free for up to 1,023 experts)
+            # where they are fast: gathering copies every pair's weights
+            grouped = grouped_mm_available(hidden) and \
+                (not capturing or self.layers[layer].num_experts <= GROUPED_MM_GROUPS)
+            if topk_ids.numel() <= self.GATHER_PAIRS or (capturing and not grouped):
+                return gathered_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)
+            if grouped:
+                return sorted_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)  # reads the form
         if hidden.device.type == "cpu" and topk_ids.numel() <= self.CPU_KERNEL_PAIRS:
             kernel, matrices, forms = self._cpu_kernel()
             if kernel is not None:
                 from freetoken.engine.offload.cpu_experts import kernel_expert_forward
 
                 return kernel_expert_forward(kernel, matrices[layer], hidden, topk_ids, topk_weights, forms[layer])
-        if grouped_mm_available(hidden):
-            return sorted_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights)  # reads the form
         return grouped_expert_forward(self.layers[layer], hidden, topk_ids, topk_weights, padded=hidden.is_cuda)
 
     def _cpu_kernel(self):

@@ -168,8 +168,9 @@ def test_a_request_whose_sampling_fails_ends_alone(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("offload", [False, True])
 def test_on_cuda_batched_requests_get_their_own_tokens(model, offload):
-    """The CUDA path: one request decoding alone replays a CUDA graph (on the scheduler's own up-front KV pool),
-    several share eager forwards, offloaded experts go through the copy stream."""
+    """The CUDA path: decode-only steps replay CUDA graphs (one request's, or a batch's: two, or three padded to
+    four) on the scheduler's own up-front KV pool, steps with prefill chunks run eagerly, offloaded experts go
+    through the copy stream."""
     lm = load_model(model, device="cuda", dtype=torch.float32, progress=False)
     prompts = [prompt_ids(t) for t in TEXTS]
     expected = [Generator(lm).generate_ids(p, GREEDY) for p in prompts]
@@ -182,6 +183,7 @@ def test_on_cuda_batched_requests_get_their_own_tokens(model, offload):
     assert scheduler.use_graphs
     got, _ = _run(scheduler, prompts, join_late=True)
     assert got == expected
+    assert {2, 4} <= {b for b, _ in scheduler._graphs.captured}
     alone, _ = _run(scheduler, prompts[:1])  # one request: its decode replays the graph
     assert alone == expected[:1]
     assert _all_pages_back(scheduler)

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from freetoken.engine.attention import StaticDecodeAttention
+from freetoken.engine.attention import StaticBatchAttention, StaticDecodeAttention
 from support.checkpoints import prompt_ids
 
 
@@ -36,6 +36,35 @@ def static_window_equals_eager(lm, window: int, steps: int, tol: float) -> Stati
             torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
             token = expected.argmax().view(1)
     return ctx
+
+
+def static_batch_equals_alone(lm, prompts: list[list[int]], steps: int = 6, pad: int = 2, window: int = 64,
+                              tol: float = 1e-5) -> None:
+    """Decodes the prompts together through a static batch of len(prompts) + `pad` rows (what a captured batched
+    step runs; the padding rows on a scratch page) and each one alone, eagerly: equal logits at every step."""
+    eager_cache, static_cache = lm.new_cache(page_size=4), lm.new_cache(page_size=4, initial_tokens=256)
+    eager = [eager_cache.new_sequence() for _ in prompts]
+    static = [static_cache.new_sequence() for _ in prompts]
+    with torch.inference_mode():
+        for p, e, s in zip(prompts, eager, static, strict=True):
+            lm.forward(torch.tensor(p), eager_cache, e)
+            lm.forward(torch.tensor(p), static_cache, s)
+        ctx = StaticBatchAttention(static_cache, len(prompts) + pad, window)
+        scratch = static_cache.allocator.allocate(1)[0] * static_cache.page_size
+        tokens = [7] * len(prompts)
+        for _ in range(steps):
+            expected = [lm.forward(torch.tensor([t]), eager_cache, e, "last")[0] for t, e in zip(tokens, eager,
+                                                                                               strict=True)]
+            for s in static:
+                static_cache.reserve(s, 1)
+            ctx.prepare(static, scratch)
+            got = lm.model(torch.tensor(tokens + [0] * pad), ctx, "all")
+            for s in static:
+                static_cache.commit(s, 1)
+            assert got.shape[0] == len(prompts) + pad
+            for g, want in zip(got, expected, strict=False):
+                torch.testing.assert_close(g, want, atol=tol, rtol=tol)
+            tokens = [int(e.argmax()) for e in expected]
 
 
 def batched_equals_alone(lm, prompts: list[list[int]], tol: float = 1e-5) -> None:

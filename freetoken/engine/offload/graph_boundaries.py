@@ -47,6 +47,7 @@ class GraphBoundary:
     hidden: torch.Tensor
     topk_weights: torch.Tensor
     predicts: bool  # the segment also captured the next layer's predicted experts
+    io: GraphIO  # the buffers of steps of this many tokens
     topk_ids: torch.Tensor | None = None  # the experts routed to (for families with expert biases)
 
 
@@ -64,13 +65,14 @@ class GraphBoundaries:
 
     def prepare_graph_io(self, tokens: int) -> None:
         """Allocates the buffers graphs of `tokens`-token steps read and write (before any capture: pinned
-        allocations are not allowed while capturing). Shared by every layer: layers run one after another."""
+        allocations are not allowed while capturing). Shared by every layer (layers run one after another) and by
+        every step of that size (steps run one after another)."""
         k, hidden = self._top_k, self.copier.shapes["gate_proj"][1]
-        io = self._graph_io
+        io = self._graph_io.get(tokens)
         if io is not None and io.ids.shape == (tokens, k):
             return
         pinned = {"pin_memory": self.device.type == "cuda"}  # (the CPU runs these calls eagerly in tests)
-        self._graph_io = GraphIO(
+        self._graph_io[tokens] = GraphIO(
             ids=torch.empty(tokens, k, dtype=torch.int64, **pinned),
             weights=torch.empty(tokens, k, dtype=torch.float32, **pinned),
             x=torch.empty(tokens, hidden, dtype=torch.float32, **pinned),
@@ -85,7 +87,7 @@ class GraphBoundaries:
     def capture_route(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor) -> GraphBoundary:
         """While a segment is being captured: its last operations copy what the host needs to the host."""
-        io = self._graph_io
+        io = self._graph_io.get(topk_ids.shape[0])
         if io is None or io.ids.shape != topk_ids.shape:
             raise RuntimeError("prepare_graph_io(tokens) must come before capturing a step of that size")
         io.ids.copy_(topk_ids, non_blocking=True)
@@ -97,32 +99,37 @@ class GraphBoundaries:
         if next_layer is not None:
             weight, k = self._routers[next_layer]
             io.predicted[:, :k].copy_(torch.topk(hidden @ weight.t(), k, dim=-1).indices, non_blocking=True)
-        return GraphBoundary(layer, hidden, topk_weights, next_layer is not None, topk_ids)
+        return GraphBoundary(layer, hidden, topk_weights, next_layer is not None, io, topk_ids)
 
     def capture_experts(self, boundary: GraphBoundary) -> torch.Tensor:
         """Captured as its own graph: every pair of the step from the slot the host wrote into the slot map."""
-        slot_map, form = self._graph_io.slot_map, self.form_of(boundary.layer)
+        slot_map, form = boundary.io.slot_map, self.form_of(boundary.layer)
         return gathered_expert_forward(self.slots, boundary.hidden, slot_map, boundary.topk_weights, form,
                                        self._bias_owners(form, slot_map, boundary.topk_ids))
 
     def capture_combine(self, boundary: GraphBoundary, gpu_out: torch.Tensor) -> torch.Tensor:
         """Captured at the head of the next segment: adds the CPU share, as `_forward_gathered` does."""
-        return gpu_out + self._graph_io.y.to(gpu_out.dtype)
+        return gpu_out + boundary.io.y.to(gpu_out.dtype)
 
-    def run_boundary(self, boundary: GraphBoundary, replay_experts) -> None:
+    def run_boundary(self, boundary: GraphBoundary, replay_experts, rows: int | None = None) -> None:
         """The host work between two segments: the previous segment has been replayed, the next one reads the
-        GPU share from `replay_experts()` and the CPU share from the static buffer."""
+        GPU share from `replay_experts()` and the CPU share from the static buffer. `rows`: the step's first rows
+        are real tokens, the rest padding (a batched step replaying a larger captured one): padding pairs point at
+        the zero slot and are never looked up, copied or computed on the CPU."""
         t0 = time.perf_counter()
-        io, layer = self._graph_io, boundary.layer
+        io, layer = boundary.io, boundary.layer
+        rows = io.ids.shape[0] if rows is None else rows
         self._prewake_cpu()  # the workers' wake-up overlaps the wait for the routing below
         self._issue_deferred_prefetch(layer)
         self._collect_copy_timings()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the segment's copies to the host have landed
         t_routed = time.perf_counter()
-        ids, weights = io.ids.tolist(), io.weights.tolist()
+        ids, weights = io.ids[:rows].tolist(), io.weights[:rows].tolist()
         step = self._dispatch(layer, ids, weights, io.x, io.x_bf16, io.y_host)
-        io.slot_map_host.numpy()[:] = step.slot_map
+        slot_map = io.slot_map_host.numpy()
+        slot_map[:rows] = step.slot_map
+        slot_map[rows:] = self.zero_slot
         self._to_device(io.slot_map, io.slot_map_host)
         replay_experts()
         if step.staged:
@@ -148,7 +155,7 @@ class GraphBoundaries:
         if next_layer is not None and boundary.predicts:
             k = self._routers[next_layer][1]
             after = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
-            pending = (next_layer, set(io.predicted[:, :k].flatten().tolist()), self._prefetch_room(ids), after)
+            pending = (next_layer, set(io.predicted[:rows, :k].flatten().tolist()), self._prefetch_room(ids), after)
             if gpu_paths.enabled("prefetch-early"):
                 self._prefetch(*pending)
             else:

@@ -52,6 +52,14 @@ def test_the_latent_is_cached_once_and_read_as_keys_and_values(lm):
         cache.release(s)
 
 
+def test_a_static_batch_step_reads_each_rows_latents(lm):
+    """What a captured batched decode step runs, eagerly: latent rows as keys and values, padding rows beside
+    (fp32 to 3e-5 here: four rows take other GEMM blocking than one; a leak from a padding row would be O(1))."""
+    from support.decode_checks import static_batch_equals_alone
+
+    static_batch_equals_alone(lm, [prompt_ids(), prompt_ids("Hi")], tol=1e-4)
+
+
 def test_yarn_scaled_checkpoints_match_transformers(tmp_path):
     """DeepSeek-V3 ships YaRN with mscale_all_dim: interpolated frequencies and a softmax scale grown by mscale²
     (1.87× at factor 40)."""

@@ -100,6 +100,14 @@ def test_static_window_decode_selects_as_eager_decode(lm):
     static_window_equals_eager(lm, window=64, steps=6, tol=1e-5)
 
 
+def test_a_static_batch_step_selects_as_each_sequence_alone(lm):
+    """What a captured batched decode step runs, eagerly: each row selects among its own sequence's keys (past
+    index_topk for the longer prompt, densely for the shorter one), padding rows beside them."""
+    from support.decode_checks import static_batch_equals_alone
+
+    static_batch_equals_alone(lm, [prompt_ids(), prompt_ids("Hi")])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_on_cuda_graph_decode_selects_as_eager_decode(checkpoint, monkeypatch):
     """The selection inside captured decode graphs (fixed windows of 128 and 256 slots) and in the batched
@@ -116,18 +124,20 @@ def test_on_cuda_graph_decode_selects_as_eager_decode(checkpoint, monkeypatch):
     expected = Generator(lm, cuda_graphs=False).generate_ids(ids, params)
     graphed = Generator(lm, cuda_graphs=True, max_seq_len=1024)
     assert graphed.generate_ids(ids, params) == expected
-    assert set(graphed._graphs.captured) == {128, 256}
+    assert set(graphed._graphs.captured) == {(1, 128), (1, 256)}
     offloaded = load_model(checkpoint[0], device="cuda", dtype=torch.float32, progress=False,
                            expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
     assert Generator(offloaded, cuda_graphs=True, max_seq_len=1024).generate_ids(ids, params) == expected
-    scheduler = BatchScheduler(lm, cuda_graphs=False)
-    out = {0: [], 1: []}
-    for i, p in enumerate((ids, ids[:60])):
-        scheduler.add(BatchRequest(p, params, emit=lambda ev, i=i: out[i].extend(ev.token_ids)))
-    while scheduler.active:
-        scheduler.step()
-    assert out[0] == expected
-    assert out[1] == Generator(lm, cuda_graphs=False).generate_ids(ids[:60], params)
+    shorter = Generator(lm, cuda_graphs=False).generate_ids(ids[:60], params)
+    for graphs in (False, True):  # eager batched steps, then captured ones
+        scheduler = BatchScheduler(lm, cuda_graphs=graphs)
+        out = {0: [], 1: []}
+        for i, p in enumerate((ids, ids[:60])):
+            scheduler.add(BatchRequest(p, params, emit=lambda ev, i=i, out=out: out[i].extend(ev.token_ids)))
+        while scheduler.active:
+            scheduler.step()
+        assert out[0] == expected and out[1] == shorter
+    assert {(2, 128), (2, 256)} <= set(scheduler._graphs.captured)
 
 
 # -- GGUF, as llama.cpp's converter writes glm-dsa (tests/support/gguf_deepseek.py) --

@@ -87,6 +87,13 @@ def test_the_static_decode_window_equals_eager_decode(lm):
     static_window_equals_eager(lm, window=64, steps=6, tol=1e-5)
 
 
+def test_a_static_batch_step_equals_each_sequence_alone(lm):
+    """What a captured batched decode step runs (sinks and windows per row, padding rows), eagerly."""
+    from support.decode_checks import static_batch_equals_alone
+
+    static_batch_equals_alone(lm, [prompt_ids(), prompt_ids("<|im_start|>user\nHow many trees?<|im_end|>\n")])
+
+
 def _mxfp4_copy(path, reference, out):
     """OpenAI's layout: experts as MXFP4 blocks [E, out, in/32, 16] and scales [E, out, in/32], out-by-in, gate
     and up rows interleaved. Random codes are written that way into a copy of the checkpoint at `path` and,

@@ -141,6 +141,57 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
     assert (c.prefetch_used > 0) == (miss_path != "cpu")
 
 
+class _PaddedEagerBoundaries(_EagerBoundaries):
+    """The graph-boundary calls of a captured batched step replayed for fewer sequences than it was captured for:
+    N decode rows padded to the next power of two, the padding rows routed to an expert that does not exist (any
+    lookup, copy or CPU run of theirs would fail), the host work told that only the first N rows are real."""
+
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        from freetoken.engine.cuda_graphs import batch_size_for
+
+        ex, n = self.executor, hidden.shape[0]
+        batch = batch_size_for(n)
+        if n == 1 or batch == n or not ex.graph_boundaries(batch):
+            return ex.forward(layer, hidden, topk_ids, topk_weights)
+        pad = batch - n
+        hidden = torch.cat((hidden, hidden.new_zeros(pad, hidden.shape[1])))
+        topk_ids = torch.cat((topk_ids, topk_ids.new_full((pad, topk_ids.shape[1]), ex.num_experts + 7)))
+        topk_weights = torch.cat((topk_weights, topk_weights.new_zeros(pad, topk_weights.shape[1])))
+        ex.prepare_graph_io(batch)
+        route = ex.capture_route(layer, hidden, topk_ids, topk_weights)
+        gpu_share = []
+        ex.run_boundary(route, lambda: gpu_share.append(ex.capture_experts(route)), n)
+        self.boundaries += 1
+        return ex.capture_combine(route, gpu_share[0])[:n]
+
+
+@pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
+def test_padding_rows_of_a_batched_step_cost_no_expert_work(checkpoint, miss_path):
+    """Three sequences decoding together through the calls a captured batch of four makes: each gets its own
+    resident tokens and the padding row's (non-existent) experts are never touched."""
+    from freetoken.engine.batching import BatchRequest, BatchScheduler
+
+    path, resident, _ = checkpoint
+    texts = ["The quick brown fox", "Hi", "A longer prompt with a few more words in it"]
+    expected = [Generator(resident).generate_ids(prompt_ids(t), GREEDY) for t in texts]
+    # prefill_ahead: a staging ring of two layers' experts, so four rows' pairs fit a gathered step
+    lm = load_model(path, progress=False, expert_cache=3 * resident.moe_spec.bytes_per_expert(torch.float32),
+                    prefill_ahead=True)
+    ex = lm.experts
+    ex.miss_path, ex.planner, ex.prefetch = miss_path, EVEN_SPLIT(), True
+    ex.gather_small_batches = True  # the CUDA default, which two-phase boundaries need
+    driver = _PaddedEagerBoundaries(ex)
+    attach_experts(lm.model, driver)
+    scheduler = BatchScheduler(lm)
+    out = [[] for _ in texts]
+    for i, t in enumerate(texts):
+        scheduler.add(BatchRequest(prompt_ids(t), GREEDY, emit=lambda ev, i=i: out[i].extend(ev.token_ids)))
+    while scheduler.active:
+        scheduler.step()
+    assert out == expected
+    assert driver.boundaries >= (GREEDY.max_tokens - 2) * len(lm.moe_spec.moe_layers)  # the 3-row decode steps
+
+
 @pytest.mark.parametrize("slots", [0, 3])
 def test_every_way_the_path_guard_measures_gives_the_resident_tokens(checkpoint, slots):
     """`auto` with a learning planner: the guard times the decode layer-steps and sends windows of them down each
