@@ -181,8 +181,12 @@ def test_on_cuda_batched_requests_get_their_own_tokens(model, offload):
                         expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
     scheduler = BatchScheduler(lm, prefill_chunk=4)
     assert scheduler.use_graphs
-    got, _ = _run(scheduler, prompts, join_late=True)
+    got, _ = _run(scheduler, prompts, join_late=True)  # (4-token chunks: at most one request decodes at a time)
     assert got == expected
+    scheduler.prefill_chunk = 512  # every prompt in the first step: then all decode together
+    for n in (3, 2):
+        together, _ = _run(scheduler, prompts[:n])
+        assert together == expected[:n]
     assert {2, 4} <= {b for b, _ in scheduler._graphs.captured}
     alone, _ = _run(scheduler, prompts[:1])  # one request: its decode replays the graph
     assert alone == expected[:1]
