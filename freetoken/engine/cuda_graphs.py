@@ -149,10 +149,12 @@ class GraphedDecoder:
         BATCH_ROWS, or no free page to lend the padding rows): the caller runs it eagerly."""
         n, cache = len(seqs), self.cache
         batch, window = batch_size_for(n), self.window_for(max(s.length for s in seqs) + 1)
-        if batch * window > BATCH_ROWS or (batch > n and cache.allocator.num_free == 0):
+        if batch * window > BATCH_ROWS:
             return None
-        for seq in seqs:
+        for seq in seqs:  # (reserved either way: the eager step would reserve the same slots)
             cache.reserve(seq, 1)
+        if batch > n and cache.allocator.num_free == 0:
+            return None
         scratch = cache.allocator.allocate(1) if batch > n else []  # the padding rows' keys go here
         try:
             slot = scratch[0] * cache.page_size if scratch else 0
