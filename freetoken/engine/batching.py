@@ -11,8 +11,8 @@ them) so a later prompt that starts with the same tokens, an agent's next turn, 
 Models with recurrent layers run one sequence at a time and reuse whole-sequence snapshots instead
 (state_snapshots.py: each prompt's end and each finished request).
 On CUDA a step of decode tokens only replays a CUDA graph: the single-sequence path's for one sequence, a batched
-step's for several (cuda_graphs.py; the KV pool is then allocated at full size up front, as the graphs need); a
-step with prefill chunks runs eagerly through `LoadedModel.forward_batch`.
+step's for several (cuda_graphs.py; GPU path "batch-graphs"; the KV pool is then allocated at full size up front,
+as the graphs need); a step with prefill chunks runs eagerly through `LoadedModel.forward_batch`.
 
 Shapes: B sequences in a step, V vocabulary.
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.generator import GenerationEvent, Reply, run_settings
 from freetoken.engine.kv_cache import SequenceKV
 from freetoken.engine.loader import LoadedModel
@@ -187,9 +188,10 @@ class BatchScheduler:
                 self._graphs = GraphedDecoder(self.lm, self.cache)
             if len(batch) == 1:
                 return self._graphs.step(batch[0].seq, tokens[0])[None]
-            logits = self._graphs.step_batch([r.seq for r in batch], tokens)
-            if logits is not None:
-                return logits
+            if gpu_paths.enabled("batch-graphs"):
+                logits = self._graphs.step_batch([r.seq for r in batch], tokens)
+                if logits is not None:
+                    return logits
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
         if len(batch) == 1:
             return self.lm.forward(ids, self.cache, batch[0].seq, "last")

@@ -13,6 +13,8 @@ import os
 log = logging.getLogger(__name__)
 
 MEASURED = {
+    "batch-graphs": ("continuous-batching decode steps of several sequences replay CUDA graphs per batch size",
+                     "evals/results/serve-q3-8l-h200.md"),
     "grouped-mm": ("long chunks' experts as sorted grouped matmuls (torch._grouped_mm, bf16 on Hopper and newer)",
                    "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
     "paged-decode": ("captured decode attention as a paged split-KV Triton kernel (kernels/paged_decode)",
