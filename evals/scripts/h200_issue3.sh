@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -37,6 +37,12 @@ for part in "$@"; do
                --out "$OUT/serve-q3-8l-resident.md"
              ft bench serve --model /tmp/q3-8l.gguf --expert-cache 1GiB --sessions 1,4,16 --tokens 64 \
                --commit "$commit" --out "$OUT/serve-q3-8l-offloaded.md" ;;
+    serve-emit-ab) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf  # emit-after-launch A/B
+             [ -f /tmp/q3-8l.gguf ] || ft bench export --shape qwen3-30b-a3b --layers 8 --format gguf-q8_0 \
+               --out /tmp/q3-8l.gguf | tail -1
+             for x in "" emit-after-launch; do FREETOKEN_EXPERIMENTAL=$x ft bench serve --model /tmp/q3-8l.gguf \
+               --sessions 1,4,16 --tokens 64 --repeats 5 --commit "$commit${x:+ +$x}" \
+               --out "$OUT/serve-q3-8l-resident${x:+-$x}.md" | grep -E "^\| (in-process|server|1|4|16) "; done ;;
     serve-bench-resident) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf
              ft bench export --shape qwen3-30b-a3b --layers 8 --format gguf-q8_0 --out /tmp/q3-8l.gguf | tail -1
              ft bench serve --model /tmp/q3-8l.gguf --sessions 1,2,4,8,16 --tokens 64 --commit "$commit" \

@@ -79,6 +79,7 @@ class BatchScheduler:
             initial = min(self.capacity, 1024, kv_tokens or self.capacity)  # never past the pool's bound
             self.cache = lm.new_cache(page_size, initial_tokens=initial, max_tokens=kv_tokens)
         self._graphs = None
+        self._held: list[tuple[BatchRequest, GenerationEvent]] = []  # events emitted after the next launch
         self.active: list[BatchRequest] = []
         self.forwards = 0
         self.prefix = self.snapshots = None
@@ -129,6 +130,12 @@ class BatchScheduler:
     def step(self) -> list[BatchRequest]:
         """One forward for the batch: every decoding request's next token plus the step's prefill chunks.
         Returns the requests dropped because they were cancelled (their pages are free again)."""
+        dropped = self._step()
+        if not self.active:
+            self._flush()  # no next step to hand them out after
+        return dropped
+
+    def _step(self) -> list[BatchRequest]:
         dropped = [r for r in self.active if r.cancelled()]
         for req in dropped:
             self._finish(req)
@@ -151,12 +158,16 @@ class BatchScheduler:
             tokens += chunk
             counts.append(len(chunk))
             room -= len(chunk)
+        hold = self._holds(batch, tokens)
+        if not hold:
+            self._flush()
         try:
             self._make_room(batch, counts)
         except KVCacheFull:
             return dropped  # _make_room ended the newest request; the others go on next step
         logits = self._forward(batch, tokens, counts)
         self.forwards += 1
+        self._flush()  # (held: the last step's events go out while this step's queued GPU work runs)
         for i, (req, n) in enumerate(zip(batch, counts, strict=True)):
             req.steps.append(len(batch))
             if not req.decoding:
@@ -172,13 +183,29 @@ class BatchScheduler:
                 req.emit(e)
                 self._finish(req)
                 continue
-            req.emit(ev)
+            if hold:
+                self._held.append((req, ev))
+            else:
+                req.emit(ev)
             if ev.finish_reason is not None:
                 self._finish(req, reuse=True)
             else:
                 req.next_token = ev.token_ids[0]
                 req.fed.append(req.next_token)  # written to the cache by the next step
         return dropped
+
+    def _holds(self, batch: list[BatchRequest], tokens: list[int]) -> bool:
+        """Whether this step's events wait for the next step's launch (GPU path "emit-after-launch"): a decode step
+        replayed whole from a CUDA graph, whose launch returns at once. Emitting wakes the server's event loop,
+        whose per-token work (SSE framing, the socket) would otherwise hold the GIL while this thread prepares
+        and launches the next step; after the launch it overlaps the GPU's work on that step."""
+        return (self.use_graphs and len(tokens) == len(batch) and getattr(self.lm.experts, "capturable", True)
+                and gpu_paths.enabled("emit-after-launch"))
+
+    def _flush(self) -> None:
+        held, self._held = self._held, []
+        for req, ev in held:
+            req.emit(ev)
 
     def _forward(self, batch: list[BatchRequest], tokens: list[int], counts: list[int]) -> torch.Tensor:
         if self.use_graphs and len(tokens) == len(batch):  # decode tokens only: a captured step
@@ -210,6 +237,7 @@ class BatchScheduler:
         if need <= free:
             return
         victim = self.active[-1]
+        self._flush()  # its earlier tokens first
         victim.emit(KVCacheFull(f"the KV cache is full ({len(self.active)} requests hold it); retry later or "
                                 "serve with a larger --kv-cache"))
         self._finish(victim)
@@ -230,6 +258,7 @@ class BatchScheduler:
         self.cache.release(seq)
 
     def abort_all(self, error: BaseException) -> None:
+        self._flush()
         for req in list(self.active):
             req.emit(error)
             self._finish(req)

@@ -35,6 +35,10 @@ EXPERIMENTAL: dict[str, str] = {
                            "suffix) stream the next layer's experts like long chunks and copy all their misses, "
                            "instead of splitting them between copies and the CPU (A1 on the H200, 9e8f4dc: a "
                            "600-token turn at a 16 GiB budget took 2.0 s, a whole 16k prompt 1.6 s)",
+    "emit-after-launch": "a decode step replayed whole from CUDA graphs hands the previous step's tokens to the "
+                         "server after launching, so the event loop's per-token work overlaps the GPU instead of "
+                         "holding the GIL while the engine thread prepares the launch (single-stream server "
+                         "overhead +8.1% with resident experts at e0dc9db, serve-q3-8l-h200.md)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

@@ -165,6 +165,33 @@ def test_a_request_whose_sampling_fails_ends_alone(model):
     assert good[-1].finish_reason == "length" and good[-1].completion_tokens == 10
 
 
+def test_held_events_go_out_after_the_next_steps_launch_in_order(model):
+    """GPU path "emit-after-launch" (forced here: on the CPU no step is a graph replay): each step's events are
+    handed out right after the next step's forward, every request's in order, the last ones when nothing is left
+    to run, and the tokens are the same."""
+    lm = load_model(model, progress=False)
+    prompts = [prompt_ids(t) for t in TEXTS[:2]]
+    expected = [Generator(lm).generate_ids(p, GREEDY) for p in prompts]
+    scheduler = BatchScheduler(lm)
+    scheduler._holds = lambda batch, tokens: True
+    log = []
+    forward = scheduler._forward
+    scheduler._forward = lambda *a: log.append("F") or forward(*a)
+    out = [[] for _ in prompts]
+
+    def emit(i, ev):
+        log.append(i)
+        out[i].extend(ev.token_ids)
+
+    for i, p in enumerate(prompts):
+        scheduler.add(BatchRequest(p, GREEDY, emit=lambda ev, i=i: emit(i, ev)))
+    while scheduler.active:
+        scheduler.step()
+    assert out == expected
+    steps = GREEDY.max_tokens  # one prefill forward (both prompts) and a decode forward per token but the last
+    assert log == ["F"] + ["F", 0, 1] * (steps - 1) + [0, 1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("offload", [False, True])
 def test_on_cuda_batched_requests_get_their_own_tokens(model, offload):
