@@ -383,6 +383,21 @@ class StaticBatchAttention:
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.write_slots = torch.zeros(batch, dtype=torch.long, device=device)
         self.read_slots = torch.zeros(batch, window, dtype=torch.long, device=device)
+        self._paged, self._paged_checked = None, False
+
+    def _paged_kernel(self, q: torch.Tensor):
+        """The paged split-KV kernel over every row at once (GPU path "batch-paged-decode", experimental: reads
+        each row's keys in place where `decode_rows_attention` gathers B × W of them), built on the first call."""
+        if not self._paged_checked:
+            self._paged_checked = True
+            from freetoken.kernels.paged_decode import kernel as paged
+
+            heads, kv_heads, head_dim = q.shape[1], self.cache.n_kv_heads, q.shape[2]
+            if gpu_paths.enabled("batch-paged-decode") and paged.available(q.device) and \
+                    paged.supports(heads, kv_heads, head_dim):
+                self._paged = paged.PagedDecodeAttention(self.window, heads, kv_heads, head_dim, q.device, q.dtype,
+                                                         batch=self.batch)
+        return self._paged
 
     def prepare(self, seqs: list[SequenceKV], scratch_slot: int) -> None:
         """Points row i at token `seqs[i].length` (its slot reserved), the rows after them at `scratch_slot`."""
@@ -402,6 +417,13 @@ class StaticBatchAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None,
                select: KeySelection | None = None) -> torch.Tensor:
+        paged = self._paged_kernel(q) if sinks is None and window is None and select is None else None
+        if paged is not None:
+            k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
+            k_pool.index_copy_(0, self.write_slots, k.to(k_pool.dtype))
+            if v_pool is not k_pool:
+                v_pool.index_copy_(0, self.write_slots, v.to(v_pool.dtype))
+            return paged(q, k_pool, v_pool, self.read_slots, self.positions)
         return decode_rows_attention(self.cache, layer, q, k, v, self.write_slots, self.read_slots, self.positions,
                                      slice(None), sinks, window, select)
 

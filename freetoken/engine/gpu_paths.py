@@ -35,6 +35,9 @@ EXPERIMENTAL: dict[str, str] = {
                            "suffix) stream the next layer's experts like long chunks and copy all their misses, "
                            "instead of splitting them between copies and the CPU (A1 on the H200, 9e8f4dc: a "
                            "600-token turn at a 16 GiB budget took 2.0 s, a whole 16k prompt 1.6 s)",
+    "batch-paged-decode": "a captured batched decode step's attention as the paged split-KV Triton kernel over "
+                          "all its rows (kernels/paged_decode), reading each row's keys in place instead of "
+                          "gathering B x W of them",
     "emit-after-launch": "a decode step replayed whole from CUDA graphs hands the previous step's tokens to the "
                          "server after launching, so the event loop's per-token work overlaps the GPU instead of "
                          "holding the GIL while the engine thread prepares the launch (single-stream server "

@@ -1,5 +1,6 @@
 """Paged split-KV decode attention (Triton): one token's query heads over a window of key slots, the K/V rows
-read in place from the pools through the slot table, the window split across programs (flash-decoding).
+read in place from the pools through the slot table, the window split across programs (flash-decoding). A batch
+of B such tokens (a continuous-batching decode step, each row its own slot table and position) is one launch.
 
 SDPA on a decode step gets one program per KV head (4 for Qwen3-30B-A3B: 4 of 132 SMs) and needs the keys
 gathered into a contiguous tensor first; here each (KV head, split) program streams its share of the window
@@ -7,7 +8,7 @@ straight from the pools with an online softmax, and a second launch merges the s
 from a device tensor, so a captured CUDA graph replays it for any position inside its window. Checked against
 `reference.py`; tests run it under Triton's interpreter on the CPU.
 
-Shapes: H query heads, Hkv KV heads, G = H / Hkv, D head dim, W window, P splits.
+Shapes: B rows, H query heads, Hkv KV heads, G = H / Hkv, D head dim, W window, P splits.
 """
 
 from __future__ import annotations
@@ -47,14 +48,16 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, part_ptr, lse_ptr, per_split, scale,
-                      stride_ks, stride_kh, stride_vs, stride_vh,
+                      stride_ks, stride_kh, stride_vs, stride_vh, stride_qb, stride_sb,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       IEEE: tl.constexpr):
-        """Program (kv head, split): keys [split * per_split, +per_split) of the window, capped at the valid
-        length. Writes the split's unnormalised output [GP, D] and its (max, sum) per query row."""
-        kvh, split = tl.program_id(0), tl.program_id(1)
-        n_splits = tl.num_programs(1)
-        valid = tl.load(pos_ptr) + 1
+        """Program (kv head, split, row): the row's keys [split * per_split, +per_split) of the window, capped at
+        its valid length. Writes the split's unnormalised output [GP, D] and its (max, sum) per query row."""
+        kvh, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_kv, n_splits = tl.num_programs(0), tl.num_programs(1)
+        q_ptr += row * stride_qb
+        slots_ptr += row * stride_sb
+        valid = tl.load(pos_ptr + row) + 1
         rows = tl.arange(0, GP)
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + (kvh * G + rows)[:, None] * D + dims[None, :], mask=(rows < G)[:, None],
@@ -90,16 +93,17 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             s = s * alpha + tl.sum(p, axis=1)
             m = m_new
-        at = (kvh * n_splits + split) * GP + rows
+        at = ((row * n_kv + kvh) * n_splits + split) * GP + rows
         tl.store(part_ptr + at[:, None] * D + dims[None, :], acc)
         tl.store(lse_ptr + at * 2, m)
         tl.store(lse_ptr + at * 2 + 1, s)
 
     @triton.jit
     def _merge_kernel(part_ptr, lse_ptr, out_ptr, n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
-        """Program (query head): the splits' outputs rescaled to a common max and normalised."""
-        head = tl.program_id(0)
-        kvh, g = head // G, head % G
+        """Program (query head, row): the splits' outputs rescaled to a common max and normalised."""
+        head, row = tl.program_id(0), tl.program_id(1)
+        kvh = row * (tl.num_programs(0) // G) + head // G  # the row's KV head, counted over all rows
+        g = head % G
         dims = tl.arange(0, D)
         m_all = float("-inf")
         for split in range(0, n_splits):
@@ -112,7 +116,7 @@ if triton is not None:
             w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # a split past the valid length adds nothing
             total += w * tl.load(lse_ptr + at * 2 + 1)
             acc += w * tl.load(part_ptr + at * D + dims)
-        tl.store(out_ptr + head * D + dims, (acc / total).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + (row * tl.num_programs(0) + head) * D + dims, (acc / total).to(out_ptr.dtype.element_ty))
 
 
 class PagedDecodeAttention:
@@ -120,7 +124,7 @@ class PagedDecodeAttention:
     allocation outside the graph's pool, and a replay must find the same addresses)."""
 
     def __init__(self, window: int, heads: int, kv_heads: int, head_dim: int, device: torch.device,
-                 dtype: torch.dtype, programs: int | None = None):
+                 dtype: torch.dtype, programs: int | None = None, batch: int = 1):
         if triton is None:
             raise RuntimeError("paged decode attention needs triton")
         if not supports(heads, kv_heads, head_dim):
@@ -128,25 +132,27 @@ class PagedDecodeAttention:
         if programs is None:
             programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
                 if device.type == "cuda" else 8
-        self.group, self.head_dim, self.kv_heads = heads // kv_heads, head_dim, kv_heads
+        self.group, self.head_dim, self.kv_heads, self.batch = heads // kv_heads, head_dim, kv_heads, batch
         self.padded = max(MIN_G, triton.next_power_of_2(self.group))
-        self.splits, self.per_split = splits_for(window, kv_heads, programs)
-        rows = kv_heads * self.splits * self.padded
+        self.splits, self.per_split = splits_for(window, kv_heads * batch, programs)  # programs over all rows
+        rows = batch * kv_heads * self.splits * self.padded
         self.parts = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(rows, 2, dtype=torch.float32, device=device)
-        self.out = torch.empty(1, heads, head_dim, dtype=dtype, device=device)
+        self.out = torch.empty(batch, heads, head_dim, dtype=dtype, device=device)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                  position: torch.Tensor) -> torch.Tensor:
         """As `reference.paged_decode_attention` (its docstring has the shapes); returns a buffer of this
         object's, overwritten by the next call."""
-        q = q.contiguous()
+        q, slots = q.contiguous(), slots.view(self.batch, -1)
         if k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
             raise ValueError("the KV pools' head dim must be contiguous")
-        _split_kernel[(self.kv_heads, self.splits)](
+        if slots.stride(1) != 1:
+            raise ValueError("each row's slot table must be contiguous")
+        _split_kernel[(self.kv_heads, self.splits, self.batch)](
             q, k_pool, v_pool, slots, position, self.parts, self.lse, self.per_split, 1.0 / math.sqrt(self.head_dim),
-            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), q.stride(0), slots.stride(0),
             G=self.group, GP=self.padded, D=self.head_dim, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
-        _merge_kernel[(self.kv_heads * self.group,)](self.parts, self.lse, self.out, self.splits,
-                                                    G=self.group, GP=self.padded, D=self.head_dim)
+        _merge_kernel[(self.kv_heads * self.group, self.batch)](self.parts, self.lse, self.out, self.splits,
+                                                               G=self.group, GP=self.padded, D=self.head_dim)
         return self.out

@@ -76,13 +76,21 @@ BATCH_TEXTS = [f"Sequence number {i} says" + " more" * i for i in range(10)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("dtype, offload", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
-                         ids=["fp32", "fp32-offloaded", "bf16"])
-def test_on_cuda_a_captured_batched_step_equals_the_eager_one(dtype, offload, tmp_path):
+@pytest.mark.parametrize("dtype, offload, paged", [(torch.float32, False, False), (torch.float32, True, False),
+                                                   (torch.bfloat16, False, False), (torch.bfloat16, False, True)],
+                         ids=["fp32", "fp32-offloaded", "bf16", "bf16-batch-paged-decode"])
+def test_on_cuda_a_captured_batched_step_equals_the_eager_one(dtype, offload, paged, tmp_path, monkeypatch):
     """Ten sequences replay the captured step of 16 (six padding rows on a borrowed page): the logits of the eager
     batched step at each of 8 steps. bf16 on sm90 captures the grouped expert matmuls (20 pairs: past gathering);
-    offloaded, the step is captured in segments with the expert calls between them, on the real rows only."""
+    offloaded, the step is captured in segments with the expert calls between them, on the real rows only; with
+    "batch-paged-decode" its attention is the paged Triton kernel over all 16 rows."""
+    from freetoken.engine import gpu_paths
     from freetoken.engine.cuda_graphs import GraphedDecoder
+
+    if paged:
+        pytest.importorskip("triton")
+        enabled = gpu_paths.enabled
+        monkeypatch.setattr(gpu_paths, "enabled", lambda name: name == "batch-paged-decode" or enabled(name))
 
     write_hf_checkpoint(path=tmp_path, **PARITY_CASES["qwen3_moe"])
     lm = load_model(tmp_path, device="cuda", dtype=dtype, progress=False)
@@ -106,6 +114,7 @@ def test_on_cuda_a_captured_batched_step_equals_the_eager_one(dtype, offload, tm
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
             tokens = want.argmax(-1).tolist()
     assert set(decoder.captured) == {(16, 256)}
+    assert (decoder.captured[(16, 256)].ctx._paged is not None) == paged
     for seq in graphed:
         graph_cache.release(seq)
     assert graph_cache.allocator.num_free == graph_cache.allocator.num_pages  # the padding rows' page came back
@@ -116,8 +125,8 @@ import sys
 import torch
 from freetoken.engine.loader import load_model
 from freetoken.kernels.paged_decode import kernel
-from support.checkpoints import PARITY_CASES, write_hf_checkpoint
-from support.decode_checks import static_window_equals_eager
+from support.checkpoints import PARITY_CASES, prompt_ids, write_hf_checkpoint
+from support.decode_checks import static_batch_equals_alone, static_window_equals_eager
 
 kernel.available = lambda device: True  # Triton's interpreter stands in for the GPU
 for case in ("llama", "qwen3_moe"):
@@ -126,13 +135,16 @@ for case in ("llama", "qwen3_moe"):
     lm = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     ctx = static_window_equals_eager(lm, window=96, steps=4, tol=1e-4)
     assert ctx._paged is not None and ctx._paged.splits > 1, case
+    ctx = static_batch_equals_alone(lm, [prompt_ids(), prompt_ids("Hi")], window=96, tol=1e-4)  # + 2 padding rows
+    assert ctx._paged is not None and ctx._paged.batch == 4, case
 print("ok")
 """
 
 
 @interpreter_only
 def test_paged_decode_kernel_in_the_static_window_equals_eager_decode(tmp_path):
-    """With the "paged-decode" GPU path (on by default), the captured step's attention is the split-KV Triton kernel
-    (here under Triton's interpreter, in a fresh process: TRITON_INTERPRET must be set before it is defined)."""
+    """With the "paged-decode" GPU path (on by default), the captured step's attention is the split-KV Triton kernel,
+    and with "batch-paged-decode" (experimental) a captured batched step's too (here under Triton's interpreter, in a
+    fresh process: TRITON_INTERPRET must be set before it is defined)."""
     pytest.importorskip("triton")
-    run_fresh(PAGED_CHECK, str(tmp_path), interpret=True)
+    run_fresh(PAGED_CHECK, str(tmp_path), interpret=True, env={"FREETOKEN_EXPERIMENTAL": "batch-paged-decode"})

@@ -44,6 +44,22 @@ CHECK = textwrap.dedent("""
             want = paged_decode_attention(q, k, v, slots, pos).float()
             err = ((got - want).norm() / want.norm()).item()
             assert err < tol, (heads, kv, d, window, position, dtype, err)
+    # a batch: rows of their own slot tables and positions (one of them a single valid key), one launch
+    heads, kv, d, window, dtype = 16, 4, 64, 200, torch.float32
+    pool, batch = 3 * window, 3
+    k = torch.randn(pool, kv, d, generator=gen).to(device)
+    v = torch.randn(pool, kv, d, generator=gen).to(device)
+    slots = torch.stack([torch.randperm(pool, generator=gen)[:window] for _ in range(batch)]).to(device)
+    q = torch.randn(batch, heads, d, generator=gen).to(device)
+    attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=12, batch=batch)
+    for positions in ([199, 0, 57], [10, 120, 199]):
+        pos = torch.tensor(positions, device=device)
+        attn.out.fill_(float("nan"))
+        got, want = attn(q, k, v, slots, pos).float(), paged_decode_attention(q, k, v, slots, pos).float()
+        assert ((got - want).norm() / want.norm()).item() < 1e-4, positions
+        for i in range(batch):  # each row equals that row alone
+            alone = paged_decode_attention(q[i:i + 1], k, v, slots[i], pos[i:i + 1]).float()
+            assert ((got[i:i + 1] - alone).norm() / alone.norm()).item() < 1e-4, (positions, i)
     print("ok")
 """)
 

@@ -39,9 +39,10 @@ def static_window_equals_eager(lm, window: int, steps: int, tol: float) -> Stati
 
 
 def static_batch_equals_alone(lm, prompts: list[list[int]], steps: int = 6, pad: int = 2, window: int = 64,
-                              tol: float = 1e-5) -> None:
+                              tol: float = 1e-5) -> StaticBatchAttention:
     """Decodes the prompts together through a static batch of len(prompts) + `pad` rows (what a captured batched
-    step runs; the padding rows on a scratch page) and each one alone, eagerly: equal logits at every step."""
+    step runs; the padding rows on a scratch page) and each one alone, eagerly: equal logits at every step.
+    Returns the static context."""
     eager_cache, static_cache = lm.new_cache(page_size=4), lm.new_cache(page_size=4, initial_tokens=256)
     eager = [eager_cache.new_sequence() for _ in prompts]
     static = [static_cache.new_sequence() for _ in prompts]
@@ -65,6 +66,7 @@ def static_batch_equals_alone(lm, prompts: list[list[int]], steps: int = 6, pad:
             for g, want in zip(got, expected, strict=False):
                 torch.testing.assert_close(g, want, atol=tol, rtol=tol)
             tokens = [int(e.argmax()) for e in expected]
+    return ctx
 
 
 def batched_equals_alone(lm, prompts: list[list[int]], tol: float = 1e-5) -> None:
