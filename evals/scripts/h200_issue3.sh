@@ -71,7 +71,7 @@ for part in "$@"; do
     p1-8l) for g in grouped-mm ""; do FREETOKEN_DISABLE=$g ft bench prefill --shape qwen3-30b-a3b --layers 8 \
              --prompts 4096,16384 --chunk 16384 --budgets 0 --strategies resident,copy,copy-ahead --repeats 3 \
              --commit "$commit (FREETOKEN_DISABLE=$g)" --out "$OUT/p1-8l${g:+-no-$g}.md"; done ;;
-    attn) (cd /tmp && python3 -m freetoken.kernels.paged_decode.bench | tee "$OUT/decode-attention.md") ;;
+    attn) (cd /tmp && python3 -m freetoken.kernels.paged_decode.bench --batches 4 16 | tee "$OUT/decode-attention.md") ;;
     families-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" \
              "$OLDPWD/tests/kernels/test_gated_delta.py" "$OLDPWD/tests/engine/models/test_qwen3_next.py" \
              "$OLDPWD/tests/engine/models/test_grouped_routing.py" \
