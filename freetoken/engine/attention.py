@@ -145,6 +145,28 @@ class BatchAttention:
 _ONE_TOKEN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def write_decode_kv(cache: PagedKVCache, layer: int, slots: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes each new token's K/V [N, Hkv, D] to its slot of the layer's pools (once where the values are the
+    keys: one pool) and returns the pools (k_pool, v_pool)."""
+    k_pool, v_pool = cache.k[layer], cache.v[layer]
+    k_pool.index_copy_(0, slots, k.to(k_pool.dtype))
+    if v_pool is not k_pool:
+        v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
+    return k_pool, v_pool
+
+
+def paged_kernel_for(path: str, cache: PagedKVCache, window: int, q: torch.Tensor, batch: int = 1):
+    """The paged split-KV kernel (kernels/paged_decode) for a static window of `batch` rows where GPU path `path` is
+    on and the device and shape allow it, else None. Built before capture (its buffers need fixed addresses)."""
+    from freetoken.kernels.paged_decode import kernel as paged
+
+    heads, kv_heads, head_dim = q.shape[1], cache.n_kv_heads, q.shape[2]
+    if gpu_paths.enabled(path) and paged.available(q.device) and paged.supports(heads, kv_heads, head_dim):
+        return paged.PagedDecodeAttention(window, heads, kv_heads, head_dim, q.device, q.dtype, batch=batch)
+    return None
+
+
 def decode_rows_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           write: torch.Tensor, read: torch.Tensor, positions: torch.Tensor,
                           rows: slice | torch.Tensor, sinks: torch.Tensor | None = None, window: int | None = None,
@@ -154,14 +176,11 @@ def decode_rows_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, k: t
     `window`: each token sees its last `window` positions; `sinks` [H]: a virtual key per head whose logit is
     the sink and whose value is 0 (as in `sink_attention`); `select`: the keys it picks per row."""
     last = positions[:, None]
-    cache.k[layer].index_copy_(0, write, k.to(cache.dtype))
-    if not cache.values_are_keys:
-        cache.v[layer].index_copy_(0, write, v.to(cache.dtype))
+    k_pool, v_pool = write_decode_kv(cache, layer, write, k, v)
     b, w = read.shape
     valid = torch.arange(w, device=read.device)[None, :] <= last  # slot j of a row holds position j
-    keys = cache.k[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *k.shape[1:])
-    values = keys if cache.values_are_keys else \
-        cache.v[layer].index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *v.shape[1:])
+    keys = k_pool.index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *k.shape[1:])
+    values = keys if v_pool is k_pool else v_pool.index_select(0, read.reshape(-1)).to(q.dtype).view(b, w, *v.shape[1:])
     h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     mask = valid
     if window is not None:
@@ -326,12 +345,7 @@ class StaticDecodeAttention:
         first call: graph warm-ups run before capture, so its buffers exist before any replay reads them."""
         if not self._paged_checked:
             self._paged_checked = True
-            from freetoken.kernels.paged_decode import kernel as paged
-
-            heads, kv_heads, head_dim = q.shape[1], self.cache.n_kv_heads, q.shape[2]
-            if gpu_paths.enabled("paged-decode") and paged.available(q.device) and \
-                    paged.supports(heads, kv_heads, head_dim):
-                self._paged = paged.PagedDecodeAttention(self.window, heads, kv_heads, head_dim, q.device, q.dtype)
+            self._paged = paged_kernel_for("paged-decode", self.cache, self.window, q)
         return self._paged
 
     def prepare(self, seq: SequenceKV) -> None:
@@ -352,10 +366,7 @@ class StaticDecodeAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None,
                select: KeySelection | None = None) -> torch.Tensor:
-        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
-        k_pool.index_copy_(0, self.write_slot, k.to(k_pool.dtype))
-        if v_pool is not k_pool:  # (a cache whose values are its keys holds one pool)
-            v_pool.index_copy_(0, self.write_slot, v.to(v_pool.dtype))
+        k_pool, v_pool = write_decode_kv(self.cache, layer, self.write_slot, k, v)
         plain = sinks is None and window is None and select is None
         paged = self._paged_kernel(q) if plain else None
         if paged is not None:  # reads the window's rows in place (no gather), the window split across the SMs
@@ -390,13 +401,7 @@ class StaticBatchAttention:
         each row's keys in place where `decode_rows_attention` gathers B × W of them), built on the first call."""
         if not self._paged_checked:
             self._paged_checked = True
-            from freetoken.kernels.paged_decode import kernel as paged
-
-            heads, kv_heads, head_dim = q.shape[1], self.cache.n_kv_heads, q.shape[2]
-            if gpu_paths.enabled("batch-paged-decode") and paged.available(q.device) and \
-                    paged.supports(heads, kv_heads, head_dim):
-                self._paged = paged.PagedDecodeAttention(self.window, heads, kv_heads, head_dim, q.device, q.dtype,
-                                                         batch=self.batch)
+            self._paged = paged_kernel_for("batch-paged-decode", self.cache, self.window, q, self.batch)
         return self._paged
 
     def prepare(self, seqs: list[SequenceKV], scratch_slot: int) -> None:
@@ -419,10 +424,7 @@ class StaticBatchAttention:
                select: KeySelection | None = None) -> torch.Tensor:
         paged = self._paged_kernel(q) if sinks is None and window is None and select is None else None
         if paged is not None:
-            k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
-            k_pool.index_copy_(0, self.write_slots, k.to(k_pool.dtype))
-            if v_pool is not k_pool:
-                v_pool.index_copy_(0, self.write_slots, v.to(v_pool.dtype))
+            k_pool, v_pool = write_decode_kv(self.cache, layer, self.write_slots, k, v)
             return paged(q, k_pool, v_pool, self.read_slots, self.positions)
         return decode_rows_attention(self.cache, layer, q, k, v, self.write_slots, self.read_slots, self.positions,
                                      slice(None), sinks, window, select)

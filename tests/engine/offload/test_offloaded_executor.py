@@ -103,10 +103,14 @@ class _EagerBoundaries:
         ex = self.executor
         if hidden.shape[0] != 1:
             return ex.forward(layer, hidden, topk_ids, topk_weights)
-        ex.prepare_graph_io(1)
+        return self._boundary(layer, hidden, topk_ids, topk_weights)
+
+    def _boundary(self, layer, hidden, topk_ids, topk_weights, rows=None):
+        ex = self.executor
+        ex.prepare_graph_io(hidden.shape[0])
         route = ex.capture_route(layer, hidden, topk_ids, topk_weights)
         gpu_share = []
-        ex.run_boundary(route, lambda: gpu_share.append(ex.capture_experts(route)))
+        ex.run_boundary(route, lambda: gpu_share.append(ex.capture_experts(route)), rows)
         self.boundaries += 1
         return ex.capture_combine(route, gpu_share[0])
 
@@ -157,12 +161,7 @@ class _PaddedEagerBoundaries(_EagerBoundaries):
         hidden = torch.cat((hidden, hidden.new_zeros(pad, hidden.shape[1])))
         topk_ids = torch.cat((topk_ids, topk_ids.new_full((pad, topk_ids.shape[1]), ex.num_experts + 7)))
         topk_weights = torch.cat((topk_weights, topk_weights.new_zeros(pad, topk_weights.shape[1])))
-        ex.prepare_graph_io(batch)
-        route = ex.capture_route(layer, hidden, topk_ids, topk_weights)
-        gpu_share = []
-        ex.run_boundary(route, lambda: gpu_share.append(ex.capture_experts(route)), n)
-        self.boundaries += 1
-        return ex.capture_combine(route, gpu_share[0])[:n]
+        return self._boundary(layer, hidden, topk_ids, topk_weights, rows=n)[:n]
 
 
 @pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
