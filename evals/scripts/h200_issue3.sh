@@ -37,19 +37,19 @@ for part in "$@"; do
                --out "$OUT/serve-q3-8l-resident.md"
              ft bench serve --model /tmp/q3-8l.gguf --expert-cache 1GiB --sessions 1,4,16 --tokens 64 \
                --commit "$commit" --out "$OUT/serve-q3-8l-offloaded.md" ;;
-    serve-emit-ab) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf  # emit-after-launch A/B
+    serve-emit-ab) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf  # emit-after-launch on/off
              [ -f /tmp/q3-8l.gguf ] || ft bench export --shape qwen3-30b-a3b --layers 8 --format gguf-q8_0 \
                --out /tmp/q3-8l.gguf | tail -1
-             for x in "" emit-after-launch; do FREETOKEN_EXPERIMENTAL=$x ft bench serve --model /tmp/q3-8l.gguf \
-               --sessions 1,4,16 --tokens 64 --repeats 5 --commit "$commit${x:+ +$x}" \
-               --out "$OUT/serve-q3-8l-resident${x:+-$x}.md" | grep -E "^\| (in-process|server|1|4|16) "; done ;;
+             for x in "" emit-after-launch; do FREETOKEN_DISABLE=$x ft bench serve --model /tmp/q3-8l.gguf \
+               --sessions 1,4,16 --tokens 64 --repeats 5 --commit "$commit${x:+ -$x}" \
+               --out "$OUT/serve-q3-8l-resident${x:+-no-$x}.md" | grep -E "^\| (in-process|server|1|4|16) "; done ;;
     serve-bench-resident) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf
              ft bench export --shape qwen3-30b-a3b --layers 8 --format gguf-q8_0 --out /tmp/q3-8l.gguf | tail -1
              ft bench serve --model /tmp/q3-8l.gguf --sessions 1,2,4,8,16 --tokens 64 --commit "$commit" \
                --out "$OUT/serve-q3-8l-resident.md" ;;
     graphs-batch-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k cuda -rf \
              "$OLDPWD/tests/engine/test_batching.py" "$OLDPWD/tests/engine/test_static_decode.py" \
-             "$OLDPWD/tests/engine/models/test_glm_moe_dsa.py" 2>&1 | tail -25) ;;
+             "$OLDPWD/tests/engine/models/test_glm_moe_dsa.py" "$OLDPWD/tests/kernels/test_paged_decode.py" 2>&1 | tail -25) ;;
     batching-cuda) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k cuda \
              "$OLDPWD/tests/engine/test_batching.py" "$OLDPWD/tests/sdk/test_sessions.py" 2>&1 | tail -15) ;;
     q8-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k "cuda or compiled" \

@@ -322,6 +322,7 @@ class StaticDecodeAttention:
         self.read_slots = torch.zeros(window, dtype=torch.long, device=device)
         self.key_positions = torch.arange(window, device=device)
         self._paged, self._paged_checked = None, False
+        self.gathered = False  # whether a layer's attention gathered its keys (set while the step is captured)
         self._state: dict[int, tuple[torch.Tensor, ...]] = {}  # layer → static recurrent-state buffers
 
     def recurrent_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
@@ -348,6 +349,12 @@ class StaticDecodeAttention:
             self._paged = paged_kernel_for("paged-decode", self.cache, self.window, q)
         return self._paged
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether every layer's attention of the captured step ran the paged kernel: its cost then follows the
+        sequence, not the window (cuda_graphs.py captures such a step once, over the cache's capacity)."""
+        return self._paged is not None and not self.gathered
+
     def prepare(self, seq: SequenceKV) -> None:
         """Points the buffers at token `seq.length` (its slot must already be reserved)."""
         n = seq.length
@@ -371,6 +378,7 @@ class StaticDecodeAttention:
         paged = self._paged_kernel(q) if plain else None
         if paged is not None:  # reads the window's rows in place (no gather), the window split across the SMs
             return paged(q, k_pool, v_pool, self.read_slots, self.positions)
+        self.gathered = True
         keys = k_pool.index_select(0, self.read_slots).to(q.dtype)  # [W, Hkv, D]
         values = keys if v_pool is k_pool else v_pool.index_select(0, self.read_slots).to(q.dtype)
         valid = self.key_positions <= self.positions

@@ -1,8 +1,12 @@
 """CUDA-graph decode: one captured decode step per window size, replayed for every token.
 
 Eager decode of a small model is bound by launching a thousand-odd kernels per token from Python; a replayed
-graph launches them all at once. A step is captured per window W (powers of two from 256 up to the cache's
-capacity), the smallest window covering the sequence is replayed, and slots past the sequence are masked.
+graph launches them all at once. A step is captured per window W and slots past the sequence are masked. Where
+its attention reads the keys in place (the paged kernel: plain attention on CUDA), a longer window costs nothing,
+so the one window is the cache's whole capacity: a sequence never waits for a capture as it grows (a 48-layer
+offloaded capture takes ~0.5 s: a 17-token reply after a 26k-token prompt decoded at 13 instead of 22 tok/s,
+evals/results/a1-qwen3-30b-a3b-16gib-h200.md). Where it gathers them (sinks, sliding windows, MLA, DSA), windows
+are powers of two from 256 up to the capacity, the smallest covering the sequence replayed.
 Capture needs fixed tensor addresses, so the KV pools must not grow: the cache is allocated at full size.
 
 An executor that must look routing up on the host (offloaded experts) cannot be captured; then the step is
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.attention import BatchAttention, StaticBatchAttention, StaticDecodeAttention
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 
@@ -120,22 +125,38 @@ class GraphedDecoder:
         self.lm, self.cache = lm, cache
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[int, int], _Captured] = {}  # (batch, window) → its step
+        # whether a single sequence's captured attention reads the keys in place; None until the first capture
+        self.in_place: bool | None = None
 
     @property
     def capacity(self) -> int:
         """Tokens the pool holds (it can be resized while serving)."""
         return self.cache.max_pages * self.cache.page_size
 
-    def window_for(self, n_tokens: int) -> int:
+    def window_for(self, n_tokens: int, batch: int = 1) -> int:
+        """The window a step of `batch` sequences up to `n_tokens` replays: the capacity where its attention reads
+        the keys in place (a single sequence's first capture tries it; a batch's kernel is "batch-paged-decode"),
+        else the smallest power of two from MIN_WINDOW covering them."""
+        if self._in_place(batch):
+            return self.capacity
         w = MIN_WINDOW
         while w < n_tokens:
             w *= 2
         return min(w, self.capacity)
 
+    def _in_place(self, batch: int) -> bool:
+        """Whether a step of `batch` sequences attends through the paged kernel: for one sequence, assumed until its
+        first capture shows otherwise; a batch's kernel (GPU path "batch-paged-decode") has the same conditions."""
+        if batch == 1:
+            return self.in_place is not False
+        return bool(self.in_place) and gpu_paths.enabled("batch-paged-decode")
+
     def step(self, seq: SequenceKV, token: int) -> torch.Tensor:
         """Appends `token` to `seq` and returns the next-token logits [V]."""
         self.cache.reserve(seq, 1)
         entry = self._entry(1, self.window_for(seq.length + 1), lambda ctx: ctx.prepare(seq))
+        if self.in_place is None:  # (a gathering attention's capacity window serves only the longest sequences)
+            self.in_place = entry.ctx.reads_in_place
         entry.ctx.prepare(seq)
         entry.tokens.fill_(token)
         entry.replay(self.lm.experts, 1)
@@ -148,8 +169,9 @@ class GraphedDecoder:
         with nothing appended, where the step does not fit a captured one (its padded batch × window past
         BATCH_ROWS, or no free page to lend the padding rows): the caller runs it eagerly."""
         n, cache = len(seqs), self.cache
-        batch, window = batch_size_for(n), self.window_for(max(s.length for s in seqs) + 1)
-        if batch * window > BATCH_ROWS:
+        batch = batch_size_for(n)
+        window = self.window_for(max(s.length for s in seqs) + 1, batch)
+        if batch * window > BATCH_ROWS and not self._in_place(batch):  # the gathered keys' bound
             return None
         for seq in seqs:  # (reserved either way: the eager step would reserve the same slots)
             cache.reserve(seq, 1)

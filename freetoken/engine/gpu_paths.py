@@ -15,6 +15,9 @@ log = logging.getLogger(__name__)
 MEASURED = {
     "batch-graphs": ("continuous-batching decode steps of several sequences replay CUDA graphs per batch size",
                      "evals/results/serve-q3-8l-h200.md"),
+    "emit-after-launch": ("a decode step replayed whole from CUDA graphs hands the previous step's tokens to the "
+                          "server after launching the next (single-stream server overhead +9.3% -> +1.7%)",
+                          "evals/results/serve-q3-8l-h200.md"),
     "grouped-mm": ("long chunks' experts as sorted grouped matmuls (torch._grouped_mm, bf16 on Hopper and newer)",
                    "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
     "paged-decode": ("captured decode attention as a paged split-KV Triton kernel (kernels/paged_decode)",
@@ -38,10 +41,6 @@ EXPERIMENTAL: dict[str, str] = {
     "batch-paged-decode": "a captured batched decode step's attention as the paged split-KV Triton kernel over "
                           "all its rows (kernels/paged_decode), reading each row's keys in place instead of "
                           "gathering B x W of them",
-    "emit-after-launch": "a decode step replayed whole from CUDA graphs hands the previous step's tokens to the "
-                         "server after launching, so the event loop's per-token work overlaps the GPU instead of "
-                         "holding the GIL while the engine thread prepares the launch (single-stream server "
-                         "overhead +8.1% with resident experts at e0dc9db, serve-q3-8l-h200.md)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

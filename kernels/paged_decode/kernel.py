@@ -5,7 +5,9 @@ of B such tokens (a continuous-batching decode step, each row its own slot table
 SDPA on a decode step gets one program per KV head (4 for Qwen3-30B-A3B: 4 of 132 SMs) and needs the keys
 gathered into a contiguous tensor first; here each (KV head, split) program streams its share of the window
 straight from the pools with an online softmax, and a second launch merges the splits. The valid length comes
-from a device tensor, so a captured CUDA graph replays it for any position inside its window. Checked against
+from a device tensor and each split's share of it is computed in the kernel, so a captured CUDA graph replays it
+for any position inside its window, its programs busy at any length (a short sequence's spare splits exit at
+once): one graph can serve every length up to the cache's capacity. Checked against
 `reference.py`; tests run it under Triton's interpreter on the CPU.
 
 Shapes: B rows, H query heads, Hkv KV heads, G = H / Hkv, D head dim, W window, P splits.
@@ -36,28 +38,33 @@ def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     return heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def splits_for(window: int, kv_heads: int, programs: int) -> tuple[int, int]:
-    """(splits, keys per split): about `programs` programs in all, each a whole number of BLOCK_N keys."""
-    blocks = math.ceil(window / BLOCK_N)
-    splits = max(1, min(blocks, programs // max(kv_heads, 1)))
-    per_split = math.ceil(blocks / splits) * BLOCK_N
-    return math.ceil(window / per_split), per_split
+def splits_for(window: int, kv_heads: int, programs: int) -> int:
+    """Splits per KV head: about `programs` programs in all, none of them with less than BLOCK_N keys of a full
+    window (the kernel divides a row's valid keys among them)."""
+    return max(1, min(math.ceil(window / BLOCK_N), programs // max(kv_heads, 1)))
+
+
+def split_keys(valid: int, splits: int) -> int:
+    """Keys per split for a row of `valid` keys: whole BLOCK_N blocks, as the kernel computes it."""
+    return math.ceil(math.ceil(valid / BLOCK_N) / splits) * BLOCK_N
 
 
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, part_ptr, lse_ptr, per_split, scale,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, part_ptr, lse_ptr, scale,
                       stride_ks, stride_kh, stride_vs, stride_vh, stride_qb, stride_sb,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       IEEE: tl.constexpr):
-        """Program (kv head, split, row): the row's keys [split * per_split, +per_split) of the window, capped at
-        its valid length. Writes the split's unnormalised output [GP, D] and its (max, sum) per query row."""
+        """Program (kv head, split, row): the split's share of the row's valid keys (whole blocks, as
+        `split_keys`; a split past them writes an empty result). Writes the split's unnormalised output [GP, D]
+        and its (max, sum) per query row."""
         kvh, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv, n_splits = tl.num_programs(0), tl.num_programs(1)
         q_ptr += row * stride_qb
         slots_ptr += row * stride_sb
         valid = tl.load(pos_ptr + row) + 1
+        per_split = tl.cdiv(tl.cdiv(valid, BLOCK_N), n_splits) * BLOCK_N
         rows = tl.arange(0, GP)
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + (kvh * G + rows)[:, None] * D + dims[None, :], mask=(rows < G)[:, None],
@@ -134,7 +141,7 @@ class PagedDecodeAttention:
                 if device.type == "cuda" else 8
         self.group, self.head_dim, self.kv_heads, self.batch = heads // kv_heads, head_dim, kv_heads, batch
         self.padded = max(MIN_G, triton.next_power_of_2(self.group))
-        self.splits, self.per_split = splits_for(window, kv_heads * batch, programs)  # programs over all rows
+        self.splits = splits_for(window, kv_heads * batch, programs)  # programs over all rows
         rows = batch * kv_heads * self.splits * self.padded
         self.parts = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(rows, 2, dtype=torch.float32, device=device)
@@ -150,7 +157,7 @@ class PagedDecodeAttention:
         if slots.stride(1) != 1:
             raise ValueError("each row's slot table must be contiguous")
         _split_kernel[(self.kv_heads, self.splits, self.batch)](
-            q, k_pool, v_pool, slots, position, self.parts, self.lse, self.per_split, 1.0 / math.sqrt(self.head_dim),
+            q, k_pool, v_pool, slots, position, self.parts, self.lse, 1.0 / math.sqrt(self.head_dim),
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), q.stride(0), slots.stride(0),
             G=self.group, GP=self.padded, D=self.head_dim, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
         _merge_kernel[(self.kv_heads * self.group, self.batch)](self.parts, self.lse, self.out, self.splits,

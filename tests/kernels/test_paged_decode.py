@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from freetoken.kernels.paged_decode.kernel import BLOCK_N, splits_for, supports  # noqa: E402
+from freetoken.kernels.paged_decode.kernel import BLOCK_N, split_keys, splits_for, supports  # noqa: E402
 from support.decode_checks import KERNEL_RUNS, run_fresh  # noqa: E402
 
 # Grouped-query layouts (8, 1 and 3 query heads per KV head), bf16 and fp32, windows with several splits, one
@@ -27,7 +27,8 @@ CHECK = textwrap.dedent("""
     device = torch.device(sys.argv[1])
     gen = torch.Generator().manual_seed(0)
     cases = [(32, 4, 128, 300, 250, torch.bfloat16), (32, 4, 128, 600, 100, torch.bfloat16),
-             (8, 8, 16, 130, 1, torch.float32), (12, 4, 32, 520, 519, torch.float32)]
+             (8, 8, 16, 130, 1, torch.float32), (12, 4, 32, 520, 519, torch.float32),
+             (16, 4, 64, 4096, 70, torch.float32)]  # a window far past the valid keys (one graph for all lengths)
     for heads, kv, d, window, n, dtype in cases:
         pool = 2 * window + 7
         k = torch.randn(pool, kv, d, generator=gen).to(dtype).to(device)
@@ -69,11 +70,15 @@ def test_the_kernel_matches_the_reference(device, interpret):
     run_fresh(CHECK, device, interpret=interpret)
 
 
-def test_splits_cover_the_window_in_whole_blocks():
+def test_splits_cover_the_valid_keys_in_whole_blocks():
     for window in (1, 63, 64, 1000, 16416, 32768):
-        splits, per_split = splits_for(window, kv_heads=4, programs=264)
-        assert per_split % BLOCK_N == 0 and splits * per_split >= window > (splits - 1) * per_split
-        assert splits * 4 <= 264
+        splits = splits_for(window, kv_heads=4, programs=264)
+        assert 1 <= splits * 4 <= 264 and (splits - 1) * BLOCK_N < window
+        for valid in {1, 64, 65, window // 3 + 1, window}:
+            per_split, blocks = split_keys(valid, splits), -(-valid // BLOCK_N)
+            # every valid key in some split, each split at most one block over an even share
+            assert per_split % BLOCK_N == 0 and splits * per_split >= valid
+            assert (per_split // BLOCK_N - 1) * splits < blocks
 
 
 def test_supported_shapes():
