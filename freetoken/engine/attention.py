@@ -405,8 +405,8 @@ class StaticBatchAttention:
         self._paged, self._paged_checked = None, False
 
     def _paged_kernel(self, q: torch.Tensor):
-        """The paged split-KV kernel over every row at once (GPU path "batch-paged-decode", experimental: reads
-        each row's keys in place where `decode_rows_attention` gathers B × W of them), built on the first call."""
+        """The paged split-KV kernel over every row at once (GPU path "batch-paged-decode": reads each row's keys
+        in place where `decode_rows_attention` gathers B × W of them), built on the first call."""
         if not self._paged_checked:
             self._paged_checked = True
             self._paged = paged_kernel_for("batch-paged-decode", self.cache, self.window, q, self.batch)

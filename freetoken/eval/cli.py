@@ -84,6 +84,7 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
     out.mkdir(parents=True, exist_ok=True)
     live = open(out / "turns.jsonl", "w", encoding="utf-8")  # each turn as it finishes: kept if the run dies
     before = server_counters(endpoint, headers)
+    opts.engine_counters = before is not None  # freetoken's server: its expert counters around each turn
     bar = tqdm(total=len(trace.turns) * a.concurrency, desc=f"ft eval {trace.name}", unit="turn", file=sys.stderr,
                disable=a.quiet)
 

@@ -38,6 +38,7 @@ class ReplayOptions:
     timeout_s: float = 3600.0
     stop: threading.Event = field(default_factory=threading.Event)  # set: send no further turns (Ctrl-C)
     warmup: Outcome | None = None  # the untimed request before the references (the server counted it)
+    engine_counters: bool = False  # freetoken behind the endpoint: its expert counters around each turn
 
 
 @dataclass(slots=True)
@@ -47,6 +48,7 @@ class TurnResult:
     protocol: str
     sent_at: float  # seconds from the run's start
     outcome: Outcome
+    engine: dict[str, Any] | None = None  # the expert counters' change over the turn (`engine_counters`)
 
     def to_json(self) -> dict[str, Any]:
         o, t = self.outcome, self.turn
@@ -55,7 +57,7 @@ class TurnResult:
         return {"replica": self.replica, "id": t.id, "session": t.session, "label": t.label,
                 "protocol": self.protocol, "sent_at_s": round(self.sent_at, 4), "expected_output_tokens":
                 t.output_tokens, **o.to_json(), "new_prompt_tokens": new, "prefill_tok_s": prefill,
-                "decode_tok_s": o.decode_tok_s}
+                "decode_tok_s": o.decode_tok_s, **({"engine": self.engine} if self.engine is not None else {})}
 
 
 def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnResult], list[tuple[str, Outcome]]]:
@@ -119,9 +121,11 @@ def _send_turn(turn: Turn, opts: ReplayOptions, replica: int, started: float) ->
     if opts.think and turn.think_s and opts.stop.wait(turn.think_s):
         return TurnResult(replica, turn, protocol, time.perf_counter() - started,
                           Outcome(error="not sent: the run was interrupted"))
+    before = expert_counters(opts.endpoint, opts.headers) if opts.engine_counters else None
     sent = time.perf_counter() - started
     outcome = _send_sized(opts, protocol, body, turn.output_tokens if opts.fixed_output else None)
-    return TurnResult(replica, turn, protocol, sent, outcome)
+    after = expert_counters(opts.endpoint, opts.headers) if before is not None else None
+    return TurnResult(replica, turn, protocol, sent, outcome, counters_delta(before, after))
 
 
 def _send_sized(opts: ReplayOptions, protocol: str, body: dict, tokens: int | None) -> Outcome:
@@ -170,3 +174,34 @@ def server_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
         return counters if isinstance(counters, dict) else None
     except (OSError, ValueError, AttributeError):
         return None
+
+
+# an offloading server's expert counters that say where a turn's time went: its hit rate, the copies and CPU work
+# of its misses, and the decode host thread's waits (for the routing, planning and queueing, the CPU share)
+EXPERT_COUNTERS = ("hits", "misses", "evictions", "cpu_experts", "bytes_copied", "copy_seconds", "cpu_seconds",
+                   "prefetched", "prefetch_used", "layer_steps", "gpu_wait_seconds", "host_seconds",
+                   "cpu_wait_seconds")
+
+
+def expert_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
+    """freetoken's expert counters and its miss path's current way (`/v1/stats`), or None from another server."""
+    try:
+        req = urllib.request.Request(endpoint.rstrip("/") + "/v1/stats", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            experts = json.load(r)["engine"]["experts"]
+        return {**{k: experts[k] for k in EXPERT_COUNTERS}, "guard_way": experts.get("guard_way", "")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def counters_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What the counters gained between two reads (with turns in flight beside it, theirs too), and the hit rate
+    and miss path way over that span; None unless both reads succeeded."""
+    if before is None or after is None:
+        return None
+    delta: dict[str, Any] = {k: round(after[k] - before[k], 6) for k in EXPERT_COUNTERS}
+    looked_up = delta["hits"] + delta["misses"]
+    delta["hit_rate"] = round(delta["hits"] / looked_up, 4) if looked_up else None
+    delta["guard_way"] = after["guard_way"]
+    return delta
+

@@ -212,6 +212,28 @@ def test_generate_writes_a_trace_the_replayer_reads(tmp_path):
     assert all(name in listing.stdout for name in shapes.names())
 
 
+def test_against_an_offloading_server_each_turn_carries_its_expert_counters(agent_model, tmp_path):
+    """Behind freetoken's endpoint, each turn records what the expert counters gained over it (hits and misses of
+    its prefill and decode, copies, CPU work, the host's waits): what tells an expert-cache drift from the host."""
+    out = tmp_path / "run"
+    with serve_process(agent_model, tmp_path, "--expert-cache", "1MiB") as server:
+        proc = ft_eval("--trace", "opencode", "--scale", SCALE, "--endpoint", server.url, "--out", str(out), "-q",
+                       "--reference-runs", "1")
+        import urllib.request
+
+        with urllib.request.urlopen(f"{server.url}/v1/stats") as r:
+            total = json.load(r)["engine"]["experts"]
+    assert proc.returncode == 0, proc.stderr
+    turns = check_result(out, "opencode")["turns"]
+    assert total["misses"] > 0  # the budget holds a fraction of the experts: every turn misses some
+    for t in turns:
+        engine = t["engine"]
+        assert engine["hits"] + engine["misses"] > 0 and 0 <= engine["hit_rate"] <= 1
+        assert engine["bytes_copied"] >= 0 and engine["layer_steps"] >= 0 and "guard_way" in engine
+    # the title request runs beside the first turn, so their spans overlap; the rest follow one another
+    assert sum(t["engine"]["misses"] for t in turns[2:]) <= total["misses"]
+
+
 def test_without_the_prefix_cache_every_turn_computes_its_whole_prompt(agent_model, tmp_path):
     out = tmp_path / "run"
     with serve_process(agent_model, tmp_path, "--no-prefix-cache") as server:
@@ -278,6 +300,7 @@ def test_a_server_without_ignore_eos_is_asked_again_without_it(endpoint, tmp_pat
     assert proxy.refused == 1 and result["ignore_eos"] is False  # refused once, then left out for the run
     assert all(t["error"] is None and t["output_tokens"] >= 1 for t in result["turns"])
     assert result["server_usage"] is None  # not freetoken's /v1/stats behind this endpoint
+    assert all("engine" not in t for t in result["turns"])
 
 
 def test_ctrl_c_keeps_what_was_measured(endpoint, tmp_path):
