@@ -212,11 +212,14 @@ def test_generate_writes_a_trace_the_replayer_reads(tmp_path):
     assert all(name in listing.stdout for name in shapes.names())
 
 
-def test_against_an_offloading_server_each_turn_carries_its_expert_counters(agent_model, tmp_path):
+def test_against_an_offloading_server_each_turn_carries_its_expert_counters(tmp_path):
     """Behind freetoken's endpoint, each turn records what the expert counters gained over it (hits and misses of
     its prefill and decode, copies, CPU work, the host's waits): what tells an expert-cache drift from the host."""
-    out = tmp_path / "run"
-    with serve_process(agent_model, tmp_path, "--expert-cache", "1MiB") as server:
+    from support.checkpoints import PARITY_CASES, write_hf_checkpoint
+
+    out, model = tmp_path / "run", tmp_path / "tiny-moe"
+    write_hf_checkpoint(path=model, **PARITY_CASES["qwen3_moe"], max_position_embeddings=16384)  # the traces' lengths
+    with serve_process(model, tmp_path, "--expert-cache", "64KiB") as server:
         proc = ft_eval("--trace", "opencode", "--scale", SCALE, "--endpoint", server.url, "--out", str(out), "-q",
                        "--reference-runs", "1")
         import urllib.request

@@ -151,7 +151,9 @@ def test_mxfp4_checkpoints_load_to_the_same_model(mxfp4_checkpoint):
     assert "3.19 KiB per expert (MXFP4)" in describe(str(path))  # 3 × 32 × 64 weights × 17 / 32 bytes
     loaded = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     ids = prompt_ids()
-    torch.testing.assert_close(loaded.prefill_logits(ids), hf_logits(model, ids), atol=1e-4, rtol=0)
+    # these MXFP4 scales give logits up to ~6.6 (mean 1.3), so fp32 summation order (another CPU's BLAS: 1.4e-4 on
+    # an AMD EPYC) is allowed its relative share too; the relative error of the whole is ~5e-6
+    torch.testing.assert_close(loaded.prefill_logits(ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
