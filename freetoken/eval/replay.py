@@ -204,4 +204,3 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     delta["hit_rate"] = round(delta["hits"] / looked_up, 4) if looked_up else None
     delta["guard_way"] = after["guard_way"]
     return delta
-
