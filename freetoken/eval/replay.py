@@ -165,15 +165,21 @@ def served_model(endpoint: str, headers: dict[str, str]) -> str | None:
         return None
 
 
-def server_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
-    """freetoken's request counters (`/v1/stats`), or None from another server."""
+def _server_stats(endpoint: str, headers: dict[str, str]) -> dict | None:
+    """freetoken's `/v1/stats` JSON, or None where the endpoint has no such route (another server)."""
     try:
         req = urllib.request.Request(endpoint.rstrip("/") + "/v1/stats", headers=headers)
         with urllib.request.urlopen(req, timeout=10) as r:
-            counters = json.load(r).get("requests")
-        return counters if isinstance(counters, dict) else None
-    except (OSError, ValueError, AttributeError):
+            stats = json.load(r)
+        return stats if isinstance(stats, dict) else None
+    except (OSError, ValueError):
         return None
+
+
+def server_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
+    """freetoken's request counters (`/v1/stats`), or None from another server."""
+    counters = (_server_stats(endpoint, headers) or {}).get("requests")
+    return counters if isinstance(counters, dict) else None
 
 
 # an offloading server's expert counters that say where a turn's time went: its hit rate, the copies and CPU work
@@ -186,11 +192,9 @@ EXPERT_COUNTERS = ("hits", "misses", "evictions", "cpu_experts", "bytes_copied",
 def expert_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
     """freetoken's expert counters and its miss path's current way (`/v1/stats`), or None from another server."""
     try:
-        req = urllib.request.Request(endpoint.rstrip("/") + "/v1/stats", headers=headers)
-        with urllib.request.urlopen(req, timeout=10) as r:
-            experts = json.load(r)["engine"]["experts"]
+        experts = _server_stats(endpoint, headers)["engine"]["experts"]
         return {**{k: experts[k] for k in EXPERT_COUNTERS}, "guard_way": experts.get("guard_way", "")}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return None
 
 
