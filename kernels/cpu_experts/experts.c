@@ -158,12 +158,14 @@ static void phase_gate_up(void *ctx, int task) {
             const void *rows[2] = {gate + r * gb, up + r * ub};
             if (j->xq && nt == 1) {  /* several tokens share the fp32 path's widened weights: faster there */
 #if HAVE_Q16
-                for (int t = 0; t < nt; t++) {
-                    size_t token = (size_t)j->pair_tokens[p0 + t0 + t];
-                    const int16_t *xq = j->xq + token * j->hidden;
-                    const float *xqs = j->xqs + token * (j->hidden / Q8_BLOCK);
-                    gu[t] = q16_dot(rows[0], xq, xqs, j->hidden);
-                    gu[nt + t] = q16_dot(rows[1], xq, xqs, j->hidden);
+                size_t token = (size_t)j->pair_tokens[p0 + t0];
+                const int16_t *xq = j->xq + token * j->hidden;
+                const float *xqs = j->xqs + token * (j->hidden / Q8_BLOCK);
+                if (q16_two_rows) {
+                    q16_dot2(rows[0], rows[1], xq, xqs, j->hidden, gu);
+                } else {
+                    gu[0] = q16_dot(rows[0], xq, xqs, j->hidden);
+                    gu[1] = q16_dot(rows[1], xq, xqs, j->hidden);
                 }
 #endif
             } else if (j->xb) {
@@ -210,15 +212,16 @@ static void phase_down(void *ctx, int task) {
                 as[t] = j->act + (size_t)(p0 + t) * j->inter;
                 if (j->actb) abs_[t] = j->actb + (size_t)(p0 + t) * j->inter;
             }
-            int q16 = j->actq && nt == 1, step = q16 ? 1 : 2;  /* two rows interleave on the other paths */
+            int q16 = j->actq && nt == 1, step = q16 && !q16_two_rows ? 1 : 2;  /* rows interleave in pairs */
             for (int h = h0; h < h1; h += step) {
                 const void *rows[2] = {down + h * db, down + (h + 1) * db};
                 int nr = h + 1 < h1 && step == 2 ? 2 : 1;
                 if (q16) {
 #if HAVE_Q16
-                    for (int t = 0; t < nt; t++)
-                        d[t] = q16_dot(rows[0], j->actq + (size_t)(p0 + t) * j->inter,
-                                       j->actqs + (size_t)(p0 + t) * (j->inter / Q8_BLOCK), j->inter);
+                    const int16_t *aq = j->actq + (size_t)p0 * j->inter;
+                    const float *aqs = j->actqs + (size_t)p0 * (j->inter / Q8_BLOCK);
+                    if (nr == 2) q16_dot2(rows[0], rows[1], aq, aqs, j->inter, d);
+                    else d[0] = q16_dot(rows[0], aq, aqs, j->inter);
 #endif
                 } else if (j->actb)
                     rows_dots_bf16_n(rows, nr, abs_, j->inter, nt, d);
@@ -421,6 +424,17 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
 
 /* The int16-activation Q8_0 path on (default) or off, for tests and measurements against the fp32 path. */
 void ft_set_q16(int on) { q16_disabled = !on; }
+
+/* How the int16-activation path reads rows (interleaved pairs or one at a time) and the blocks' scales (one
+   gather or scalar loads), for measuring its forms against each other. */
+void ft_set_q16_form(int two_rows, int gather_scales) {
+#if HAVE_Q16
+    q16_two_rows = two_rows;
+    q16_gather_scales = gather_scales;
+#else
+    (void)two_rows, (void)gather_scales;
+#endif
+}
 
 /* AMX tuning: the fewest tokens per expert worth tiles for bf16 and for block-format weights (defaults 2 and 6),
    and a switch for measuring without them. */

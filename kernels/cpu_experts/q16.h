@@ -1,5 +1,7 @@
 /* Part of experts.c (included once, where it stands): Q8_0 rows against int16 activations. */
 
+static int q16_two_rows = 1;  /* ft_set_q16_form: rows dotted in interleaved pairs (1) or one at a time (0) */
+
 #if defined(__AVX512BW__) && defined(__AVX512F__)
 /* Q8_0 weights against int16 activations (a bf16 model's Q8_0 experts at one token per expert:
    decode; several tokens share the fp32 path's widened weights, which is faster there).
@@ -8,7 +10,8 @@
    blocks at once: their 16 partial vectors are summed into one vector of 16 block sums by a transpose-add tree,
    scaled by the 16 gathered f16 scales, and accumulated. Activations are quantized per 32-block with a
    power-of-two scale: a bf16 value within 2^8 of its block's largest is exact, smaller ones err by at most
-   2^-16 of that largest (far below bf16's own rounding). Rows are dotted one at a time (one DRAM stream). */
+   2^-16 of that largest (far below bf16's own rounding). Rows are dotted one at a time (one DRAM stream), or two
+   interleaved (q16_dot2). */
 #define HAVE_Q16 1
 INLINE __m512i q16_pairs(__m512i a, __m512i b) {
     return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
@@ -20,34 +23,87 @@ INLINE __m512i q16_lanes(__m512i a, __m512i b) {
     return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
 }
 
-/* Lane i of the result = sum of the lanes of v[i] (the tree keeps block order: checked by the tests). */
-INLINE __m512i q16_block_sums(const __m512i *v) {
-    __m512i pairs[8], quads[4];
-    for (int i = 0; i < 8; i++) pairs[i] = q16_pairs(v[2 * i], v[2 * i + 1]);
-    for (int i = 0; i < 4; i++) quads[i] = q16_quads(pairs[2 * i], pairs[2 * i + 1]);
-    return q16_lanes(q16_lanes(quads[0], quads[1]), q16_lanes(quads[2], quads[3]));
+/* One block's int32 products summed in pairs (vpmaddwd), zero for a block past the row's end. */
+INLINE __m512i q16_madd(const uint8_t *blk, const int16_t *xq, int live) {
+    if (!live) return _mm512_setzero_si512();
+    return _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+                             _mm512_loadu_si512(xq));
+}
+
+/* Blocks b..b+3 of 16 (from blk, activations xq) reduced as far as a quad of the tree: summed four at a time,
+   so two rows' trees fit in registers at once. */
+INLINE __m512i q16_quad(const uint8_t *blk, const int16_t *xq, int b, int n) {
+    __m512i p0 = q16_pairs(q16_madd(blk + b * Q8_BYTES, xq + b * Q8_BLOCK, b < n),
+                           q16_madd(blk + (b + 1) * Q8_BYTES, xq + (b + 1) * Q8_BLOCK, b + 1 < n));
+    __m512i p1 = q16_pairs(q16_madd(blk + (b + 2) * Q8_BYTES, xq + (b + 2) * Q8_BLOCK, b + 2 < n),
+                           q16_madd(blk + (b + 3) * Q8_BYTES, xq + (b + 3) * Q8_BLOCK, b + 3 < n));
+    return q16_quads(p0, p1);
+}
+
+/* Lane i of the result = sum of the lanes of block i's products (the tree keeps block order: checked by the
+   tests). */
+INLINE __m512i q16_block_sums(const uint8_t *blk, const int16_t *xq, int n) {
+    __m512i q0 = q16_quad(blk, xq, 0, n), q1 = q16_quad(blk, xq, 4, n);
+    __m512i q2 = q16_quad(blk, xq, 8, n), q3 = q16_quad(blk, xq, 12, n);
+    return q16_lanes(q16_lanes(q0, q1), q16_lanes(q2, q3));
+}
+
+static int q16_gather_scales = 1;  /* 0: the 16 scales by scalar loads (measured against the gather) */
+
+/* The f16 scales of the n <= 16 blocks from blk, as floats (zero past n). */
+INLINE __m512 q16_scales(const uint8_t *blk, int n) {
+    __mmask16 live = (__mmask16)((1u << n) - 1);
+    if (q16_gather_scales) {
+        const __m512i offsets = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(Q8_BYTES));
+        __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, blk, 1);
+        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+    }
+    uint16_t s[16];
+    for (int i = 0; i < 16; i++) {
+        uint16_t h = 0;
+        if (i < n) memcpy(&h, blk + i * Q8_BYTES, 2);
+        s[i] = h;
+    }
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
 }
 
 /* row (Q8_0, k weights) . x (int16 xq with per-block scales xs). */
 static float q16_dot(const uint8_t *row, const int16_t *xq, const float *xs, int k) {
-    const __m512i offsets = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(Q8_BYTES));
     __m512 acc = _mm512_setzero_ps();
     int blocks = k / Q8_BLOCK;
     for (int b0 = 0; b0 < blocks; b0 += 16) {
         int n = blocks - b0 < 16 ? blocks - b0 : 16;
         const uint8_t *blk = row + (size_t)b0 * Q8_BYTES;
-        __m512i v[16];
-        for (int i = 0; i < 16; i++)
-            v[i] = i < n ? _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + i * Q8_BYTES + 2))),
-                                             _mm512_loadu_si512(xq + (size_t)(b0 + i) * Q8_BLOCK))
-                         : _mm512_setzero_si512();
-        __mmask16 live = (__mmask16)((1u << n) - 1);
-        __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, blk, 1);
-        __m512 scales = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw)), _mm512_maskz_loadu_ps(live, xs + b0));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q16_block_sums(v)), scales, acc);
+        const int16_t *x = xq + (size_t)b0 * Q8_BLOCK;
+        __m512 scales = _mm512_mul_ps(q16_scales(blk, n), _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), xs + b0));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q16_block_sums(blk, x, n)), scales, acc);
     }
     return _mm512_reduce_add_ps(acc);
+}
+
+/* Two rows against the same activations, interleaved: two DRAM streams, as the other paths read (one stream at a
+   time was slower on the H200 host). out[0], out[1]. */
+static void q16_dot2(const uint8_t *row0, const uint8_t *row1, const int16_t *xq, const float *xs, int k,
+                     float *out) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int blocks = k / Q8_BLOCK;
+    for (int b0 = 0; b0 < blocks; b0 += 16) {
+        int n = blocks - b0 < 16 ? blocks - b0 : 16;
+        const uint8_t *blk0 = row0 + (size_t)b0 * Q8_BYTES, *blk1 = row1 + (size_t)b0 * Q8_BYTES;
+        const int16_t *x = xq + (size_t)b0 * Q8_BLOCK;
+        __m512 xsc = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), xs + b0);
+        __m512i q00 = q16_quad(blk0, x, 0, n), q10 = q16_quad(blk1, x, 0, n);
+        __m512i q01 = q16_quad(blk0, x, 4, n), q11 = q16_quad(blk1, x, 4, n);
+        __m512i h0 = q16_lanes(q00, q01), h1 = q16_lanes(q10, q11);
+        __m512i q02 = q16_quad(blk0, x, 8, n), q12 = q16_quad(blk1, x, 8, n);
+        __m512i q03 = q16_quad(blk0, x, 12, n), q13 = q16_quad(blk1, x, 12, n);
+        __m512i s0 = q16_lanes(h0, q16_lanes(q02, q03)), s1 = q16_lanes(h1, q16_lanes(q12, q13));
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(q16_scales(blk0, n), xsc), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(q16_scales(blk1, n), xsc), acc1);
+    }
+    out[0] = _mm512_reduce_add_ps(acc0);
+    out[1] = _mm512_reduce_add_ps(acc1);
 }
 
 /* x[0..32) → q (int16) and its scale: a power of two, so q * scale is x exactly for bf16 values near the max. */
