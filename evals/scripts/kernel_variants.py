@@ -4,12 +4,12 @@ interleave, and the table gives each variant's median and best GB/s with the DRA
     python evals/scripts/kernel_variants.py [--rounds 15] [--threads 15] [--pool-mib 1024] [--out FILE]
 
 Variants are the kernel's switches (`ft_set_q16`: Q8_0 rows against int16 activations at one token per expert,
-or the fp32 path; `ft_set_q16_form`: that path's rows in interleaved pairs or one at a time, its block scales by
-one gather or scalar loads; `ft_set_amx`: tiles on or off, and from how many tokens per expert Q8_0 takes them),
-switched between calls in one process, so every variant reads the very same expert pool; "huge pages" reads a copy
-of the pool advised for transparent huge pages (the probe is then also timed on such a copy). (Earlier variants,
-measured and dropped: software prefetch, Q8_0 through bf16 dot products (commit 7389ec5), rows dotted one at a time
-instead of two interleaved (commit 48d99b5).)
+or the fp32 path; `ft_set_q16_form`: that path's rows in interleaved pairs or one at a time; `ft_set_amx`: tiles
+on or off, and from how many tokens per expert Q8_0 takes them), switched between calls in one process, so every
+variant reads the very same expert pool; "huge pages" reads a copy of the pool advised for transparent huge pages
+(the probe is then also timed on such a copy). (Earlier variants, measured and dropped: software prefetch, Q8_0
+through bf16 dot products (commit 7389ec5), the int16 path's block scales by scalar loads instead of one gather
+(d867a6f), rows of the other paths dotted one at a time instead of two interleaved (commit 48d99b5).)
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
 
 # name → (Q8_0 through the fp32 path, fewest tokens per expert for Q8_0 tiles, AMX disabled,
-#         int16 path's rows in interleaved pairs, its block scales by one gather, expert pool on huge pages)
+#         int16 path's rows in interleaved pairs, expert pool on huge pages)
 VARIANTS = {
-    "default": (0, 6, 0, 1, 1, 0),
-    "Q8_0 fp32 path": (1, 6, 0, 1, 1, 0),
-    "AMX off": (0, 6, 1, 1, 1, 0),
-    "int16 rows one at a time": (0, 6, 0, 0, 1, 0),
-    "int16 scales by scalar loads": (0, 6, 0, 1, 0, 0),
-    "huge pages": (0, 6, 0, 1, 1, 1),
+    "default": (0, 6, 0, 1, 0),
+    "Q8_0 fp32 path": (1, 6, 0, 1, 0),
+    "AMX off": (0, 6, 1, 1, 0),
+    "int16 rows one at a time": (0, 6, 0, 0, 0),
+    "huge pages": (0, 6, 0, 1, 1),
 }
 MADV_HUGEPAGE = 14
 
@@ -63,13 +62,13 @@ def main() -> int:
     kernel = CpuExpertKernel.get()
     gen = torch.Generator().manual_seed(0)
     probe = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8)
-    huge_probe = on_huge_pages(probe) if any(v[5] for v in VARIANTS.values()) else None
+    huge_probe = on_huge_pages(probe) if any(v[4] for v in VARIANTS.values()) else None
     pools = {}
     for fmt in a.formats:
         per_expert = 3 * HIDDEN * INTER * {"BF16": 2, "Q8_0": 34 / 32}[fmt]
         n = max(PER_CALL, int(a.pool_mib * 2**20 / per_expert) // PER_CALL * PER_CALL)
         pools[fmt] = (expert_pool(fmt, n, gen), n, n * per_expert)
-        if any(v[5] for v in VARIANTS.values()):
+        if any(v[4] for v in VARIANTS.values()):
             mats = tuple(ExpertMatrix(on_huge_pages(m.data), m.format, m.shape) for m in pools[fmt][0])
             pools[fmt, "huge"] = (mats, n, n * per_expert)
     xs = {b: torch.randn(b, HIDDEN, generator=gen).bfloat16().float() for b in a.batches}
@@ -96,11 +95,11 @@ def main() -> int:
             kernel.read_bytes(huge_probe)
             results.setdefault(("DRAM read probe, huge pages", "bytes", 0), []).append(
                 probe.numel() / (time.perf_counter() - t0) / 1e9)
-        for name, (q8_fp32, q8_tiles_from, amx_off, two_rows, gather, huge) in VARIANTS.items():
+        for name, (q8_fp32, q8_tiles_from, amx_off, two_rows, huge) in VARIANTS.items():
             kernel.lib.ft_set_q16(int(not q8_fp32))
             kernel.lib.ft_set_amx(2, q8_tiles_from, amx_off)
-            kernel.lib.ft_set_q16_form(two_rows, gather)
-            int16_form = not (two_rows and gather)
+            kernel.lib.ft_set_q16_form(two_rows)
+            int16_form = not two_rows
             for fmt in a.formats:
                 if (q8_fp32 or int16_form) and fmt != "Q8_0":
                     continue
@@ -113,7 +112,7 @@ def main() -> int:
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     kernel.lib.ft_set_q16(1)
     kernel.lib.ft_set_amx(2, 6, 0)
-    kernel.lib.ft_set_q16_form(1, 1)
+    kernel.lib.ft_set_q16_form(1)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

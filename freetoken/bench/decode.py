@@ -4,6 +4,7 @@ Strategies: `resident` (every expert on the device: the upper bound), `resident-
 replayed as CUDA graphs), `copy` (fetch-on-demand into the expert cache of each --budgets size; at budget 0 the
 naive baseline), `cpu` (every miss computed on the host: the CPU-only baseline), `auto` (the product: the miss
 planner splits misses between copies and the CPU, overlapped, with next-layer prefetch), `auto-noprefetch`,
+`auto-noguard` (the planner's split at every step, never a pure path: checks the path guard's choice),
 `hf-accelerate` (transformers + accelerate offload of the very same weights, see `hf_baseline.py`).
 The prompt is prefilled with the copy path for every strategy; only decode is timed. Each row reports tok/s,
 the decode hit rate, the bytes each path moved per token, the achieved bandwidths and the physical floor: miss
@@ -196,7 +197,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
         # The cpu path never admits into the cache, so only its budget-0 form (CPU-only) is meaningful.
         budgets = {"resident": ["all"], "resident-graphs": ["all"], "cpu": ["0"]}.get(strategy, a.budgets)
         policies = a.policies if strategy in ("copy", "auto") else a.policies[:1]
-        miss_path = strategy.removesuffix("-noprefetch")
+        miss_path = strategy.removesuffix("-noprefetch").removesuffix("-noguard")
         for budget, policy in ((b, p) for b in budgets for p in policies):
             if strategy == "hf-accelerate":
                 from freetoken.bench.hf_baseline import hf_decode
@@ -211,9 +212,10 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
                 executor = ResidentExpertExecutor({layer: _on_device(le, device, dtype) for layer, le in host.items()})
             else:
                 executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, miss_path)
-                executor.prefetch = strategy == "auto"
+                executor.prefetch = strategy in ("auto", "auto-noguard")
                 if ceilings.h2d and ceilings.cpu_experts > 0:  # seed the planner with this run's measurements
-                    executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
+                    executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts,
+                                                   guard=strategy != "auto-noguard")
             attach_experts(lm.model, executor)
             lm.experts = executor
             # every strategy but the eager `resident` reference decodes through CUDA graphs (segmented when the
@@ -230,6 +232,9 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             print(_format_row(rows[-1]), file=sys.stderr, flush=True)
             if miss_path == "auto":
                 print(f"  planner after the run: {executor.planner.describe()}", file=sys.stderr, flush=True)
+                if executor.planner.guard is not None:
+                    print(f"  path guard's latest windows: {executor.planner.guard.describe_history()}",
+                          file=sys.stderr, flush=True)
             if before is not None and (starts := after.cpu_starts - before.cpu_starts):
                 delay = (after.cpu_start_delay_seconds - before.cpu_start_delay_seconds) / starts
                 print(f"  CPU share started {delay * 1e6:.0f} µs after the routing reached the host (mean of "
@@ -401,6 +406,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")
     p.add_argument("--strategies", default="resident,copy,cpu,auto",
                    help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto, auto-noprefetch, "
+                        "auto-noguard (the planner's split always, no path guard), "
                         "hf-accelerate (transformers + accelerate offload of the same weights; writes them to disk)")
     p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
     add_run_args(p)

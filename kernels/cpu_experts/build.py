@@ -89,7 +89,7 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     lib.ft_has_amx.argtypes, lib.ft_has_amx.restype = [], i
     lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i, i], None
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
-    lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i, i], None
+    lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_read_bytes.argtypes, lib.ft_read_bytes.restype = [p, ctypes.c_size_t], ctypes.c_uint64

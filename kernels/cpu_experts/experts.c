@@ -425,16 +425,8 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
 /* The int16-activation Q8_0 path on (default) or off, for tests and measurements against the fp32 path. */
 void ft_set_q16(int on) { q16_disabled = !on; }
 
-/* How the int16-activation path reads rows (interleaved pairs or one at a time) and the blocks' scales (one
-   gather or scalar loads), for measuring its forms against each other. */
-void ft_set_q16_form(int two_rows, int gather_scales) {
-#if HAVE_Q16
-    q16_two_rows = two_rows;
-    q16_gather_scales = gather_scales;
-#else
-    (void)two_rows, (void)gather_scales;
-#endif
-}
+/* Whether the int16-activation path dots rows in interleaved pairs (default) or one at a time, for measuring. */
+void ft_set_q16_form(int two_rows) { q16_two_rows = two_rows; }
 
 /* AMX tuning: the fewest tokens per expert worth tiles for bf16 and for block-format weights (defaults 2 and 6),
    and a switch for measuring without them. */

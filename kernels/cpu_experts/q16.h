@@ -48,24 +48,13 @@ INLINE __m512i q16_block_sums(const uint8_t *blk, const int16_t *xq, int n) {
     return q16_lanes(q16_lanes(q0, q1), q16_lanes(q2, q3));
 }
 
-static int q16_gather_scales = 1;  /* 0: the 16 scales by scalar loads (measured against the gather) */
-
-/* The f16 scales of the n <= 16 blocks from blk, as floats (zero past n). */
+/* The f16 scales of the n <= 16 blocks from blk, as floats (zero past n): one gather (16 scalar loads measured
+   the same on the H200 host, 71.4 against 71.2 GB/s). */
 INLINE __m512 q16_scales(const uint8_t *blk, int n) {
-    __mmask16 live = (__mmask16)((1u << n) - 1);
-    if (q16_gather_scales) {
-        const __m512i offsets = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(Q8_BYTES));
-        __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, blk, 1);
-        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
-    }
-    uint16_t s[16];
-    for (int i = 0; i < 16; i++) {
-        uint16_t h = 0;
-        if (i < n) memcpy(&h, blk + i * Q8_BYTES, 2);
-        s[i] = h;
-    }
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(Q8_BYTES));
+    __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << n) - 1), offsets, blk, 1);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
 }
 
 /* row (Q8_0, k weights) . x (int16 xq with per-block scales xs). */

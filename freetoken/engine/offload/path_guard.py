@@ -12,6 +12,8 @@ median: a page fault, a collection) are left out of its measurement. No torch he
 
 from __future__ import annotations
 
+from collections import deque
+
 WAYS = ("split", "cpu", "copy")  # the planner's split first: the way expected to win
 
 
@@ -33,6 +35,8 @@ class PathGuard:
         self._measured = dict.fromkeys(WAYS, 0)  # windows measured of each way
         self._samples: list[tuple[float, int]] = []  # this window's (seconds, misses)
         self._settle = window  # steps not to measure: the first window (one-off costs), a change's first steps
+        # the latest windows: (way, seconds per miss or None, steps, misses, median step seconds), for diagnostics
+        self.history: deque[tuple[str, float | None, int, int, float]] = deque(maxlen=32)
 
     def observe(self, seconds: float, misses: int) -> None:
         """One decode layer-step took `seconds` (host wall time, its waits included) with `misses` experts the
@@ -55,6 +59,9 @@ class PathGuard:
 
     def _close_window(self) -> None:
         per_miss = self._window_per_miss()
+        steps = sorted(s for s, _ in self._samples)
+        self.history.append((self.way, per_miss, len(steps), sum(m for _, m in self._samples),
+                             steps[len(steps) // 2]))
         if per_miss is not None:  # a window of hits only says nothing about the miss paths
             old = self.seconds_per_miss.get(self.way)
             self.seconds_per_miss[self.way] = per_miss if old is None else \
@@ -88,6 +95,14 @@ class PathGuard:
         if self._measured[way] < 2:
             return 1
         return self.explore_every * (4 if est[way] > self.FAR * est[self.best] else 1)
+
+    def describe_history(self) -> str:
+        """The latest windows, oldest first: way, µs per miss, misses per step, median step µs."""
+        def one(way: str, per_miss: float | None, steps: int, misses: int, median: float) -> str:
+            cost = f"{per_miss * 1e6:.0f}" if per_miss is not None else "-"
+            return f"{way} {cost} ({misses / steps:.1f}/step, median {median * 1e6:.0f})"
+
+        return "; ".join(one(*window) for window in self.history)
 
     def describe(self) -> str:
         est = self.seconds_per_miss

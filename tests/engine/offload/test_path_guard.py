@@ -120,3 +120,14 @@ def test_the_link_queue_adds_up_queued_copies_until_they_land():
     assert link.backlog(10.010) == pytest.approx(0.001)
     link.drained(10.0102)  # an event said every copy has landed, earlier than predicted
     assert link.backlog(10.0102) == 0.0
+
+
+def test_the_latest_windows_are_kept_for_diagnostics():
+    guard = PathGuard(window=8)
+    run(guard, {"split": 1e-3, "cpu": 2e-3, "copy": 3e-3}, 8 * 40, noise=0.0)
+    assert len(guard.history) == guard.history.maxlen  # bounded
+    way, per_miss, steps, misses, median = guard.history[-1]
+    assert steps == 8 and misses == 8 * 4 and per_miss == pytest.approx({"split": 1e-3, "cpu": 2e-3,
+                                                                          "copy": 3e-3}[way])
+    assert median == pytest.approx(per_miss * 4)
+    assert "(4.0/step, median" in guard.describe_history()
