@@ -6,12 +6,15 @@ budget 0, where `auto` ran at 0.84× the CPU-only path with its models fitted). 
 timed whole, and now and then a window of them sends every miss down one pure path (all to the CPU, or all
 copied) instead of the planner's split. The way that measured fastest per miss is used; the others are measured
 again every so often, less often the worse they measured. The first window is not measured (the first copies,
-the first CPU job and its threads pay one-off costs there), and a window's stalls (a step far slower than its
-median: a page fault, a collection) are left out of its measurement. No torch here.
+the first CPU job and its threads pay one-off costs there), a window's stalls (a step far slower than its
+median: a page fault, a collection) are left out of its measurement, and a way's estimate is the median of its
+latest three windows, so that one odd window (the first steps after a long prefill measured the split at 3.5x
+its later cost on the H200) can neither condemn a way nor crown it. No torch here.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 WAYS = ("split", "cpu", "copy")  # the planner's split first: the way expected to win
@@ -23,7 +26,7 @@ class PathGuard:
     EXPLORE_EVERY = 24  # windows between measurements of a way that measured within FAR of the best
     FAR = 1.5  # a way this much slower than the best is measured four times less often
     MARGIN = 0.03  # another way must beat the current best by this much to replace it (no flapping on noise)
-    FORGET = 0.5  # weight of a window's measurement in its way's estimate
+    RECENT = 3  # windows whose median is a way's estimate; a way measured fewer times is measured again soon
     STALL = 4.0  # a step this many times the window's median per miss is a stall, not the way's cost
 
     def __init__(self, window: int = WINDOW, explore_every: int = EXPLORE_EVERY):
@@ -33,6 +36,7 @@ class PathGuard:
         self.seconds_per_miss: dict[str, float] = {}
         self._since = dict.fromkeys(WAYS, 0)  # windows since each way last ran
         self._measured = dict.fromkeys(WAYS, 0)  # windows measured of each way
+        self._recent = {way: deque(maxlen=self.RECENT) for way in WAYS}  # each way's latest seconds per miss
         self._samples: list[tuple[float, int]] = []  # this window's (seconds, misses)
         self._settle = window  # steps not to measure: the first window (one-off costs), a change's first steps
         # the latest windows: (way, seconds per miss or None, steps, misses, median step seconds), for diagnostics
@@ -63,9 +67,8 @@ class PathGuard:
         self.history.append((self.way, per_miss, len(steps), sum(m for _, m in self._samples),
                              steps[len(steps) // 2]))
         if per_miss is not None:  # a window of hits only says nothing about the miss paths
-            old = self.seconds_per_miss.get(self.way)
-            self.seconds_per_miss[self.way] = per_miss if old is None else \
-                (1 - self.FORGET) * old + self.FORGET * per_miss
+            self._recent[self.way].append(per_miss)
+            self.seconds_per_miss[self.way] = statistics.median(self._recent[self.way])
             self._measured[self.way] += 1
             self._update_best()
         self._samples = []
@@ -89,10 +92,10 @@ class PathGuard:
         return max(due, key=self._since.get) if due else self.best
 
     def _interval(self, way: str) -> int:
-        """Windows between measurements of `way`: a way measured once only is measured again soon (one window
-        can mislead), one measured far slower than the best rarely."""
+        """Windows between measurements of `way`: a way measured fewer than RECENT times is measured again soon
+        (one window can mislead), one measured far slower than the best rarely."""
         est = self.seconds_per_miss
-        if self._measured[way] < 2:
+        if self._measured[way] < self.RECENT:
             return 1
         return self.explore_every * (4 if est[way] > self.FAR * est[self.best] else 1)
 

@@ -86,6 +86,20 @@ def test_one_off_costs_and_stalls_do_not_condemn_a_way():
     assert guard.best == "split" and guard.seconds_per_miss["split"] == pytest.approx(0.8e-3, rel=0.01)
 
 
+def test_one_odd_window_cannot_condemn_a_way():
+    """The H200 at 16 GiB, 16k context: the split's first measured window (right after the prefill) cost 3.5x
+    its second; averaged, the two kept the guard on the CPU way (0.93x the split's speed) for the whole run. A
+    way's estimate is the median of its latest windows, and a way is measured again until it has three."""
+    guard = PathGuard(window=10)
+    per_miss = {"split": 0.8e-3, "cpu": 1.0e-3, "copy": 2.0e-3}
+    run(guard, per_miss, 10)  # the first window, not measured
+    run(guard, {**per_miss, "split": 2.8e-3}, 10)  # the split's first measured window, odd
+    assert guard.seconds_per_miss["split"] == pytest.approx(2.8e-3, rel=0.06)
+    ways = run(guard, per_miss, 400)
+    assert guard.best == "split" and guard.seconds_per_miss["split"] == pytest.approx(0.8e-3, rel=0.06)
+    assert ways[200:].count("split") / 200 > 0.85
+
+
 def test_the_planner_sends_every_miss_down_the_guards_way():
     planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0)
     assert planner.guard is not None and not MissPlanner(30, 30, learn=False).guard
