@@ -31,6 +31,10 @@ class ExpertStats:
     gpu_wait_seconds: float = 0.0  # waiting for the routing
     host_seconds: float = 0.0  # planning and queueing
     cpu_wait_seconds: float = 0.0  # waiting for the CPU share
+    cpu_starts: int = 0  # layer-steps that started a CPU share, and the routing-to-start delay summed over them
+    cpu_start_delay_seconds: float = 0.0
+    step_cpu_experts: int = 0  # the CPU kernel within decode layer-steps: experts and its time on them
+    step_cpu_seconds: float = 0.0
     miss_path: str = ""  # "auto", "copy" or "cpu" (offloaded)
     # auto: the way the path guard uses ("split", "cpu", "copy") and its measured seconds per miss of each way
     guard_way: str = ""
@@ -103,7 +107,9 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
         experts = ExpertStats("offloaded", ex.cache.capacity, len(ex.cache.slot_of), spec.total_routed_experts,
                               slot_bytes, ex.expert_bytes, c.hits, c.misses, c.evictions, c.rejected, c.cpu_experts,
                               c.bytes_copied, c.copy_seconds, c.cpu_seconds, c.prefetched, c.prefetch_used,
-                              c.layer_steps, c.gpu_wait_seconds, c.host_seconds, c.cpu_wait_seconds, ex.miss_path,
+                              c.layer_steps, c.gpu_wait_seconds, c.host_seconds, c.cpu_wait_seconds,
+                              c.cpu_starts, c.cpu_start_delay_seconds, c.step_cpu_experts, c.step_cpu_seconds,
+                              ex.miss_path,
                               guard.best if guard is not None and ex.miss_path == "auto" else "",
                               dict(guard.seconds_per_miss) if guard is not None else {}, *_grid(spec, ex.cache),
                               sorted({key[0] for key in tuple(ex.cache.pinned)}), list(spec.moe_layers))

@@ -186,14 +186,16 @@ def server_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
 # of its misses, and the decode host thread's waits (for the routing, planning and queueing, the CPU share)
 EXPERT_COUNTERS = ("hits", "misses", "evictions", "cpu_experts", "bytes_copied", "copy_seconds", "cpu_seconds",
                    "prefetched", "prefetch_used", "layer_steps", "gpu_wait_seconds", "host_seconds",
-                   "cpu_wait_seconds")
+                   "cpu_wait_seconds", "cpu_starts", "cpu_start_delay_seconds", "step_cpu_experts",
+                   "step_cpu_seconds")
 
 
 def expert_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
     """freetoken's expert counters and its miss path's current way (`/v1/stats`), or None from another server."""
     try:
         experts = _server_stats(endpoint, headers)["engine"]["experts"]
-        return {**{k: experts[k] for k in EXPERT_COUNTERS}, "guard_way": experts.get("guard_way", "")}
+        return {**{k: experts[k] for k in EXPERT_COUNTERS}, "guard_way": experts.get("guard_way", ""),
+                "expert_bytes": experts["host_bytes_per_expert"]}
     except (KeyError, TypeError):
         return None
 
@@ -207,4 +209,10 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     looked_up = delta["hits"] + delta["misses"]
     delta["hit_rate"] = round(delta["hits"] / looked_up, 4) if looked_up else None
     delta["guard_way"] = after["guard_way"]
+    # the decode CPU share's kernel rate and its start delay over the turn: a slower kernel (DRAM shared, cores
+    # taken) against a later start (the host) when the CPU wait grows
+    seconds, starts = delta["step_cpu_seconds"], delta["cpu_starts"]
+    delta["step_cpu_gb_s"] = round(delta["step_cpu_experts"] * after["expert_bytes"] / seconds / 1e9, 2) \
+        if seconds > 0 else None
+    delta["cpu_start_delay_ms"] = round(delta["cpu_start_delay_seconds"] / starts * 1e3, 4) if starts else None
     return delta

@@ -233,6 +233,9 @@ def test_against_an_offloading_server_each_turn_carries_its_expert_counters(tmp_
         engine = t["engine"]
         assert engine["hits"] + engine["misses"] > 0 and 0 <= engine["hit_rate"] <= 1
         assert engine["bytes_copied"] >= 0 and engine["layer_steps"] >= 0 and "guard_way" in engine
+        assert 0 <= engine["step_cpu_experts"] <= engine["cpu_experts"]  # decode's CPU share is part of the total
+        assert (engine["step_cpu_gb_s"] is None) == (engine["step_cpu_seconds"] == 0)
+        assert (engine["cpu_start_delay_ms"] is None) == (engine["cpu_starts"] == 0)
     # the title request runs beside the first turn, so their spans overlap; the rest follow one another
     assert sum(t["engine"]["misses"] for t in turns[2:]) <= total["misses"]
 

@@ -319,8 +319,11 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             self.cpu.wake(self.PREWAKE_SPIN_S)
 
     def _wait_cpu(self, step: _Step) -> torch.Tensor:
+        """A decode layer-step's CPU share (both decode paths come here; prefill chunks count theirs apart)."""
         y, seconds = step.on_cpu.wait()
         self._count_cpu(step.cpu_count, seconds)
+        self.counters.step_cpu_experts += step.cpu_count
+        self.counters.step_cpu_seconds += seconds
         return y
 
     def _prefetch_target(self, layer: int) -> int | None:

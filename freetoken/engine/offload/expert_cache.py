@@ -32,6 +32,10 @@ class CacheCounters:
     host_seconds: float = 0.0  # the rest: planning, queueing copies and graphs, starting the CPU, prefetch
     cpu_starts: int = 0  # layer-steps that started a CPU share
     cpu_start_delay_seconds: float = 0.0  # from the routing on the host to the CPU share started, summed
+    # the CPU kernel within those layer-steps alone (cpu_experts/cpu_seconds include prefill chunks): its rate
+    # while decoding, to tell a slower kernel from a later start or a slower host
+    step_cpu_experts: int = 0
+    step_cpu_seconds: float = 0.0  # posting the job to its last task's end
 
     @property
     def hit_rate(self) -> float:

@@ -78,6 +78,9 @@ def test_the_gathered_decode_path_gives_the_resident_tokens(checkpoint, slots, m
     copies = c.bytes_copied // per_expert
     assert c.layer_steps == len(calls) and c.host_seconds > 0  # the step-time breakdown the bench reports
     assert (c.cpu_wait_seconds > 0) == (miss_path != "copy") and c.gpu_wait_seconds > 0
+    # the decode steps' CPU share is counted apart from the prefill's (the prompt's misses went to the CPU too)
+    assert (c.step_cpu_experts > 0) == (c.step_cpu_seconds > 0) == (miss_path != "copy")
+    assert c.step_cpu_experts < c.cpu_experts or miss_path == "copy"
     assert not any(t.abs().sum() for t in lm.experts.slots.weights_of(lm.experts.zero_slot))
     if miss_path == "cpu":  # nothing is copied, so nothing is prefetched
         assert c.prefetched == 0 and copies == 0
