@@ -81,6 +81,11 @@ class CpuExpertRunner:
         self.forms = {layer: kernel_form(le.form) for layer, le in host.items()}
         self._kernel_layers = {layer for layer, m in self.matrices.items()
                                if self.kernel is not None and self.kernel.supports(*m)}
+        # per kernel layer: the launch arguments fixed by its weights, and whether it takes bf16 activations
+        self._launch_constants = {layer: self.kernel.launch_constants(*self.matrices[layer], self.forms[layer])
+                                  for layer in self._kernel_layers}
+        self._wants_bf16 = {layer: self.kernel.wants_bf16_activations(*self.matrices[layer], dtype)
+                            for layer in self._kernel_layers}
         first = next(iter(self.matrices.values()))
         self._workspace = _Workspace(first[0].data.shape[0], 64, first[0].shape[0]) if self._kernel_layers else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
@@ -133,24 +138,23 @@ class CpuExpertRunner:
                 weights: list[list[float]], x_bf16: torch.Tensor | None, out: torch.Tensor | None):
         """The kernel started from the workspace, or None when the call does not fit it."""
         ws, kernel = self._workspace, self.kernel
-        gate, up, down = self.matrices[layer]
-        n_pairs = sum(len(p) for p in pairs)
-        wants_bf16 = kernel.wants_bf16_activations(gate, up, down, self.dtype)
-        if n_pairs > ws.pairs or (wants_bf16 and x_bf16 is None) or x.dtype != torch.float32 \
-                or not x.is_contiguous():
+        wants_bf16 = self._wants_bf16[layer]
+        if (wants_bf16 and x_bf16 is None) or x.dtype != torch.float32 or not x.is_contiguous():
             return None
         ws.experts_np[:len(experts)] = experts
         offsets, tokens_np, weights_np = ws.offsets_np, ws.tokens_np, ws.weights_np
         offsets[0] = pos = 0
         for i, p in enumerate(pairs):
+            if pos + len(p) > ws.pairs:
+                return None
             for t, k in p:
                 tokens_np[pos], weights_np[pos] = t, weights[t][k]
                 pos += 1
             offsets[i + 1] = pos
         y = out if out is not None else torch.empty(x.shape, dtype=torch.float32)
-        return kernel.launch(x, gate, up, down, ws.experts, len(experts), ws.offsets, ws.tokens, ws.weights,
+        return kernel.launch(x, None, None, None, ws.experts, len(experts), ws.offsets, ws.tokens, ws.weights,
                              ws.act, y, self.dtype, x_bf16 if wants_bf16 else None,
-                             ws.act_bf16 if wants_bf16 else None, self.forms[layer])
+                             ws.act_bf16 if wants_bf16 else None, self.forms[layer], self._launch_constants[layer])
 
     def _run(self, layer: int, x: torch.Tensor, groups: list[ExpertGroup]) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()

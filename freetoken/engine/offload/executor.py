@@ -239,7 +239,10 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
                   x_bf16: torch.Tensor | None = None, cpu_out: torch.Tensor | None = None) -> _Step:
         """One layer-step's routing, known on the host: looks the experts up, splits the misses, queues the
         copies, starts the CPU share (and makes the compute stream wait for the copies). The caller then computes
-        the GPU share from `slot_map` (pairs on the CPU point at the zero slot) and collects the CPU share."""
+        the GPU share from `slot_map` (pairs on the CPU point at the zero slot) and collects the CPU share.
+        The host thread is the step's critical path from the routing's arrival to the CPU share's start: only
+        the lookups and the split come before it; the cache's bookkeeping follows (`_record_step`), and the
+        copies come first only when there are some and `cpu-first` is off."""
         pairs_of: dict[int, list[tuple[int, int]]] = {}  # expert → its (token, k) pairs, one per token
         for t, row in enumerate(ids):
             for k, e in enumerate(row):
@@ -248,16 +251,15 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
                 else:
                     pairs_of[e] = [(t, k)]
         prefetched = self._prefetched
-        self._count_prefetch_use(layer, pairs_of)
         ahead = self._take_staged_ahead(layer)
-        cache = self.cache
-        cache.begin_step({(layer, e) for e in pairs_of})
+        cached = self.cache.slot_of
         slot_of, misses, staged, prefetched_hits = {}, [], [], 0
         for e in pairs_of:
-            slot = cache.lookup((layer, e))
+            slot = cached.get((layer, e))
             if slot is not None:
                 slot_of[e] = slot
-                prefetched_hits += (layer, e) in prefetched
+                if prefetched:
+                    prefetched_hits += (layer, e) in prefetched
             elif e in ahead:  # a miss of the cache, already copied by the previous layer's prefetch
                 slot_of[e] = self.staging_first + ahead[e]
                 staged.append(ahead[e])
@@ -269,11 +271,12 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         # CPU way at 0.86x the split's speed.
         self._step_misses = len(misses) + len(staged) + prefetched_hits
         to_copy, to_cpu = self._plan(misses, lambda e: len(pairs_of[e]), self._copy_backlog())
-        # The copies are queued first, then the CPU share starts. Queueing a batch measured 50-150 µs on the H200
-        # host, all of it before the CPU share's start: the critical path whenever the CPU takes the larger share.
-        # GPU path "cpu-first" (experimental) starts the CPU share first.
-        cpu_first = bool(to_cpu) and gpu_paths.enabled("cpu-first")
+        # With copies to queue, they go first and then the CPU share starts (the planner charges the CPU path
+        # their queueing, 50-150 µs a batch on the H200 host); GPU path "cpu-first" (experimental) starts the CPU
+        # share first. The bookkeeping must precede the copies' admissions.
+        cpu_first = bool(to_cpu) and (not to_copy or gpu_paths.enabled("cpu-first"))
         on_cpu = self._start_cpu(layer, x, to_cpu, pairs_of, weights, x_bf16, cpu_out) if cpu_first else None
+        self._record_step(layer, pairs_of)
         if to_copy:
             self._queue_copies(layer, to_copy, slot_of, staged)
         if to_cpu and not cpu_first:
@@ -283,6 +286,14 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         zero = self.zero_slot
         return _Step([[slot_of.get(e, zero) for e in row] for row in ids], staged, bool(slot_of), on_cpu,
                      len(to_cpu))
+
+    def _record_step(self, layer: int, routed: dict[int, list]) -> None:
+        """The cache's bookkeeping of a step's experts (`routed`: expert → its pairs, in lookup order): prefetch
+        use, protection from this step's admissions, hit and miss counts, the policy's view."""
+        self._count_prefetch_use(layer, routed)
+        keys = [(layer, e) for e in routed]
+        self.cache.begin_step(keys)
+        self.cache.record_uses(layer, keys)
 
     def _queue_copies(self, layer: int, to_copy: list[int], slot_of: dict[int, int], staged: list[int]) -> None:
         """Queues the step's copies: into the slots the cache admits them to, else into staging slots."""

@@ -63,21 +63,31 @@ class ExpertCache:
 
     def lookup(self, key: Hashable) -> int | None:
         """The key's slot on a hit (counted, and the policy told), None on a miss (counted)."""
-        slot = self.slot_of.get(key)
-        self.last_used[key] = self.steps
-        layer = key[0] if type(key) is tuple else None
+        self.record_uses(key[0] if type(key) is tuple else None, (key,))
+        return self.slot_of.get(key)
+
+    def record_uses(self, layer, keys: Iterable[Hashable]) -> None:
+        """What `lookup` counts and tells the policy, for keys of one layer (in lookup order) that the caller has
+        looked up in `slot_of` itself. Decode does this after starting its CPU share, off the step's critical
+        path; it must come before the step's admissions (the policy learns of a miss before admitting the key),
+        so each key's hit or miss is still what `slot_of` says now."""
+        step, last_used, policy, slot_of = self.steps, self.last_used, self.policy, self.slot_of
         counts = self.layer_counts.get(layer)
         if counts is None:
             counts = self.layer_counts[layer] = [0, 0]
-        if slot is None:
-            self.counters.misses += 1
-            counts[1] += 1
-            self.policy.miss(key)
-            return None
-        self.counters.hits += 1
-        counts[0] += 1
-        self.policy.touch(key)
-        return slot
+        hits = misses = 0
+        for key in keys:
+            last_used[key] = step
+            if key in slot_of:
+                policy.touch(key)
+                hits += 1
+            else:
+                policy.miss(key)
+                misses += 1
+        counts[0] += hits
+        counts[1] += misses
+        self.counters.hits += hits
+        self.counters.misses += misses
 
     def pin(self, keys: Iterable[Hashable]) -> list[tuple[int, Hashable]]:
         """Caches `keys` for good (each admitted now if it is not, displacing unpinned keys); returns the

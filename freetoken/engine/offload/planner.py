@@ -162,13 +162,18 @@ class MissPlanner:
         if way != "split":  # the guard is measuring (or has chosen) a pure path; free slots are still filled
             on_cpu = n - min(min_copy, n) if way == "cpu" else 0
             return Split(ordered[:n - on_cpu], ordered[n - on_cpu:], 0.0)
+        # The candidates' times, inlined (`LinearCost.predict`, `IssueCost.predict`, `cpu_bytes`): this runs on
+        # the decode step's critical path, before the CPU share starts.
+        copy, cpu, issue_cost, weight = self.copy, self.cpu, self.issue, self.TOKEN_WEIGHT
         best_cpu, best_t, cpu_bytes = 0, float("inf"), 0.0
         for on_cpu in range(n - min(min_copy, n) + 1):
+            copies = n - on_cpu
             if on_cpu:  # the CPU takes the next-cheapest miss
-                cpu_bytes += self.cpu_bytes(expert_bytes, tokens[n - on_cpu][0])
-            issue = self.issue.predict(n - on_cpu)  # the host queues the copies first, then starts the CPU
-            copy_t = copy_busy_s + max(issue, self.copy.predict(expert_bytes * (n - on_cpu))) if on_cpu < n else 0.0
-            t = max(copy_t, issue + self.cpu.predict(cpu_bytes) if on_cpu else 0.0)
+                cpu_bytes += expert_bytes * (1 + weight * (tokens[copies][0] - 1))
+            # the host queues the copies first, then starts the CPU
+            issue = issue_cost.fixed + issue_cost.per_copy * copies if copies else 0.0
+            copy_t = copy_busy_s + max(issue, copy.fixed + copy.per_byte * expert_bytes * copies) if copies else 0.0
+            t = max(copy_t, issue + cpu.fixed + cpu.per_byte * cpu_bytes if on_cpu else 0.0)
             if t < best_t - 1e-12:
                 best_cpu, best_t = on_cpu, t
         best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe and self.learn else best_cpu

@@ -174,3 +174,28 @@ def test_pinned_keys_are_never_evicted_and_bound_the_shrink():
     cache.unpin([(0, 0), (0, 1)])
     cache.resize(1)
     assert len(cache.slot_of) == 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "freq", "freq-admit"])
+def test_a_step_recorded_after_its_lookups_leaves_the_cache_as_lookups_do(policy):
+    """Decode peeks at `slot_of`, starts its CPU share, then records the step's uses at once (`record_uses`):
+    counts, per-layer counts, last use and every later eviction must match looking each key up in turn."""
+    rng = random.Random(3)
+    steps = [[(rng.randrange(4), e) for e in rng.sample(range(32), 6)] for _ in range(300)]
+    caches = [ExpertCache(24, make_policy(policy)) for _ in range(2)]
+    for keys in steps:
+        layer = keys[0][0]
+        keys = [(layer, e) for _, e in keys]
+        for i, cache in enumerate(caches):
+            cache.begin_step(keys)
+            if i == 0:
+                looked = [cache.lookup(k) for k in keys]
+            else:
+                looked = [cache.slot_of.get(k) for k in keys]
+                cache.record_uses(layer, keys)
+            for key, slot in zip(keys, looked, strict=True):
+                if slot is None:
+                    cache.admit(key)
+    a, b = caches
+    assert a.counters == b.counters and a.counters.evictions > 0 and a.counters.hits > 0
+    assert (a.slot_of, a.layer_counts, a.last_used) == (b.slot_of, b.layer_counts, b.last_used)
