@@ -465,8 +465,8 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         if self.miss_path == "cpu":
             return [], misses
         split = (planner or self.planner).split(
-            misses, self.expert_bytes, tokens_of=tokens_of,
-            min_copy=len(self.cache.free_slots), copy_busy_s=copy_busy_s)
+            misses, self.expert_bytes, tokens_of=tokens_of, min_copy=len(self.cache.free_slots),
+            copy_busy_s=copy_busy_s, cpu_first=planner is None and gpu_paths.enabled("cpu-first"))
         return split.copy, split.cpu
 
     def pin_layer(self, layer: int, experts: int, pinned: bool) -> int:

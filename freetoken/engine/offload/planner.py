@@ -144,12 +144,14 @@ class MissPlanner:
         self.recent = {"copy": deque(maxlen=64), "cpu": deque(maxlen=64), "issue": deque(maxlen=64)}
 
     def split(self, misses: list, expert_bytes: int, tokens_of=lambda m: 1, min_copy: int = 0,
-              observe: bool = True, copy_busy_s: float = 0.0) -> Split:
+              observe: bool = True, copy_busy_s: float = 0.0, cpu_first: bool = False) -> Split:
         """Orders `misses` so the experts with the most tokens are copied first (a copy costs the same for any
         number of tokens, CPU work grows with them), then picks how many to leave to the CPU. At least
         `min_copy` are copied (the executor fills free cache slots: a copy's value outlives the step).
         `copy_busy_s`: the link is still busy that long (earlier prefetches) before this step's copies start.
-        `observe=False`: a what-if (prefetch sizing) that does not count as a step or probe a path."""
+        `observe=False`: a what-if (prefetch sizing) that does not count as a step or probe a path.
+        `cpu_first`: the host starts the CPU share before it queues the copies (GPU path "cpu-first"), so their
+        queueing delays the copies, not the CPU share."""
         self.steps += observe
         n = len(misses)
         if n == 0:
@@ -170,10 +172,11 @@ class MissPlanner:
             copies = n - on_cpu
             if on_cpu:  # the CPU takes the next-cheapest miss
                 cpu_bytes += expert_bytes * (1 + weight * (tokens[copies][0] - 1))
-            # the host queues the copies first, then starts the CPU
+            # by default the host queues the copies first, then starts the CPU
             issue = issue_cost.fixed + issue_cost.per_copy * copies if copies else 0.0
             copy_t = copy_busy_s + max(issue, copy.fixed + copy.per_byte * expert_bytes * copies) if copies else 0.0
-            t = max(copy_t, issue + cpu.fixed + cpu.per_byte * cpu_bytes if on_cpu else 0.0)
+            cpu_delay = 0.0 if cpu_first else issue
+            t = max(copy_t, cpu_delay + cpu.fixed + cpu.per_byte * cpu_bytes if on_cpu else 0.0)
             if t < best_t - 1e-12:
                 best_cpu, best_t = on_cpu, t
         best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe and self.learn else best_cpu

@@ -143,6 +143,17 @@ def test_the_time_to_queue_copies_delays_the_cpu_and_is_learned():
     assert planner.issue_s == pytest.approx(slow_issue, rel=0.01)
 
 
+def test_with_the_cpu_share_started_first_the_queueing_delays_the_copies_instead():
+    """GPU path "cpu-first": the CPU share starts, then the host queues the copies, so the CPU's k experts take
+    k u and the copies max((8 - k) u/2, (8 - k) u) from the same start: 4 u at k = 4, as with free queueing."""
+    planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0, learn=False,
+                          issue_s=MissPlanner(30, 30, copy_fixed_s=0).copy.predict(EXPERT) / 2)
+    unit = planner.cpu.predict(EXPERT)
+    assert len(planner.split(list(range(8)), EXPERT).cpu) == 3  # copies first: 5.5 u
+    split = planner.split(list(range(8)), EXPERT, cpu_first=True)
+    assert len(split.cpu) == 4 and split.predicted_seconds == pytest.approx(4 * unit)
+
+
 def test_the_planner_describes_its_current_model():
     planner = MissPlanner(40, 20, copy_fixed_s=20e-6, cpu_fixed_s=150e-6, issue_s=3e-6)
     assert planner.describe() == ("copy 40.0 GB/s + 20 µs, CPU 20.0 GB/s + 150 µs, "
