@@ -18,6 +18,9 @@ MEASURED = {
                            "evals/results/decode-attention-h200.md"),
     "batch-graphs": ("continuous-batching decode steps of several sequences replay CUDA graphs per batch size",
                      "evals/results/serve-q3-8l-h200.md"),
+    "cpu-first": ("offloaded decode starts a layer's CPU share before queueing its copies (start 154-258 -> 68-80 "
+                  "µs after the routing at 8-16 GiB; auto +6% at 8 GiB, +17% at 16 GiB, equal at budget 0)",
+                  "evals/results/d1-qwen3-30b-a3b-bf16-1k-h200.md"),
     "emit-after-launch": ("a decode step replayed whole from CUDA graphs hands the previous step's tokens to the "
                           "server after launching the next (single-stream server overhead +9.3% -> +1.7%)",
                           "evals/results/serve-q3-8l-h200.md"),
@@ -35,8 +38,6 @@ EXPERIMENTAL: dict[str, str] = {
     "delta-prefill": "the chunked Gated DeltaNet's chunk-to-chunk loop as one Triton launch per layer",
     "prefetch-early": "captured decode queues the next layer's prefetch at the end of a layer's host work, not after "
                       "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
-    "cpu-first": "offloaded decode starts a layer's CPU share before queueing its copies (the queueing, 50-150 µs "
-                 "on the H200 host, then leaves the CPU share's critical path)",
     "stream-short-chunks": "offloaded prefill chunks of a few hundred tokens (an agent's next turn, an edit's "
                            "suffix) stream the next layer's experts like long chunks and copy all their misses, "
                            "instead of splitting them between copies and the CPU (A1 on the H200, 9e8f4dc: a "

@@ -241,8 +241,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         copies, starts the CPU share (and makes the compute stream wait for the copies). The caller then computes
         the GPU share from `slot_map` (pairs on the CPU point at the zero slot) and collects the CPU share.
         The host thread is the step's critical path from the routing's arrival to the CPU share's start: only
-        the lookups and the split come before it; the cache's bookkeeping follows (`_record_step`), and the
-        copies come first only when there are some and `cpu-first` is off."""
+        the lookups and the split come before it, then the cache's bookkeeping (`_record_step`) and the copies."""
         pairs_of: dict[int, list[tuple[int, int]]] = {}  # expert → its (token, k) pairs, one per token
         for t, row in enumerate(ids):
             for k, e in enumerate(row):
@@ -271,9 +270,10 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         # CPU way at 0.86x the split's speed.
         self._step_misses = len(misses) + len(staged) + prefetched_hits
         to_copy, to_cpu = self._plan(misses, lambda e: len(pairs_of[e]), self._copy_backlog())
-        # With copies to queue, they go first and then the CPU share starts (the planner charges the CPU path
-        # their queueing, 50-150 µs a batch on the H200 host); GPU path "cpu-first" (experimental) starts the CPU
-        # share first. The bookkeeping must precede the copies' admissions.
+        # GPU path "cpu-first" (on by default): the CPU share starts before the copies are queued (50-150 µs a
+        # batch on the H200 host). Queued first, they delayed its start to 154-258 µs after the routing at 8-16 GiB
+        # (68-80 with it), and auto ran 6-17% slower (d1-qwen3-30b-a3b-bf16-1k-h200.md). The planner charges
+        # the queueing to whichever path waits for it. The bookkeeping must precede the copies' admissions.
         cpu_first = bool(to_cpu) and (not to_copy or gpu_paths.enabled("cpu-first"))
         on_cpu = self._start_cpu(layer, x, to_cpu, pairs_of, weights, x_bf16, cpu_out) if cpu_first else None
         self._record_step(layer, pairs_of)

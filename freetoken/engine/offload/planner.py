@@ -2,9 +2,10 @@
 
 Both paths read host DRAM and run at the same time, so a step's miss time is the slower of the two. Each path's
 time is modelled as `seconds = fixed + bytes / bandwidth`, fitted online (exponentially forgetting least
-squares) from the timings the executor observes, seeded from the calibration profile. One host thread issues
-the copies before it starts the CPU share, so each copy also delays the CPU path by its issue time (a few µs
-for a dense expert, more where a copy needs a kernel launch), measured online too. The planner picks the
+squares) from the timings the executor observes, seeded from the calibration profile. One host thread queues
+the copies and starts the CPU share, so the queueing (a few µs a copy for a dense expert, more where a copy
+needs a kernel launch; measured online too) delays whichever comes second: the copies in decode (GPU path
+"cpu-first"), the CPU share in prefill chunks and with that path off. The planner picks the
 split that minimises the predicted step time, so with honest estimates it is never slower than either pure
 strategy; a path that goes unused is re-probed now and then (one miss) so a wrong seed cannot lock it out.
 Estimates can still be dishonest in ways no single path's samples show, so decode's splits are also checked end to

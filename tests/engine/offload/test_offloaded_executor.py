@@ -126,7 +126,8 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
     """The calls CUDA-graph decode makes instead of `forward` (cuda_graphs.py), checked for numerics and
     bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used; the prefetch
     queued at the next boundary or (GPU path "prefetch-early") at once; the CPU kernel's workers woken before
-    each routing wait (GPU path "cpu-prewake"); the CPU share started before the copies (GPU path "cpu-first")."""
+    each routing wait (GPU path "cpu-prewake"); the CPU share started before the copies (GPU path "cpu-first", on
+    by default; the "defaults" row turns every path off, so it queues the copies first)."""
     from freetoken.engine import gpu_paths
 
     monkeypatch.setattr(gpu_paths, "enabled", lambda name: name == path)
