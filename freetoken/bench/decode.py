@@ -134,6 +134,7 @@ def run_decode(lm, context: int, tokens: int, miss_path: str, graphs: bool = Fal
                 step(branch, token)
             cache.release(branch)
         before = replace(executor.counters) if hasattr(executor, "counters") else None
+        kernel_before = _kernel_timing(executor)
         _sync(lm.device)
         t0 = time.perf_counter()
         # the host needs each token, as a server does: .tolist() syncs every step; the gap to the runner-up says
@@ -142,8 +143,24 @@ def run_decode(lm, context: int, tokens: int, miss_path: str, graphs: bool = Fal
         elapsed = time.perf_counter() - t0
     produced, margins = [t for t, _ in top2], [m for _, m in top2]
     after = replace(executor.counters) if hasattr(executor, "counters") else None
+    _print_kernel_timing(kernel_before, _kernel_timing(executor))
     cache.release(seq)
     return tokens / elapsed, before, after, produced, margins
+
+
+def _kernel_timing(executor) -> tuple | None:
+    """The CPU expert kernel's job timing sums, when this executor has started it."""
+    runner = getattr(executor, "_cpu", None)
+    return runner.kernel.timing() if runner is not None and runner.kernel is not None else None
+
+
+def _print_kernel_timing(before: tuple | None, after: tuple | None) -> None:
+    """Where the CPU kernel's jobs of the timed steps spent their time: the workers' wake-up, gate/up, down."""
+    if before is None or after is None or not (jobs := after[0] - before[0]):
+        return
+    first, phase1, total = ((a - b) / jobs * 1e6 for a, b in zip(after[1:], before[1:], strict=True))
+    print(f"  CPU kernel, mean of {jobs} jobs: first task {first:.0f} µs after posting, gate/up done at {phase1:.0f}, "
+          f"job done at {total:.0f} µs", file=sys.stderr, flush=True)
 
 
 def _divergence(produced: list[int], margins: list[float], reference: list[int],

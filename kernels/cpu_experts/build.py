@@ -92,6 +92,7 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
+    lib.ft_moe_timing.argtypes, lib.ft_moe_timing.restype = [ctypes.POINTER(ctypes.c_double)], None
     lib.ft_read_bytes.argtypes, lib.ft_read_bytes.restype = [p, ctypes.c_size_t], ctypes.c_uint64
     lib.ft_random_fill.argtypes = [p, ctypes.c_size_t, ctypes.c_uint64, i, ctypes.c_float]
     lib.ft_random_fill.restype = None

@@ -246,15 +246,22 @@ typedef struct {
     int phase0_tasks, phase1_tasks, phase2_tasks;  /* phase 0 (packing) only on the AMX path */
     atomic_int phase0_done, phase1_done, phase2_done;
     long start_ns, end_ns;  /* when the job was posted and when its last task finished */
+    atomic_long first_ns;   /* when a worker (or the caller) began the job's first task: the wake-up's cost */
+    long phase1_end_ns;     /* when the last gate/up task finished (the down rows wait for it) */
     uint16_t *xp, *actp;    /* AMX: packed activations per expert, or NULL */
     int32_t *tile_base;     /* AMX: [n_experts + 1] first token tile of each expert in xp/actp */
     const uint16_t *xb_amx; /* bf16 x the AMX path packs (bf16 or Q8_0 weights), or NULL */
 } moe_run;
 
 static moe_run current;  /* the job in flight between ft_moe_start and ft_moe_wait */
+static double timing[4];  /* ft_moe_timing's sums (written by the one thread that waits) */
 
 static void moe_task(void *ctx, int task) {
     moe_run *run = ctx;
+    if (atomic_load_explicit(&run->first_ns, memory_order_relaxed) == 0) {
+        long none = 0;
+        atomic_compare_exchange_strong(&run->first_ns, &none, now_ns());
+    }
     if (task < run->phase0_tasks) {
 #if HAVE_AMX
         if (run->xp) amx_pack_x(&run->job, run->xb_amx, run->xp, run->tile_base, task);
@@ -276,7 +283,7 @@ static void moe_task(void *ctx, int task) {
         if (run->xp) amx_gate_up(&run->job, run->xp, run->actp, run->tile_base, task); else
 #endif
         phase_gate_up(&run->job, task);
-        atomic_fetch_add(&run->phase1_done, 1);
+        if (atomic_fetch_add(&run->phase1_done, 1) + 1 == run->phase1_tasks) run->phase1_end_ns = now_ns();
         return;
     }
     while (atomic_load(&run->phase1_done) < run->phase1_tasks) CPU_RELAX();
@@ -417,6 +424,8 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     atomic_store(&current.phase0_done, 0);
     atomic_store(&current.phase1_done, 0);
     atomic_store(&current.phase2_done, 0);
+    atomic_store(&current.first_ns, 0);
+    current.phase1_end_ns = 0;
     current.start_ns = now_ns();
     parallel_start(moe_task, &current, current.phase0_tasks + current.phase1_tasks + current.phase2_tasks);
     return 0;
@@ -457,7 +466,18 @@ int ft_has_bf16_dot(void) { return HAVE_BF16_DOT; }
    whatever the caller did meanwhile). */
 double ft_moe_wait(void) {
     parallel_wait();
+    long first = atomic_load(&current.first_ns);
+    timing[0] += 1;
+    timing[1] += (first - current.start_ns) / 1e9;
+    timing[2] += ((current.phase1_end_ns ? current.phase1_end_ns : first) - current.start_ns) / 1e9;
+    timing[3] += (current.end_ns - current.start_ns) / 1e9;
     return (current.end_ns - current.start_ns) / 1e9;
+}
+
+/* Sums over every job waited for so far: [jobs, seconds from posting to the first task's start (the workers'
+   wake-up), to the last gate/up task's end, to the job's end]; callers take differences. */
+void ft_moe_timing(double *out) {
+    for (int i = 0; i < 4; i++) out[i] = timing[i];
 }
 
 /* ---- DRAM read bandwidth probe: the ceiling the expert kernel is judged against ---- */

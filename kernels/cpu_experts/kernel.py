@@ -8,6 +8,7 @@ the main thread drives the GPU.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from typing import ClassVar
@@ -178,6 +179,13 @@ class CpuExpertKernel:
         # every buffer the workers read or write stays referenced until wait()
         return PendingExperts(self, y, (x, experts, pair_offsets, pair_tokens, pair_weights, act, x_bf16, act_bf16,
                                         form))
+
+    def timing(self) -> tuple[int, float, float, float]:
+        """Sums over the jobs waited for so far: (jobs, seconds from posting to the first task's start, to the
+        last gate/up task's end, to the job's end). Differences of two calls describe the jobs between them."""
+        out = (ctypes.c_double * 4)()
+        self.lib.ft_moe_timing(out)
+        return int(out[0]), out[1], out[2], out[3]
 
     def wake(self, spin_s: float) -> None:
         """Wakes sleeping workers to spin up to `spin_s` for a call about to come, so that their wake-up (tens of

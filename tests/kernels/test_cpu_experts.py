@@ -187,6 +187,18 @@ def test_read_probe_reads_every_byte(kernel):
     assert kernel.read_bytes(buf) == int(np.bitwise_xor.reduce(buf.numpy().view(np.uint64)))
 
 
+def test_each_job_reports_where_its_time_went(kernel):
+    """`timing()` sums, per job waited for: posting → first task, → last gate/up task, → last down task."""
+    gen = torch.Generator().manual_seed(5)
+    gate, up, down = (_matrix("BF16", 8, o, i, gen) for o, i in ((64, 128), (64, 128), (128, 64)))
+    before = kernel.timing()
+    for _ in range(3):
+        kernel.moe_forward(torch.randn(2, 128, generator=gen), gate, up, down, *_routing(2, 8, 2, gen))
+    after = kernel.timing()
+    jobs, first, gate_up, total = (a - b for a, b in zip(after, before, strict=True))
+    assert jobs == 3 and 0 < first <= gate_up <= total
+
+
 def test_build_is_cached_and_failures_fall_back(tmp_path, monkeypatch, caplog):
     first = build.build(tmp_path)
     assert first is not None and build.build(tmp_path) == first and len(list(tmp_path.iterdir())) == 1
