@@ -149,8 +149,9 @@ def run_decode(lm, context: int, tokens: int, miss_path: str, graphs: bool = Fal
 
 
 def _kernel_timing(executor) -> tuple | None:
-    """The CPU expert kernel's job timing sums, when this executor has started it."""
-    runner = getattr(executor, "_cpu", None)
+    """The CPU expert kernel's job timing sums, when this offloaded executor has started it (the resident
+    executor keeps its own CPU matrices and never times them)."""
+    runner = executor._cpu if isinstance(executor, OffloadedExpertExecutor) else None
     return runner.kernel.timing() if runner is not None and runner.kernel is not None else None
 
 
