@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | kernel-down | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -116,10 +116,6 @@ for part in "$@"; do
              2>&1 | tail -5) ;;
     kernel) (cd /tmp && python3 -m freetoken.kernels.cpu_experts.bench --torch-baseline --json "$OUT/kernel.json"
              FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench --batches 1 8) ;;
-    kernel-down) (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" \
-                "$OLDPWD/tests/kernels/test_cpu_experts.py" 2>&1 | tail -3
-              python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds 7 --threads 15 --batches 1 4 \
-                --out "$OUT/kernel-variants-15t.md" | tail -30) ;;
     kernel-diag) lscpu | grep -E "Thread|Core|Socket|MHz|L2|L3"; cat /sys/kernel/mm/transparent_hugepage/enabled
              grep -H . /sys/devices/system/cpu/vulnerabilities/gather_data_sampling 2>/dev/null
              (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" \

@@ -27,16 +27,13 @@ from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
 
 # name → (Q8_0 through the fp32 path, fewest tokens per expert for Q8_0 tiles, AMX disabled,
-#         int16 path's rows in interleaved pairs, expert pool on huge pages, down rows per task by expert or 0)
+#         int16 path's rows in interleaved pairs, expert pool on huge pages)
 VARIANTS = {
-    "default": (0, 6, 0, 1, 0, 0),
-    "Q8_0 fp32 path": (1, 6, 0, 1, 0, 0),
-    "AMX off": (0, 6, 1, 1, 0, 0),
-    "int16 rows one at a time": (0, 6, 0, 0, 0, 0),
-    "huge pages": (0, 6, 0, 1, 1, 0),
-    "down by expert, 32 rows": (0, 6, 0, 1, 0, 32),
-    "down by expert, 64 rows": (0, 6, 0, 1, 0, 64),
-    "down by expert, 128 rows": (0, 6, 0, 1, 0, 128),
+    "default": (0, 6, 0, 1, 0),
+    "Q8_0 fp32 path": (1, 6, 0, 1, 0),
+    "AMX off": (0, 6, 1, 1, 0),
+    "int16 rows one at a time": (0, 6, 0, 0, 0),
+    "huge pages": (0, 6, 0, 1, 1),
 }
 MADV_HUGEPAGE = 14
 
@@ -98,11 +95,10 @@ def main() -> int:
             kernel.read_bytes(huge_probe)
             results.setdefault(("DRAM read probe, huge pages", "bytes", 0), []).append(
                 probe.numel() / (time.perf_counter() - t0) / 1e9)
-        for name, (q8_fp32, q8_tiles_from, amx_off, two_rows, huge, down_rows) in VARIANTS.items():
+        for name, (q8_fp32, q8_tiles_from, amx_off, two_rows, huge) in VARIANTS.items():
             kernel.lib.ft_set_q16(int(not q8_fp32))
             kernel.lib.ft_set_amx(2, q8_tiles_from, amx_off)
             kernel.lib.ft_set_q16_form(two_rows)
-            kernel.lib.ft_set_down_rows(down_rows)
             int16_form = not two_rows
             for fmt in a.formats:
                 if (q8_fp32 or int16_form) and fmt != "Q8_0":
@@ -112,14 +108,11 @@ def main() -> int:
                         continue  # the same code as the default there
                     if int16_form and batch > 1:
                         continue  # the int16 path serves one token per expert only
-                    if down_rows and batch >= (6 if fmt == "Q8_0" else 2):
-                        continue  # AMX tiles there: their own down phase
                     results.setdefault((name, fmt, batch), []).append(one_pass(fmt, batch, huge))
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     kernel.lib.ft_set_q16(1)
     kernel.lib.ft_set_amx(2, 6, 0)
     kernel.lib.ft_set_q16_form(1)
-    kernel.lib.ft_set_down_rows(0)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

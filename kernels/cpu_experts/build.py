@@ -90,7 +90,6 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i, i], None
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
-    lib.ft_set_down_rows.argtypes, lib.ft_set_down_rows.restype = [i], i
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_moe_timing.argtypes, lib.ft_moe_timing.restype = [ctypes.POINTER(ctypes.c_double)], None

@@ -195,89 +195,46 @@ static void phase_gate_up(void *ctx, int task) {
 #endif
 }
 
-/* Rows [h0, h1) of expert e's down projection for each of its pairs: v = the pair's contribution to y[token, h].
-   `partial` NULL: added into y (the caller zeroed those rows and runs the experts in order); else stored in
-   partial[pair, h] (phase "by expert": the reduction adds them in the same order). */
-static void down_rows(const moe_job *j, int e, int h0, int h1, float *partial) {
+static void phase_down(void *ctx, int task) {
+    const moe_job *j = ctx;
+    int h0 = task * ROW_BLOCK, h1 = h0 + ROW_BLOCK < j->hidden ? h0 + ROW_BLOCK : j->hidden;
     size_t db = row_bytes(j->down_type, j->inter);
     const float *as[MAX_PAIRS];
     const uint16_t *abs_[MAX_PAIRS];
     float d[2 * MAX_PAIRS];
-    const uint8_t *down = j->down + j->experts[e] * j->down_stride;
-    for (int p0 = j->pair_offsets[e]; p0 < j->pair_offsets[e + 1]; p0 += MAX_PAIRS) {
-        int nt = j->pair_offsets[e + 1] - p0 < MAX_PAIRS ? j->pair_offsets[e + 1] - p0 : MAX_PAIRS;
-        for (int t = 0; t < nt; t++) {
-            as[t] = j->act + (size_t)(p0 + t) * j->inter;
-            if (j->actb) abs_[t] = j->actb + (size_t)(p0 + t) * j->inter;
-        }
-        int q16 = j->actq && nt == 1, step = q16 && !q16_two_rows ? 1 : 2;  /* rows interleave in pairs */
-        for (int h = h0; h < h1; h += step) {
-            const void *rows[2] = {down + h * db, down + (h + 1) * db};
-            int nr = h + 1 < h1 && step == 2 ? 2 : 1;
-            if (q16) {
-#if HAVE_Q16
-                const int16_t *aq = j->actq + (size_t)p0 * j->inter;
-                const float *aqs = j->actqs + (size_t)p0 * (j->inter / Q8_BLOCK);
-                if (nr == 2) q16_dot2(rows[0], rows[1], aq, aqs, j->inter, d);
-                else d[0] = q16_dot(rows[0], aq, aqs, j->inter);
-#endif
-            } else if (j->actb)
-                rows_dots_bf16_n(rows, nr, abs_, j->inter, nt, d);
-            else
-                rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
-            for (int r = 0; r < nr; r++)
-                for (int t = 0; t < nt; t++) {
-                    float v = expert_out(j, j->experts[e], h + r, d[r * nt + t], j->pair_weights[p0 + t]);
-                    if (partial)
-                        partial[(size_t)(p0 + t) * j->hidden + h + r] = v;
-                    else
-                        j->y[(size_t)j->pair_tokens[p0 + t] * j->hidden + h + r] += v;
-                }
-        }
-    }
-}
-
-/* Phase 2, by rows: task = ROW_BLOCK rows of y, every expert's down rows for them in turn (short reads from each
-   expert's matrix). */
-static void phase_down(void *ctx, int task) {
-    const moe_job *j = ctx;
-    int h0 = task * ROW_BLOCK, h1 = h0 + ROW_BLOCK < j->hidden ? h0 + ROW_BLOCK : j->hidden;
     for (int h = h0; h < h1; h++)
         for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
-    for (int e = 0; e < j->n_experts; e++) down_rows(j, e, h0, h1, NULL);
-}
-
-/* Phase 2, by expert (ft_set_down_rows > 0): task = down_rows_per_task rows of one expert (one long read), each
-   pair's values into partial[P, H]; phase 3 sums them per output row in the pairs' order, as phase_down adds
-   them, so y is bit for bit the same. */
-static int down_rows_per_task = 0;  /* 0: phase_down */
-static float *down_partial;         /* [P, H] */
-
-static int down_blocks(const moe_job *j) { return (j->hidden + down_rows_per_task - 1) / down_rows_per_task; }
-
-static void phase_down_by_expert(void *ctx, int task) {
-    const moe_job *j = ctx;
-    int blocks = down_blocks(j), e = task / blocks, h0 = (task % blocks) * down_rows_per_task;
-    down_rows(j, e, h0, h0 + down_rows_per_task < j->hidden ? h0 + down_rows_per_task : j->hidden, down_partial);
-}
-
-static void phase_reduce(void *ctx, int task) {
-    const moe_job *j = ctx;
-    int h0 = task * 256, h1 = h0 + 256 < j->hidden ? h0 + 256 : j->hidden, pairs = j->pair_offsets[j->n_experts];
-    for (int t = 0; t < j->tokens; t++)
-        for (int h = h0; h < h1; h++) j->y[(size_t)t * j->hidden + h] = 0.0f;
-    for (int p = 0; p < pairs; p++) {
-        float *y = j->y + (size_t)j->pair_tokens[p] * j->hidden;
-        const float *v = down_partial + (size_t)p * j->hidden;
-        for (int h = h0; h < h1; h++) y[h] += v[h];
+    for (int e = 0; e < j->n_experts; e++) {
+        const uint8_t *down = j->down + j->experts[e] * j->down_stride;
+        for (int p0 = j->pair_offsets[e]; p0 < j->pair_offsets[e + 1]; p0 += MAX_PAIRS) {
+            int nt = j->pair_offsets[e + 1] - p0 < MAX_PAIRS ? j->pair_offsets[e + 1] - p0 : MAX_PAIRS;
+            for (int t = 0; t < nt; t++) {
+                as[t] = j->act + (size_t)(p0 + t) * j->inter;
+                if (j->actb) abs_[t] = j->actb + (size_t)(p0 + t) * j->inter;
+            }
+            int q16 = j->actq && nt == 1, step = q16 && !q16_two_rows ? 1 : 2;  /* rows interleave in pairs */
+            for (int h = h0; h < h1; h += step) {
+                const void *rows[2] = {down + h * db, down + (h + 1) * db};
+                int nr = h + 1 < h1 && step == 2 ? 2 : 1;
+                if (q16) {
+#if HAVE_Q16
+                    const int16_t *aq = j->actq + (size_t)p0 * j->inter;
+                    const float *aqs = j->actqs + (size_t)p0 * (j->inter / Q8_BLOCK);
+                    if (nr == 2) q16_dot2(rows[0], rows[1], aq, aqs, j->inter, d);
+                    else d[0] = q16_dot(rows[0], aq, aqs, j->inter);
+#endif
+                } else if (j->actb)
+                    rows_dots_bf16_n(rows, nr, abs_, j->inter, nt, d);
+                else
+                    rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
+                for (int r = 0; r < nr; r++)
+                    for (int t = 0; t < nt; t++) {
+                        float v = expert_out(j, j->experts[e], h + r, d[r * nt + t], j->pair_weights[p0 + t]);
+                        j->y[(size_t)j->pair_tokens[p0 + t] * j->hidden + h + r] += v;
+                    }
+            }
+        }
     }
-}
-
-/* Phase 2's split: rows of every expert per task (0, the default), or this many rows of one expert per task
-   (then ft_moe_start falls back to the default where it cannot allocate the partials). Returns 0. */
-int ft_set_down_rows(int rows) {
-    down_rows_per_task = rows > 0 ? rows : 0;
-    return 0;
 }
 
 #include "amx.h"
@@ -286,9 +243,8 @@ int ft_set_down_rows(int rows) {
    every phase-1 task has finished (all were drawn before it, so this cannot deadlock). One wake-up per layer. */
 typedef struct {
     moe_job job;
-    int phase0_tasks, phase1_tasks, phase2_tasks, phase3_tasks;  /* phase 0: packing or quantizing x; phase 3:
-                                                                     the reduction of phase 2 by expert */
-    atomic_int phase0_done, phase1_done, phase2_done, phase3_done;
+    int phase0_tasks, phase1_tasks, phase2_tasks;  /* phase 0 (packing) only on the AMX path */
+    atomic_int phase0_done, phase1_done, phase2_done;
     long start_ns, end_ns;  /* when the job was posted and when its last task finished */
     atomic_long first_ns;   /* when a worker (or the caller) began the job's first task: the wake-up's cost */
     long phase1_end_ns;     /* when the last gate/up task finished (the down rows wait for it) */
@@ -330,20 +286,12 @@ static void moe_task(void *ctx, int task) {
         if (atomic_fetch_add(&run->phase1_done, 1) + 1 == run->phase1_tasks) run->phase1_end_ns = now_ns();
         return;
     }
-    task -= run->phase1_tasks;
-    if (task < run->phase2_tasks) {
-        while (atomic_load(&run->phase1_done) < run->phase1_tasks) CPU_RELAX();
+    while (atomic_load(&run->phase1_done) < run->phase1_tasks) CPU_RELAX();
 #if HAVE_AMX
-        if (run->xp) amx_down(&run->job, run->actp, run->tile_base, task); else
+    if (run->xp) amx_down(&run->job, run->actp, run->tile_base, task - run->phase1_tasks); else
 #endif
-        if (run->phase3_tasks) phase_down_by_expert(&run->job, task); else phase_down(&run->job, task);
-        if (atomic_fetch_add(&run->phase2_done, 1) + 1 == run->phase2_tasks && !run->phase3_tasks)
-            run->end_ns = now_ns();
-        return;
-    }
-    while (atomic_load(&run->phase2_done) < run->phase2_tasks) CPU_RELAX();
-    phase_reduce(&run->job, task - run->phase2_tasks);
-    if (atomic_fetch_add(&run->phase3_done, 1) + 1 == run->phase3_tasks) run->end_ns = now_ns();
+    phase_down(&run->job, task - run->phase1_tasks);
+    if (atomic_fetch_add(&run->phase2_done, 1) + 1 == run->phase2_tasks) run->end_ns = now_ns();
 }
 
 /* The most tokens any of the job's experts takes. */
@@ -473,29 +421,13 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     if (current.job.xq) current.phase0_tasks = tokens;
     current.phase1_tasks = n_experts * ((inter + current.job.gate_rows - 1) / current.job.gate_rows);
     current.phase2_tasks = (hidden + ROW_BLOCK - 1) / ROW_BLOCK;
-    current.phase3_tasks = 0;
-    if (down_rows_per_task && !current.xp) {  /* phase 2 by expert, into [P, H] partials */
-        static size_t capacity;
-        size_t need = (size_t)pair_offsets[n_experts] * hidden;
-        if (need > capacity) {
-            free(down_partial);
-            down_partial = malloc(sizeof(float) * need);
-            capacity = down_partial ? need : 0;
-        }
-        if (down_partial) {
-            current.phase2_tasks = n_experts * down_blocks(&current.job);
-            current.phase3_tasks = (hidden + 255) / 256;
-        }
-    }
     atomic_store(&current.phase0_done, 0);
     atomic_store(&current.phase1_done, 0);
     atomic_store(&current.phase2_done, 0);
-    atomic_store(&current.phase3_done, 0);
     atomic_store(&current.first_ns, 0);
     current.phase1_end_ns = 0;
     current.start_ns = now_ns();
-    parallel_start(moe_task, &current,
-                   current.phase0_tasks + current.phase1_tasks + current.phase2_tasks + current.phase3_tasks);
+    parallel_start(moe_task, &current, current.phase0_tasks + current.phase1_tasks + current.phase2_tasks);
     return 0;
 }
 

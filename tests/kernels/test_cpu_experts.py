@@ -164,29 +164,6 @@ def test_q8_0_int16_forms_agree_exactly(kernel, hidden):
     assert outs[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("fmt", ["F32", "BF16", "Q8_0", "MXFP4"])
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("rows", [7, 64, 4096])
-def test_down_rows_by_expert_give_the_same_bits(kernel, fmt, tokens, rows):
-    """Phase 2 split by expert (`ft_set_down_rows`: each task one expert's rows, partials summed per output row
-    afterwards in the pairs' order) adds the same values in the same order as the split by rows: bit-identical,
-    for tasks that end mid-matrix (7) or take all of it (4096)."""
-    gen = torch.Generator().manual_seed(tokens * 31 + rows)
-    hidden, inter = 320, 96
-    gate, up = (_matrix(fmt, 6, inter, hidden, gen) for _ in range(2))
-    down = _matrix(fmt, 6, hidden, inter, gen)
-    x = torch.randn(tokens, hidden, generator=gen).bfloat16().float()
-    routing = _routing(tokens, 6, 3, gen)
-    outs = []
-    try:
-        for split in (0, rows):
-            kernel.lib.ft_set_down_rows(split)
-            outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
-    finally:
-        kernel.lib.ft_set_down_rows(0)
-    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
-
-
 @pytest.mark.parametrize("hidden", [40, 17])
 def test_float_rows_of_any_length(kernel, hidden):
     gen = torch.Generator().manual_seed(hidden)
