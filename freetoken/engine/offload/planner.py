@@ -17,24 +17,38 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from freetoken.engine.offload.path_guard import PathGuard
 
 
 @dataclass(slots=True)
 class LinearCost:
-    """Online fit of seconds = fixed + per_byte * bytes, forgetting old samples geometrically."""
+    """Online fit of seconds = fixed + per_byte * bytes, forgetting old samples geometrically.
+
+    `anchor` > 0 adds a standing pseudo-sample of that weight, never forgotten: an empty job costs the seed's
+    fixed part. Samples of a narrow range of sizes (a decode step's misses differ by one or two experts) fix the
+    line's height there but hardly its slope, and the free fit can put nearly all of the time into the fixed
+    part. Seen on the H200 at budget 0: CPU models of 315-740 GB/s + 376-1384 µs against jobs that ran at 50-73
+    GB/s, so the planner judged one expert on the CPU as dear as five, and the prefetch then copied everything.
+    The anchor leans an ill-determined slope towards the seed's fixed part, while samples of varied sizes
+    outweigh it. Its error is the safe one: a fixed part set too low makes small CPU shares look cheap, they run,
+    and their samples correct it; one set too high keeps them from running at all."""
 
     fixed: float
     per_byte: float
     decay: float = 0.95
+    anchor: float = 0.0
+    _anchor_fixed: float = field(init=False, default=0.0)
     _n: float = 0.0
     _sx: float = 0.0
     _sy: float = 0.0
     _sxx: float = 0.0
     _sxy: float = 0.0
     samples: int = 0
+
+    def __post_init__(self) -> None:
+        self._anchor_fixed = self.fixed
 
     def predict(self, nbytes: float) -> float:
         return self.fixed + self.per_byte * nbytes if nbytes else 0.0
@@ -46,10 +60,11 @@ class LinearCost:
         self._n, self._sx, self._sy = d * self._n + 1, d * self._sx + nbytes, d * self._sy + seconds
         self._sxx, self._sxy = d * self._sxx + nbytes * nbytes, d * self._sxy + nbytes * seconds
         self.samples += 1
-        mean_x, mean_y = self._sx / self._n, self._sy / self._n
-        var = self._sxx / self._n - mean_x * mean_x
+        n = self._n + self.anchor  # the anchor: `anchor` samples of 0 bytes in the seed's fixed time
+        mean_x, mean_y = self._sx / n, (self._sy + self.anchor * self._anchor_fixed) / n
+        var = self._sxx / n - mean_x * mean_x
         if var > (0.05 * mean_x) ** 2 and self.samples >= 4:  # sizes varied enough to separate the two terms
-            slope = (self._sxy / self._n - mean_x * mean_y) / var
+            slope = (self._sxy / n - mean_x * mean_y) / var
             if slope > 0 and mean_y >= slope * mean_x:
                 self.per_byte, self.fixed = slope, mean_y - slope * mean_x
                 return True
@@ -60,7 +75,8 @@ class LinearCost:
                 # with a non-negative fixed part goes through the origin.
                 self.per_byte, self.fixed = self._sxy / self._sxx, 0.0
                 return True
-        if mean_x > 0:  # one size only: keep the fixed part, attribute the rest to bandwidth
+        if self._sx > 0:  # one size only: keep the fixed part, attribute the rest to bandwidth
+            mean_x, mean_y = self._sx / self._n, self._sy / self._n
             self.per_byte = max(mean_y - self.fixed, 0.1 * mean_y) / mean_x
         return False
 
@@ -126,6 +142,7 @@ class MissPlanner:
     PROBE_EVERY = 256  # layer-steps a path may go unused before one miss is sent down it to re-measure it
 
     TOKEN_WEIGHT = 0.1  # CPU cost of each token beyond an expert's first, in units of the expert's bytes
+    ANCHOR = 1.0  # weight of the path models' pseudo-sample at the seed's fixed part (`LinearCost`), ~1/20 of theirs
 
     def __init__(self, copy_gb_s: float, cpu_gb_s: float, copy_fixed_s: float = 20e-6, cpu_fixed_s: float = 100e-6,
                  learn: bool = True, issue_s: float = 0.0, probe_every: int = PROBE_EVERY,
@@ -133,8 +150,8 @@ class MissPlanner:
         """`learn=False` keeps the given costs (a fixed split, for reproducible runs) and never probes.
         `issue_s` / `issue_fixed_s`: host seconds to queue one more copy / to start a batch, until measured.
         `guard`: check the splits end to end against the pure paths (decode's planner; with `learn` only)."""
-        self.copy = LinearCost(copy_fixed_s, 1e-9 / copy_gb_s)
-        self.cpu = LinearCost(cpu_fixed_s, 1e-9 / cpu_gb_s)
+        self.copy = LinearCost(copy_fixed_s, 1e-9 / copy_gb_s, anchor=self.ANCHOR)
+        self.cpu = LinearCost(cpu_fixed_s, 1e-9 / cpu_gb_s, anchor=self.ANCHOR)
         self.issue = IssueCost(issue_s, issue_fixed_s)
         self.learn = learn
         self.probe_every = probe_every

@@ -41,6 +41,37 @@ def test_a_fit_that_wants_a_negative_fixed_part_goes_through_the_origin_instead(
         assert 0.5 * took < cost.predict(n * EXPERT) < 1.6 * took
 
 
+def test_an_anchored_fit_of_one_narrow_range_of_sizes_keeps_the_fixed_part_near_the_seed():
+    """Decode's CPU jobs differ by an expert or two, and noise over that narrow range let the free fit put the
+    whole time into the fixed part (H200, budget 0: CPU models of 315-740 GB/s + 376-1384 µs against jobs that
+    ran at 50-73 GB/s). The planner's models are anchored at their seed's fixed part instead: they still predict
+    what the samples took, but one expert is no longer judged as dear as five."""
+    planner = MissPlanner(47, 70, cpu_fixed_s=100e-6)
+    free = LinearCost(100e-6, 1e-9 / 70)
+    for i in range(120):  # 4 or 5 experts, ~450 µs, 10 µs more for the fifth: as flat as the H200's samples
+        n = 4 + i % 2
+        took = 445e-6 + 10e-6 * (n - 4) + 3e-6 * (i % 3 - 1)
+        planner.observe_cpu(n * EXPERT, took)
+        free.observe(n * EXPERT, took)
+    assert free.predict(EXPERT) > 0.9 * free.predict(5 * EXPERT)  # the unanchored fit: one expert as dear as five
+    cpu = planner.cpu
+    assert cpu.predict(4.5 * EXPERT) == pytest.approx(450e-6, rel=0.05)  # still what the samples took
+    assert cpu.predict(EXPERT) < 0.75 * cpu.predict(5 * EXPERT)
+    assert cpu.fixed < 0.7 * 450e-6
+
+
+@pytest.mark.parametrize("fixed", [50e-6, 300e-6])
+def test_an_anchored_fit_follows_samples_of_varied_sizes(fixed):
+    """Samples over a wide range of sizes outweigh the anchor, also when the true fixed part is three times the
+    seed's."""
+    cost = LinearCost(100e-6, 1e-9 / 10, anchor=MissPlanner.ANCHOR)
+    for n in [1, 3, 8, 2, 5, 7, 4, 6] * 8:
+        cost.observe(n * EXPERT, fixed + n * EXPERT / 70e9)
+    assert cost.gb_s == pytest.approx(70, rel=0.1) and cost.fixed == pytest.approx(fixed, rel=0.25)
+    for n in (1, 8):
+        assert cost.predict(n * EXPERT) == pytest.approx(fixed + n * EXPERT / 70e9, rel=0.1)
+
+
 @pytest.mark.parametrize("copy_gb_s, cpu_gb_s, expect_cpu", [(50, 1, (0, 0)), (1, 50, (8, 8)), (30, 30, (3, 5))])
 def test_split_follows_the_bandwidths(copy_gb_s, cpu_gb_s, expect_cpu):
     planner = MissPlanner(copy_gb_s, cpu_gb_s, copy_fixed_s=20e-6, cpu_fixed_s=150e-6)
