@@ -134,6 +134,7 @@ class GraphBoundaries:
         replay_experts()
         if step.staged:
             self.copier.release(*step.staged)
+        pending = self._plan_prefetch(boundary, layer, ids, rows)  # while the CPU share still runs
         cpu_wait = 0.0
         if step.on_cpu is None:
             io.y.zero_()
@@ -147,20 +148,26 @@ class GraphBoundaries:
         # The prefetch comes after the CPU share: host DRAM feeds both miss paths and is their shared limit, so
         # copies queued while the CPU share still reads it would only slow that down. Its copies are queued at
         # the start of the next boundary, once the next segment (that layer's dense work) has been launched:
-        # queueing them costs the host ~15 µs each, which would otherwise delay that launch. They wait for this
-        # step's expert work, which may still read a slot they overwrite. GPU path "prefetch-early"
-        # (experimental) queues them here instead: with large experts (gpt-oss: 50 MB) the link then works through
-        # the next segment too, for a launch delayed by the queueing.
-        next_layer = self._prefetch_target(layer)
-        if next_layer is not None and boundary.predicts:
-            k = self._routers[next_layer][1]
-            after = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
-            pending = (next_layer, set(io.predicted[:rows, :k].flatten().tolist()), self._prefetch_room(ids), after)
+        # queueing them costs the host ~15 µs each, which would otherwise delay that launch. GPU path
+        # "prefetch-early" (experimental) queues them here instead: with large experts (gpt-oss: 50 MB) the link
+        # then works through the next segment too, for a launch delayed by the queueing.
+        if pending is not None:
             if gpu_paths.enabled("prefetch-early"):
                 self._prefetch(*pending)
             else:
                 self._deferred_prefetch = pending
         self._count_step_time(t0, t_routed, cpu_wait)
+
+    def _plan_prefetch(self, boundary: GraphBoundary, layer: int, ids: list[list[int]], rows: int) -> tuple | None:
+        """What the prefetch after this step will copy: (next layer, its predicted experts, staging room, an event
+        past this step's expert work, which may still read a slot a prefetch overwrites). Planned before the
+        wait for the CPU share, whose end the next segment's launch waits for."""
+        next_layer = self._prefetch_target(layer)
+        if next_layer is None or not boundary.predicts:
+            return None
+        k = self._routers[next_layer][1]
+        after = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
+        return next_layer, set(boundary.io.predicted[:rows, :k].flatten().tolist()), self._prefetch_room(ids), after
 
     def _issue_deferred_prefetch(self, layer: int) -> None:
         """Queues the prefetch the previous boundary planned for `layer` (dropped if this is another layer: a
