@@ -63,9 +63,18 @@ class RemoteSession(Conversation):
                 **({"extra_body": {"top_k": sampling.top_k}} if sampling.top_k else {})}
         messages = self._messages + [msg]
         started, first, parts, usage, finish = time.perf_counter(), None, [], None, None
+        calls: dict[int, list] = {}  # index → [name, arguments so far]: a call's arguments may come in pieces
         stream = self.engine.client.chat.completions.create(
             model=self.engine.model, messages=messages, tools=self.tools or None, stream=True,
             stream_options={"include_usage": True}, **body)
+
+        def put(found: list[Part]) -> None:
+            nonlocal first
+            for part in found:
+                first = first or time.perf_counter()
+                parts.append(part)
+                reply.put(part)
+
         for chunk in stream:
             usage = chunk.usage or usage
             for choice in chunk.choices:
@@ -73,12 +82,14 @@ class RemoteSession(Conversation):
                 delta = choice.delta
                 found = [Part("reasoning", r) for r in [getattr(delta, "reasoning_content", None)] if r]
                 found += [Part("text", delta.content)] if delta.content else []
-                found += [Part("tool_call", call=ToolCall(c.function.name, json.loads(c.function.arguments or "{}")))
-                          for c in delta.tool_calls or []]
-                for part in found:
+                for c in delta.tool_calls or []:
+                    if c.index not in calls:  # a new call: the ones before it are complete
+                        found += _complete_calls(calls)
+                        calls[c.index] = [c.function.name, ""]
+                    calls[c.index][1] += c.function.arguments or ""
                     first = first or time.perf_counter()
-                    parts.append(part)
-                    reply.put(part)
+                put(found)
+        put(_complete_calls(calls))
         self._messages = messages + [assistant_message(parts, arguments_as_json=True)]
         done = time.perf_counter()
         tokens = usage.completion_tokens if usage else 0
@@ -103,3 +114,17 @@ class RemoteSession(Conversation):
 
     def close(self) -> None:
         self.engine.run(lambda: self._checkpoints.clear())
+
+
+def _complete_calls(calls: dict[int, list]) -> list[Part]:
+    """The calls gathered so far as parts, emptying `calls`: their arguments parsed (a call the reply's end cut
+    off keeps its text in the part, with no arguments)."""
+    parts = []
+    for name, arguments in calls.values():
+        try:
+            parsed = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            parsed = {}
+        parts.append(Part("tool_call", text=arguments, call=ToolCall(name, parsed if isinstance(parsed, dict) else {})))
+    calls.clear()
+    return parts

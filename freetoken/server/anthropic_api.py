@@ -103,7 +103,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
             max_tokens=req.max_tokens, prompt_tokens=len(ids), context=engine.context_length,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None, seed=None,
             stop=list(req.stop_sequences or []), ignore_eos=req.ignore_eos))
-        parser = chat.parser()
+        parser = chat.parser(stream_calls=req.stream)
         ident = f"msg_{uuid.uuid4().hex[:24]}"
         events = engine.stream(ids, params)
         if req.stream:
@@ -169,11 +169,22 @@ async def _stream(engine: ServingEngine, ident: str, prompt_tokens: int, events:
                 continue
             last = ev
             for p in parser.push(ev.text) + (parser.finish() if ev.finish_reason else []):
-                kind = {"text": "text", "reasoning": "thinking", "tool_call": "tool_use"}[p.kind]
+                if p.kind == "call_delta":  # into the tool_use block its call_start opened
+                    yield _delta(index, {"type": "input_json_delta", "partial_json": p.text})
+                    continue
+                if p.kind == "tool_call" and p.streamed:  # its block is open, its input streamed
+                    used_tools = True
+                    yield stop()
+                    continue
+                kind = {"text": "text", "reasoning": "thinking", "tool_call": "tool_use",
+                        "call_start": "tool_use"}[p.kind]
                 if open_kind is not None and (kind != open_kind or kind == "tool_use"):
                     if open_kind == "thinking":
                         yield _delta(index, {"type": "signature_delta", "signature": ""})
                     yield stop()
+                if p.kind == "call_start":
+                    yield start(kind, {"type": "tool_use", "id": _tool_id(), "name": p.call.name, "input": {}})
+                    continue
                 if kind == "tool_use":
                     used_tools = True
                     yield start(kind, {"type": "tool_use", "id": _tool_id(), "name": p.call.name, "input": {}})

@@ -55,9 +55,11 @@ class ChatPrompt:
     call_schemas: tuple[tuple[str, str], ...] = ()  # (name, parameters schema) of tools whose schema is usable
     harmony: bool = False  # rendered by a Harmony template (gpt-oss): channels, not tags, mark the parts
 
-    def parser(self) -> OutputParser | HarmonyParser:
+    def parser(self, stream_calls: bool = False) -> OutputParser | HarmonyParser:
+        """`stream_calls`: for a streamed reply, whose calls go out while they form (see OutputParser)."""
         return reply_parser(harmony=self.harmony, in_reasoning=self.in_reasoning, tools=self.tools,
-                            prefix=self.opener, text_params=text_parameters(self.call_schemas))
+                            prefix=self.opener, text_params=text_parameters(self.call_schemas),
+                            stream_calls=stream_calls)
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """`params` with the reply's tool calls constrained to calls of the offered tools where the model writes

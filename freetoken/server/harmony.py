@@ -97,8 +97,11 @@ def _add(parts: list[Part], kind: str, text: str) -> list[Part]:
 
 
 def reply_parser(*, harmony: bool, in_reasoning: bool = False, tools: bool = True, prefix: str = "",
-                 text_params: dict[str, frozenset[str]] | None = None) -> OutputParser | HarmonyParser:
-    """The parser for a reply rendered by a Harmony template (`harmony`) or by any other."""
+                 text_params: dict[str, frozenset[str]] | None = None,
+                 stream_calls: bool = False) -> OutputParser | HarmonyParser:
+    """The parser for a reply rendered by a Harmony template (`harmony`) or by any other. `stream_calls`: Hermes
+    calls also stream while they form (Harmony's calls come whole)."""
     if harmony:
         return HarmonyParser(tools=tools, prefix=prefix)
-    return OutputParser(in_reasoning=in_reasoning, tools=tools, prefix=prefix, text_params=text_params)
+    return OutputParser(in_reasoning=in_reasoning, tools=tools, prefix=prefix, text_params=text_params,
+                        stream_calls=stream_calls)

@@ -119,7 +119,7 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                                  seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos,
                                  json_object=json_object, json_schema=json_schema))
-        parser = chat.parser()
+        parser = chat.parser(stream_calls=req.stream)
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         events = engine.stream(chat.ids, params)
         if req.stream:
@@ -223,10 +223,16 @@ async def _stream(engine: ServingEngine, ident: str, events: AsyncIterator, pars
                     yield chunk({"content": p.text})
                 elif p.kind == "reasoning":
                     yield chunk({"reasoning_content": p.text})
-                else:
-                    call = {"name": p.call.name, "arguments": p.call.arguments_json}
+                elif p.kind == "call_start":  # the call's arguments follow as they form
                     yield chunk({"tool_calls": [{"index": calls, "id": _call_id(), "type": "function",
-                                                 "function": call}]})
+                                                 "function": {"name": p.call.name, "arguments": ""}}]})
+                elif p.kind == "call_delta":
+                    yield chunk({"tool_calls": [{"index": calls, "function": {"arguments": p.text}}]})
+                else:
+                    if not p.streamed:
+                        call = {"name": p.call.name, "arguments": p.call.arguments_json}
+                        yield chunk({"tool_calls": [{"index": calls, "id": _call_id(), "type": "function",
+                                                     "function": call}]})
                     calls += 1
     except Exception as e:  # the status line is long sent: the error goes in the stream, in the API's shape
         yield sse(stream_error(e).openai_body())

@@ -7,7 +7,11 @@ Mistral opens its calls with `[TOOL_CALLS]`: a JSON list of calls (older tokeniz
 judged whole at the end. Llama 3 also answers a call with bare JSON (`{"name", "parameters"}`): with tools
 offered, an answer that opens with `{` or `[` is held and judged whole at the end too. `OutputParser.push` takes
 each text delta and returns the parts it completes; a tag cut across two deltas is held back until it can be told
-apart from text. A tool call is returned whole once its closing tag arrives.
+apart from text. A tool call is returned whole once its closing tag arrives. With `stream_calls`, a Hermes call
+(`{"name": …, "arguments": {…}}`, the head the chat templates and the call constraint write) is also streamed as
+it forms: a `call_start` part once its name is known and its arguments open, then `call_delta` parts with the
+arguments' text as the model writes it, up to the end of the arguments object, then the whole `tool_call`
+(marked `streamed`, its `text` the arguments streamed). Agents show a call's input as it is typed.
 """
 
 from __future__ import annotations
@@ -45,9 +49,49 @@ class ToolCall:
 
 @dataclass(slots=True)
 class Part:
-    kind: str  # "text", "reasoning" or "tool_call"
+    kind: str  # "text", "reasoning" or "tool_call"; while a call streams, "call_start" and "call_delta" first
     text: str = ""
     call: ToolCall | None = None
+    streamed: bool = False  # a tool_call whose call_start and call_delta parts came before it
+
+
+# a Hermes call's head, as templates and the call constraint spell it: the name, then where the arguments begin
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+class _StreamedArguments:
+    """A Hermes call's arguments object read as it arrives: how far its text has been streamed, and whether the
+    object has closed (its nesting followed through strings and escapes)."""
+
+    def __init__(self, name: str, start: int):
+        self.name, self.start, self.pos = name, start, start
+        self.depth, self.in_string, self.escaped, self.closed = 0, False, False, False
+
+    def advance(self, body: str) -> str:
+        """The arguments' text in `body` past what was streamed, up to the object's end."""
+        at = self.pos
+        while at < len(body) and not self.closed:
+            ch = body[at]
+            at += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.closed = self.depth == 0
+        text, self.pos = body[self.pos:at], at
+        return text
+
+    def streamed(self, body: str) -> str:
+        return body[self.start:self.pos]
 
 
 def text_parameters(schemas: tuple[tuple[str, str], ...]) -> dict[str, frozenset[str]]:
@@ -62,12 +106,15 @@ def text_parameters(schemas: tuple[tuple[str, str], ...]) -> dict[str, frozenset
 
 class OutputParser:
     def __init__(self, *, in_reasoning: bool = False, tools: bool = True, prefix: str = "",
-                 text_params: dict[str, frozenset[str]] | None = None):
+                 text_params: dict[str, frozenset[str]] | None = None, stream_calls: bool = False):
         """`in_reasoning`: the prompt already opened a reasoning block (templates that end with `<think>`).
         `prefix`: text the prompt wrote on the model's behalf (a forced tool call's opening), read first.
-        `text_params`: per tool, the parameters whose XML values stay text (`text_parameters`)."""
+        `text_params`: per tool, the parameters whose XML values stay text (`text_parameters`).
+        `stream_calls`: Hermes calls also come as call_start / call_delta parts while they form (streams)."""
         self.state = "reasoning" if in_reasoning else "text"
-        self.tools, self.text_params = tools, text_params or {}
+        self.tools, self.text_params, self.stream_calls = tools, text_params or {}, stream_calls
+        self._call: _StreamedArguments | None = None  # the Hermes call streaming now
+        self._call_whole = False  # the call in the buffer is not one to stream (another format, or not yet)
         self.buffer = ""
         self._after_reasoning = False
         self._answered = False  # answer text has been emitted (so it is not a bare JSON tool call)
@@ -91,6 +138,10 @@ class OutputParser:
                     return parts
             if self.state == "tool":
                 end = self.buffer.find(TOOL_CLOSE)
+                if self.stream_calls:
+                    body = self.buffer[:end] if end >= 0 else \
+                        self.buffer[:len(self.buffer) - partial_tag(self.buffer, [TOOL_CLOSE])]
+                    self._stream_call(parts, body)
                 if end < 0:
                     return parts
                 parts.append(self._tool_part(self.buffer[:end]))
@@ -130,13 +181,41 @@ class OutputParser:
             calls = parse_bare_calls(rest) if self.state == "json" else parse_marked_calls(rest)
             return [Part("tool_call", call=c) for c in calls] if calls else _append([], "text", rest)
         if self.state == "tool":
+            if self._call is not None:
+                parts: list[Part] = []
+                self._stream_call(parts, rest)
+                return [*parts, self._tool_part(rest)]
             call = parse_tool_call(rest, self.text_params)
             return [Part("tool_call", call=call)] if call else _append([], "text", TOOL_OPEN + rest)
         return _append([], self.state, rest)
 
     def _tool_part(self, body: str) -> Part:
+        streaming, self._call, self._call_whole = self._call, None, False
         call = parse_tool_call(body, self.text_params)
+        if streaming is not None:  # its start and arguments went out already: it stays a call
+            return Part("tool_call", text=streaming.streamed(body), streamed=True,
+                        call=call if call is not None and call.name == streaming.name else ToolCall(streaming.name))
         return Part("tool_call", call=call) if call else Part("text", TOOL_OPEN + body + TOOL_CLOSE)
+
+    def _stream_call(self, parts: list[Part], body: str) -> None:
+        """The start and the new argument text of the Hermes call forming in `body` (the text after its tag)."""
+        if self._call is None:
+            if self._call_whole:
+                return
+            head = _HERMES_HEAD.match(body)
+            if head is None:  # not (yet) a Hermes head: wait while it still could be one
+                self._call_whole = not _could_open_hermes(body)
+                return
+            value = body[head.end():].lstrip()
+            if not value:
+                return  # the arguments' first character decides
+            if value[0] != "{":  # arguments as a string or anything else: judged whole at the end
+                self._call_whole = True
+                return
+            self._call = _StreamedArguments(json.loads(head.group(1)), len(body) - len(value))
+            parts.append(Part("call_start", call=ToolCall(self._call.name)))
+        if text := self._call.advance(body):
+            parts.append(Part("call_delta", text))
 
 
 def parse_tool_call(body: str, text_params: dict[str, frozenset[str]] | None = None) -> ToolCall | None:
@@ -287,6 +366,17 @@ def _tagged_arguments(pairs: list[tuple[str, str]], texts: frozenset[str]) -> di
         except json.JSONDecodeError:
             args[name] = value
     return args
+
+
+def _could_open_hermes(body: str) -> bool:
+    """Whether `body` could still grow into a Hermes call's head (`{"name": "…", "arguments": `)."""
+    text = body.lstrip()
+    if not text:
+        return True
+    if text[0] != "{":
+        return False
+    rest = text[1:].lstrip()
+    return '"name"'.startswith(rest[:6]) if len(rest) < 6 else rest.startswith('"name"')
 
 
 def partial_tag(text: str, tags: list[str]) -> int:

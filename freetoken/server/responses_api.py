@@ -117,7 +117,7 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
                                  top_k=None, min_p=None, seed=None, stop=[], json_object=json_object,
                                  json_schema=json_schema, ignore_eos=req.ignore_eos))
         reply = _Reply(engine, req, f"resp_{uuid.uuid4().hex}", store if req.store else None, conversation)
-        parser = chat.parser()
+        parser = chat.parser(stream_calls=req.stream)
         events = engine.stream(ids, params)
         if req.stream:
             return StreamingResponse(reply.stream(events, parser), media_type="text/event-stream",
@@ -146,7 +146,28 @@ class _Reply:
             self.last = ev
         events = []
         for p in parts:
+            if p.kind == "call_start":  # a call streamed as it forms: its item opens now, its arguments follow
+                events += self._close_open()
+                self.items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": _call_id(),
+                                   "name": p.call.name, "arguments": "", "status": "in_progress"})
+                events.append(("response.output_item.added", {"output_index": len(self.items) - 1,
+                                                              "item": {**self.items[-1]}}))
+                continue
+            if p.kind == "call_delta":
+                item = self.items[-1]
+                item["arguments"] += p.text
+                events.append(("response.function_call_arguments.delta", {"output_index": len(self.items) - 1,
+                                                                          "item_id": item["id"], "delta": p.text}))
+                continue
+            if p.kind == "tool_call" and p.streamed:
+                item, index = self.items[-1], len(self.items) - 1
+                item["status"] = "completed"
+                events += [("response.function_call_arguments.done", {"output_index": index, "item_id": item["id"],
+                                                                      "arguments": item["arguments"]}),
+                           ("response.output_item.done", {"output_index": index, "item": item})]
+                continue
             if p.kind == "tool_call":
+                events += self._close_open()  # the message before the call is done
                 item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": _call_id(),
                         "name": p.call.name, "arguments": p.call.arguments_json, "status": "completed"}
                 self.items.append(item)
@@ -262,10 +283,18 @@ def _as_messages(items: list[dict]) -> list[dict]:
     """Output items as the template messages that continue the conversation (reasoning is not replayed)."""
     text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
     calls = [{"id": i["call_id"], "type": "function",
-              "function": {"name": i["name"], "arguments": json.loads(i["arguments"])}}
+              "function": {"name": i["name"], "arguments": _arguments(i["arguments"])}}
              for i in items if i["type"] == "function_call"]
     message = {"role": "assistant", "content": text}
     return [{**message, "tool_calls": calls} if calls else message]
+
+
+def _arguments(text: str) -> dict | str:
+    """A call's arguments for the template; a streamed call the reply's end cut off is replayed as written."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _input_messages(value: str | list[dict]) -> list[dict]:

@@ -163,3 +163,44 @@ def test_glm_and_deepseek_templates_get_their_syntax_and_forced_openers():
         assert text.startswith(opener), (opener, text)
         rest = _run(text[len(opener):], [3], prefix=opener)
         assert rest[0][:2] == ("tool_call", "get_weather")
+
+
+def _streamed(text: str, sizes: list[int], **kw) -> list:
+    parser, parts, at, i = OutputParser(stream_calls=True, **kw), [], 0, 0
+    while at < len(text):
+        n = sizes[i % len(sizes)]
+        parts += parser.push(text[at:at + n])
+        at, i = at + n, i + 1
+    return parts + parser.finish()
+
+
+@pytest.mark.parametrize("sizes", [[1], [2], [3, 7], [1000]])
+def test_a_hermes_call_streams_its_name_then_its_arguments_as_they_form(sizes):
+    """With stream_calls, a call's name comes first (call_start), then its arguments' text as the model writes it
+    (call_delta, braces and quotes inside strings followed), up to the end of the arguments object; the whole call
+    closes it. Text around it is untouched."""
+    arguments = '{"path": "a\\"}.py", "ranges": [[1, 2], {"to": 9}]}'
+    text = f'Let me look.<tool_call>\n{{"name": "read_file", "arguments": {arguments}}}\n</tool_call> done'
+    parts = _streamed(text, sizes)
+    kinds = [p.kind for p in parts if p.kind != "text"]
+    assert kinds[0] == "call_start" and kinds[-1] == "tool_call" and set(kinds[1:-1]) == {"call_delta"}
+    assert parts[[p.kind for p in parts].index("call_start")].call.name == "read_file"
+    streamed = "".join(p.text for p in parts if p.kind == "call_delta")
+    final = next(p for p in parts if p.kind == "tool_call")
+    assert streamed == arguments == final.text and final.streamed
+    assert final.call.arguments == {"path": 'a"}.py', "ranges": [[1, 2], {"to": 9}]}
+    assert "".join(p.text for p in parts if p.kind == "text") == "Let me look. done"
+    if sizes == [1]:
+        assert len(kinds) > 10  # one delta per character: the input shows as it is typed
+
+
+def test_calls_that_cannot_stream_come_whole_and_one_cut_off_is_closed():
+    """Arguments given as a string, a Qwen3-Coder call and a head that is not Hermes's are judged whole at the
+    end, as without streaming; a call the reply ended inside is closed with what streamed."""
+    for text in ['<tool_call>{"name": "ls", "arguments": "{}"}</tool_call>', QWEN3_CODER,
+                 '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>']:
+        parts = _streamed(text, [2])
+        assert [p.kind for p in parts] == ["tool_call"] and not parts[0].streamed, text
+    cut = _streamed('<tool_call>{"name": "f", "arguments": {"a": [1, 2', [3])
+    assert [p.kind for p in cut][0] == "call_start" and cut[-1].kind == "tool_call" and cut[-1].streamed
+    assert cut[-1].text == '{"a": [1, 2' and cut[-1].call.name == "f"

@@ -222,3 +222,44 @@ def test_the_reply_is_constrained_to_calls_in_the_models_format(syntax, choice):
     if fmt not in ("qwen-xml", "glm"):  # JSON arguments are held to the tool's schema: city must be a string
         wrong = full.replace('"Paris"', "7")
         assert not language_for(params).feed(wrong[len(marker) + len(written):] if choice.forces_call else wrong)
+
+
+def test_a_forced_call_streams_its_arguments_in_every_protocol(smollm2_server):
+    """Streamed, a call goes out as it forms: its name first, then its arguments in several deltas, which put
+    together are the call's JSON arguments (OpenAI `tool_calls` chunks, Anthropic `input_json_delta` events in a
+    `tool_use` block, Responses `function_call_arguments.delta` events)."""
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    strict = {**CITY, "required": ["city"], "additionalProperties": False}  # a short call, well inside max_tokens
+    oai = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    chunks = [c for c in oai.chat.completions.create(
+        model="smollm2", messages=msgs, tool_choice="required", tools=[
+            {"type": "function", "function": {"name": "get_weather", "parameters": strict}}], temperature=0,
+        max_tokens=96, stream=True) if c.choices]
+    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].id and calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
+    pieces = [d.function.arguments for d in calls[1:]]
+    assert len(pieces) >= 2 and all(d.index == 0 and d.id is None for d in calls[1:])
+    assert isinstance(json.loads("".join(pieces)), dict) and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    ant = anthropic.Anthropic(base_url=smollm2_server.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": strict}]
+    with ant.messages.stream(model="smollm2", max_tokens=96, messages=msgs, tools=tools,
+                             tool_choice={"type": "tool", "name": "get_weather"},
+                             extra_body={"temperature": 0}) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+               and e.delta.type == "input_json_delta"]
+    block = next(b for b in message.content if b.type == "tool_use")
+    assert len(partial) >= 2 and block.name == "get_weather" and block.input == json.loads("".join(partial))
+    assert message.stop_reason == "tool_use"
+
+    stream = oai.responses.create(model="smollm2", input="Weather in Paris?", tools=[
+        {"type": "function", "name": "get_weather", "parameters": strict}], tool_choice="required",
+        max_output_tokens=96, temperature=0, stream=True)
+    events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert len(deltas) >= 2 and "".join(deltas) == done.arguments and isinstance(json.loads(done.arguments), dict)
+    item = next(o for o in events[-1].response.output if o.type == "function_call")
+    assert item.name == "get_weather" and item.arguments == done.arguments
