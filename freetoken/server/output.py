@@ -7,11 +7,10 @@ Mistral opens its calls with `[TOOL_CALLS]`: a JSON list of calls (older tokeniz
 judged whole at the end. Llama 3 also answers a call with bare JSON (`{"name", "parameters"}`): with tools
 offered, an answer that opens with `{` or `[` is held and judged whole at the end too. `OutputParser.push` takes
 each text delta and returns the parts it completes; a tag cut across two deltas is held back until it can be told
-apart from text. A tool call is returned whole once its closing tag arrives. With `stream_calls`, a Hermes call
-(`{"name": …, "arguments": {…}}`, the head the chat templates and the call constraint write) is also streamed as
-it forms: a `call_start` part once its name is known and its arguments open, then `call_delta` parts with the
-arguments' text as the model writes it, up to the end of the arguments object, then the whole `tool_call`
-(marked `streamed`, its `text` the arguments streamed). Agents show a call's input as it is typed.
+apart from text. A tool call is returned whole once its closing tag arrives. With `stream_calls`, a Hermes or a
+Qwen3-Coder call is also streamed as it forms (call_streams.py): a `call_start` part once its name is known, then
+`call_delta` parts with its arguments' JSON text, then the whole `tool_call` (marked `streamed`, its `text` the
+arguments streamed). Agents show a call's input as it is typed.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from freetoken.engine.call_languages import (
     DEEPSEEK_SEP,
 )
 from freetoken.engine.json_schema import compile_schema
+from freetoken.server.call_streams import StreamedCall, open_call
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -55,45 +55,6 @@ class Part:
     streamed: bool = False  # a tool_call whose call_start and call_delta parts came before it
 
 
-# a Hermes call's head, as templates and the call constraint spell it: the name, then where the arguments begin
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-
-
-class _StreamedArguments:
-    """A Hermes call's arguments object read as it arrives: how far its text has been streamed, and whether the
-    object has closed (its nesting followed through strings and escapes)."""
-
-    def __init__(self, name: str, start: int):
-        self.name, self.start, self.pos = name, start, start
-        self.depth, self.in_string, self.escaped, self.closed = 0, False, False, False
-
-    def advance(self, body: str) -> str:
-        """The arguments' text in `body` past what was streamed, up to the object's end."""
-        at = self.pos
-        while at < len(body) and not self.closed:
-            ch = body[at]
-            at += 1
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                self.closed = self.depth == 0
-        text, self.pos = body[self.pos:at], at
-        return text
-
-    def streamed(self, body: str) -> str:
-        return body[self.start:self.pos]
-
-
 def text_parameters(schemas: tuple[tuple[str, str], ...]) -> dict[str, frozenset[str]]:
     """Per tool (name, parameters schema as JSON), the parameters its schema types as strings: an XML call's
     value for one of them is the text itself, even where it reads as JSON (`"42"`, not 42)."""
@@ -113,7 +74,7 @@ class OutputParser:
         `stream_calls`: Hermes calls also come as call_start / call_delta parts while they form (streams)."""
         self.state = "reasoning" if in_reasoning else "text"
         self.tools, self.text_params, self.stream_calls = tools, text_params or {}, stream_calls
-        self._call: _StreamedArguments | None = None  # the Hermes call streaming now
+        self._call: StreamedCall | None = None  # the call streaming now
         self._call_whole = False  # the call in the buffer is not one to stream (another format, or not yet)
         self.buffer = ""
         self._after_reasoning = False
@@ -193,27 +154,21 @@ class OutputParser:
         streaming, self._call, self._call_whole = self._call, None, False
         call = parse_tool_call(body, self.text_params)
         if streaming is not None:  # its start and arguments went out already: it stays a call
-            return Part("tool_call", text=streaming.streamed(body), streamed=True,
+            return Part("tool_call", text=streaming.text, streamed=True,
                         call=call if call is not None and call.name == streaming.name else ToolCall(streaming.name))
         return Part("tool_call", call=call) if call else Part("text", TOOL_OPEN + body + TOOL_CLOSE)
 
     def _stream_call(self, parts: list[Part], body: str) -> None:
-        """The start and the new argument text of the Hermes call forming in `body` (the text after its tag)."""
+        """The start and the new argument text of the call forming in `body` (the text after its tag)."""
         if self._call is None:
             if self._call_whole:
                 return
-            head = _HERMES_HEAD.match(body)
-            if head is None:  # not (yet) a Hermes head: wait while it still could be one
-                self._call_whole = not _could_open_hermes(body)
+            opened = open_call(body, self.text_params)
+            if not isinstance(opened, StreamedCall):
+                self._call_whole = opened
                 return
-            value = body[head.end():].lstrip()
-            if not value:
-                return  # the arguments' first character decides
-            if value[0] != "{":  # arguments as a string or anything else: judged whole at the end
-                self._call_whole = True
-                return
-            self._call = _StreamedArguments(json.loads(head.group(1)), len(body) - len(value))
-            parts.append(Part("call_start", call=ToolCall(self._call.name)))
+            self._call = opened
+            parts.append(Part("call_start", call=ToolCall(opened.name)))
         if text := self._call.advance(body):
             parts.append(Part("call_delta", text))
 
@@ -366,17 +321,6 @@ def _tagged_arguments(pairs: list[tuple[str, str]], texts: frozenset[str]) -> di
         except json.JSONDecodeError:
             args[name] = value
     return args
-
-
-def _could_open_hermes(body: str) -> bool:
-    """Whether `body` could still grow into a Hermes call's head (`{"name": "…", "arguments": `)."""
-    text = body.lstrip()
-    if not text:
-        return True
-    if text[0] != "{":
-        return False
-    rest = text[1:].lstrip()
-    return '"name"'.startswith(rest[:6]) if len(rest) < 6 else rest.startswith('"name"')
 
 
 def partial_tag(text: str, tags: list[str]) -> int:

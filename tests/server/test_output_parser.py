@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from freetoken.server.output import OutputParser, parse_tool_call
@@ -195,12 +197,35 @@ def test_a_hermes_call_streams_its_name_then_its_arguments_as_they_form(sizes):
 
 
 def test_calls_that_cannot_stream_come_whole_and_one_cut_off_is_closed():
-    """Arguments given as a string, a Qwen3-Coder call and a head that is not Hermes's are judged whole at the
+    """Arguments given as a string, a head that is not Hermes's and GLM's tagged calls are judged whole at the
     end, as without streaming; a call the reply ended inside is closed with what streamed."""
-    for text in ['<tool_call>{"name": "ls", "arguments": "{}"}</tool_call>', QWEN3_CODER,
-                 '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>']:
+    for text in ['<tool_call>{"name": "ls", "arguments": "{}"}</tool_call>',
+                 '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+                 "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"]:
         parts = _streamed(text, [2])
         assert [p.kind for p in parts] == ["tool_call"] and not parts[0].streamed, text
     cut = _streamed('<tool_call>{"name": "f", "arguments": {"a": [1, 2', [3])
     assert [p.kind for p in cut][0] == "call_start" and cut[-1].kind == "tool_call" and cut[-1].streamed
     assert cut[-1].text == '{"a": [1, 2' and cut[-1].call.name == "f"
+
+
+@pytest.mark.parametrize("sizes", [[1], [2], [5, 3], [1000]])
+def test_a_qwen3_coder_call_streams_its_parameters_as_json(sizes):
+    """A Qwen3-Coder call becomes a JSON object as its parameters arrive: a parameter the schema types as a string
+    streams its value as it forms (quotes, newlines and backslashes escaped, the format's own newlines dropped),
+    any other value comes at its closing tag; joined, the deltas are the arguments the whole call parses to."""
+    content = 'line "one"\n\\ two </param not a tag\n'
+    text = (f"<tool_call>\n<function=write>\n<parameter=path>\nsrc/x.py\n</parameter>\n<parameter=content>\n"
+            f"{content}\n</parameter>\n<parameter=mode>\n{{\"append\": true}}\n</parameter>\n"
+            f"<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>")
+    texts = {"write": frozenset({"path", "content", "count"})}
+    parts = _streamed(text, sizes, text_params=texts)
+    assert parts[0].kind == "call_start" and parts[0].call.name == "write" and parts[-1].kind == "tool_call"
+    deltas = [p.text for p in parts if p.kind == "call_delta"]
+    expected = {"path": "src/x.py", "content": content, "mode": {"append": True}, "count": "3"}
+    assert json.loads("".join(deltas)) == expected == parts[-1].call.arguments
+    assert parts[-1].streamed and parts[-1].text == "".join(deltas)
+    if sizes == [1]:  # the text values streamed character by character, not at their ends
+        assert len(deltas) > len(content)
+    bare = _streamed("<tool_call>\n<function=ls>\n</function>\n</tool_call>", sizes)
+    assert "".join(p.text for p in bare if p.kind == "call_delta") == "{}" and bare[-1].call.arguments == {}
