@@ -210,3 +210,58 @@ def test_pinning_a_layer_is_refused_with_the_reason_when_it_cannot_be_done(keyed
     assert httpx.post(f"{url}/admin/expert-pin", json={"layer": "x"}, headers=headers).status_code == 400
     assert httpx.post(f"{url}/admin/expert-pin", json={"layer": 0}).status_code == 401  # the key is needed
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_admin_routes_refuse_clients_off_loopback_when_the_server_has_no_key(tiny_moe):
+    """Without an API key the admin routes answer only on loopback: a client from another address gets a 403 in
+    the OpenAI error shape, and the ordinary routes still answer it."""
+    import asyncio
+
+    from freetoken.server.app import ServerSettings, create_app
+    from freetoken.server.engine import ServingEngine
+
+    engine = ServingEngine(load_model(tiny_moe, progress=False), "tiny")
+
+    async def ask(client: tuple[str, int]) -> tuple[int, dict, int]:
+        transport = httpx.ASGITransport(app=create_app(engine, ServerSettings()), client=client)
+        async with httpx.AsyncClient(transport=transport, base_url="http://freetoken") as c:
+            admin = await c.post("/admin/kv-cache", json={"size": "1GiB"})
+            models = await c.get("/v1/models")
+            return admin.status_code, admin.json(), models.status_code
+
+    try:
+        status, body, models = asyncio.run(ask(("192.0.2.7", 40000)))
+        assert status == 403 and "loopback" in body["error"]["message"] and models == 200
+        status, _, _ = asyncio.run(ask(("127.0.0.1", 40000)))
+        assert status != 403
+    finally:
+        engine.close()
+
+
+def test_a_full_kv_pool_answers_503_to_the_newest_request_and_the_server_goes_on(tiny_moe):
+    """Two requests that together outgrow a 64-token KV pool: the newest is ended with a 503 in its protocol's
+    shape, naming --kv-cache; the other completes, and the next request is answered."""
+    import threading
+
+    running = start_server(load_model(tiny_moe, progress=False), "tiny", kv_tokens=64, max_seq_len=64)
+    try:
+        body = {**CHAT, "max_tokens": 48, "ignore_eos": True}
+        results, start = [], threading.Barrier(2)
+
+        def post() -> None:
+            start.wait()
+            results.append(httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=post) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = sorted(r.status_code for r in results)
+        assert codes == [200, 503], [r.text for r in results]
+        refused = next(r for r in results if r.status_code == 503).json()["error"]
+        assert refused["type"] == "server_error" and "--kv-cache" in refused["message"]
+        again = httpx.post(f"{running.url}/v1/chat/completions", json=CHAT, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] is not None
+    finally:
+        running.stop()
