@@ -1,4 +1,4 @@
-"""The README's SDK example runs as written, on the embedded model."""
+"""The README's SDK example runs as written, on the embedded model; the package ships marked as typed."""
 
 from __future__ import annotations
 
@@ -13,3 +13,10 @@ def test_the_fork_two_strategies_example_runs(smollm2_gguf, capsys):
     assert example["main"](str(smollm2_gguf)) in ("search", "reinstall")
     out = capsys.readouterr().out
     assert "kept '" in out and "reused" in out and "the winning branch goes on:" in out
+
+
+def test_the_installed_package_is_marked_typed():
+    """The SDK's annotations reach users' type checkers: the wheel ships the PEP 561 marker."""
+    from importlib.resources import files
+
+    assert files("freetoken").joinpath("py.typed").is_file()

@@ -1,12 +1,14 @@
-"""1,000 random session operations (send, fork, checkpoint, rollback, edit, close) on a tiny random model: every
-page is held exactly by the sessions and checkpoints that own it, replies equal fresh runs of their history,
-and nothing leaks once everything is closed."""
+"""Random session operations (send, fork, checkpoint, rollback, edit, close) on a tiny random model, as a
+Hypothesis state machine: over 1,000 operations in 30 runs of up to 50, shrunk to a shortest failing sequence
+if one ever fails. After every operation each page is held exactly by the sessions and checkpoints that own it (and the
+prefix index), replies equal fresh runs of their history, and nothing leaks once a run's sessions are closed."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import freetoken
 from freetoken.engine.generator import Generator
@@ -15,6 +17,8 @@ from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import PARITY_CASES, write_hf_checkpoint
 
 WORDS = ["alpha", "beta", "gamma", "delta", "tool", "file", "run", "test", "fix", "patch"]
+SYSTEM = "You are a tiny test model."
+RUNS, STEPS = 30, 50  # ~1,500 operations; the runs draw their own lengths
 
 
 @pytest.fixture(scope="module")
@@ -37,48 +41,87 @@ def _holders(engine, sessions) -> dict[int, int]:
     return counts
 
 
-def test_random_operations_keep_pages_exact_and_replies_fresh(engine):
-    rng = random.Random(0)
-    sessions = [engine.session(system="You are a tiny test model.")]
-    sends = checked = 0
-    for step in range(1000):
-        s = rng.choice(sessions)
-        op = rng.random()
-        if op < 0.45:
-            if len(s.messages) >= 7:  # the tiny model's context is short: start this one over
-                s.close()
-                sessions[sessions.index(s)] = s = engine.session(system="You are a tiny test model.")
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 6)))
-            reply = s.send(text, max_tokens=rng.randrange(1, 4))
-            sends += 1
-            if sends % 25 == 0:  # a sample of replies against a fresh run of the same history
-                history = s.messages[:-1]
-                tok = engine.lm.tokenizer
-                prompt = tok.encode(tok.apply_chat_template(history))
-                params = SamplingParams(temperature=0, max_tokens=len(reply.token_ids) or 1)
-                fresh = Generator(engine.lm).generate_ids(prompt, params)
-                assert reply.token_ids == fresh[:len(reply.token_ids)], step
-                checked += 1
-        elif op < 0.6 and len(sessions) < 8:
-            sessions.append(s.fork())
-        elif op < 0.72:
-            s.checkpoint(rng.choice("ab"))
-        elif op < 0.82:
-            name = rng.choice("ab")
-            if name in s._checkpoints:
-                s.rollback(name)
-        elif op < 0.92:
-            n = len(s.messages)
-            if n > 1:
-                s.edit(rng.randrange(1, n), " ".join(rng.choice(WORDS) for _ in range(3)))
-        elif len(sessions) > 1:
+class SessionOps(RuleBasedStateMachine):
+    engine = None  # set by the test: one model for every run
+    done = {"operations": 0, "sends": 0, "checked": 0}  # over every run, so the test can tell it ran them
+
+    def __init__(self):
+        super().__init__()
+        self.sessions = [self.engine.session(system=SYSTEM)]
+        self.sends = 0
+
+    @rule(i=st.integers(0, 7), words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=5),
+          max_tokens=st.integers(1, 3))
+    def send(self, i, words, max_tokens):
+        s = self._pick(i)
+        if len(s.messages) >= 7:  # the tiny model's context is short: start this one over
             s.close()
-            sessions.remove(s)
-        engine.run(lambda: None)  # everything queued so far has run
-        assert _holders(engine, sessions) == engine.cache.allocator.refs, step
-    assert sends > 300 and checked >= 10
-    for s in sessions:
+            self.sessions[self.sessions.index(s)] = s = self.engine.session(system=SYSTEM)
+        reply = s.send(" ".join(words), max_tokens=max_tokens)
+        self.sends += 1
+        self.done["sends"] += 1
+        if self.sends % 4 == 0:  # a sample of replies against a fresh run of the same history
+            tok = self.engine.lm.tokenizer
+            prompt = tok.encode(tok.apply_chat_template(s.messages[:-1]))
+            params = SamplingParams(temperature=0, max_tokens=len(reply.token_ids) or 1)
+            fresh = Generator(self.engine.lm).generate_ids(prompt, params)
+            assert reply.token_ids == fresh[:len(reply.token_ids)]
+            self.done["checked"] += 1
+
+    @rule(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=5))
+    def follow_up(self, words):
+        """The newest session's next turn: agents mostly extend the branch they just made."""
+        self.send(len(self.sessions) - 1, words, 2)
+
+    @precondition(lambda self: len(self.sessions) < 8)
+    @rule(i=st.integers(0, 7))
+    def fork(self, i):
+        self.sessions.append(self._pick(i).fork())
+
+    @rule(i=st.integers(0, 7), name=st.sampled_from("ab"))
+    def checkpoint(self, i, name):
+        self._pick(i).checkpoint(name)
+
+    @rule(i=st.integers(0, 7), name=st.sampled_from("ab"))
+    def rollback(self, i, name):
+        s = self._pick(i)
+        if name in s._checkpoints:
+            s.rollback(name)
+
+    @rule(i=st.integers(0, 7), at=st.integers(1, 6), words=st.lists(st.sampled_from(WORDS), min_size=3, max_size=3))
+    def edit(self, i, at, words):
+        s = self._pick(i)
+        if len(s.messages) > 1:
+            s.edit(1 + (at - 1) % (len(s.messages) - 1), " ".join(words))
+
+    @precondition(lambda self: len(self.sessions) > 1)
+    @rule(i=st.integers(0, 7))
+    def close(self, i):
+        s = self._pick(i)
         s.close()
-    engine.prefix.clear()
-    allocator = engine.cache.allocator
-    assert allocator.num_free == allocator.num_pages and not allocator.refs
+        self.sessions.remove(s)
+
+    @invariant()
+    def pages_are_held_exactly_by_their_owners(self):
+        self.engine.run(lambda: None)  # everything queued so far has run
+        self.done["operations"] += 1
+        assert _holders(self.engine, self.sessions) == self.engine.cache.allocator.refs
+
+    def teardown(self):
+        for s in self.sessions:
+            s.close()
+        self.engine.prefix.clear()
+        allocator = self.engine.cache.allocator
+        assert allocator.num_free == allocator.num_pages and not allocator.refs
+
+    def _pick(self, i: int):
+        return self.sessions[i % len(self.sessions)]
+
+
+def test_random_operations_keep_pages_exact_and_replies_fresh(engine):
+    SessionOps.engine = engine
+    run_state_machine_as_test(SessionOps, settings=settings(
+        max_examples=RUNS, stateful_step_count=STEPS, deadline=None, derandomize=True, database=None,
+        suppress_health_check=list(HealthCheck)))
+    done = SessionOps.done
+    assert done["operations"] >= 1000 + RUNS and done["sends"] >= 250 and done["checked"] >= 50, done
