@@ -251,8 +251,11 @@ class Session(Conversation):
         def make() -> Session:
             child = Session.__new__(Session)
             child.engine, child._messages, child.tools = self.engine, copy.deepcopy(self._messages), self.tools
-            child._seq, child._tokens = self.engine.cache.fork(self._seq), list(self._tokens)
-            child._checkpoints, child._snapshots = {}, {}
+            cache = self.engine.cache
+            child._seq, child._tokens = cache.fork(self._seq), list(self._tokens)
+            # the snapshots too (a recurrent model's state is copied, its K/V shared): an edit in the child then
+            # restarts from the last one before it, not from the first token
+            child._checkpoints, child._snapshots = {}, {at: cache.fork(seq) for at, seq in self._snapshots.items()}
             return child
 
         return self.engine.run(make)
@@ -276,7 +279,11 @@ class Session(Conversation):
             messages, tokens, seq = self._checkpoints[name]
             cache = self.engine.cache
             cache.release(self._seq)
-            self._drop_snapshots()
+            # snapshots within the history the checkpoint shares with the present one still hold
+            shared = next((i for i, (a, b) in enumerate(zip(tokens, self._tokens, strict=False)) if a != b),
+                          min(len(tokens), len(self._tokens)))
+            for at in [at for at in self._snapshots if at > shared]:
+                cache.release(self._snapshots.pop(at))
             self._messages, self._tokens, self._seq = copy.deepcopy(messages), list(tokens), cache.fork(seq)
 
         self.engine.run(restore)

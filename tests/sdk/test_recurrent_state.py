@@ -105,6 +105,38 @@ def test_sessions_restart_from_message_boundaries_and_match_fresh_runs(lm):
     engine.close()
 
 
+def test_forks_and_rollbacks_keep_the_snapshots_an_edit_restarts_from(lm):
+    """A fork carries the snapshots of its history, and a rollback keeps those within the history the checkpoint
+    shares: an edit after either recomputes from the last message boundary before it, not from the first token,
+    and still answers as a fresh run of the edited history."""
+    engine = freetoken.Engine(lm)
+    tok = lm.tokenizer
+
+    def fresh(messages, n):
+        return Generator(lm).generate_ids(tok.encode(tok.apply_chat_template(messages)),
+                                          SamplingParams(temperature=0, max_tokens=n))
+
+    session = engine.session(system="You are a tiny recurrent test model.")
+    session.send("first question", max_tokens=4).wait()
+    session.send("second question", max_tokens=4).wait()
+    branch = session.fork()
+    branch.edit(3, "an edited second question")
+    edited = branch.send("then", max_tokens=4)
+    assert edited.token_ids == fresh(branch.messages[:-1], 4)
+    assert edited.stats.cached_tokens > 0  # the fork's copy of the snapshot at the end of the first answer
+    session.checkpoint("two")
+    session.send("third question", max_tokens=4).wait()
+    session.rollback("two")
+    session.edit(3, "another second question")
+    again = session.send("then", max_tokens=4)
+    assert again.token_ids == fresh(session.messages[:-1], 4) and again.stats.cached_tokens > 0
+    for s in (session, branch):
+        s.close()
+    allocator = engine.cache.allocator
+    assert allocator.num_free == allocator.num_pages
+    engine.close()
+
+
 def test_an_edit_after_a_reasoning_block_restarts_from_the_block_end(lm, monkeypatch):
     """Snapshots are also taken after each block-closing marker (`</think>`, `</tool_call>`, ...) inside a message:
     an agent rewriting the text after a reasoning block recomputes from the block's end, not the message's start.
