@@ -9,7 +9,8 @@ Requests join and leave between steps. All sequences live in one paged KV cache;
 sequence returns its pages at once, except its full pages, which the prefix cache keeps (until the pool needs
 them) so a later prompt that starts with the same tokens, an agent's next turn, reuses their K/V.
 Models with recurrent layers run one sequence at a time and reuse whole-sequence snapshots instead
-(state_snapshots.py: each prompt's end and each finished request).
+(state_snapshots.py: each prompt's end, each finished request, and the last few message and block ends inside a
+prompt, so that an agent editing its recent history recomputes from the boundary before the edit).
 On CUDA a step of decode tokens only replays a CUDA graph: the single-sequence path's for one sequence, a batched
 step's for several (cuda_graphs.py; GPU path "batch-graphs"; the KV pool is then allocated at full size up front,
 as the graphs need); a step with prefill chunks runs eagerly through `LoadedModel.forward_batch`.
@@ -54,6 +55,7 @@ class BatchRequest:
     next_token: int | None = None  # sampled, not yet in the cache
     fed: list[int] = field(default_factory=list)  # generated tokens written to the cache
     steps: list[int] = field(default_factory=list)  # batch sizes of the forwards this request took part in
+    boundaries: list[int] = field(default_factory=list)  # recurrent models: prompt offsets to snapshot at
 
     @property
     def decoding(self) -> bool:
@@ -88,6 +90,8 @@ class BatchScheduler:
             if prefix_cache:
                 self.snapshots = StateSnapshots(self.cache)
                 self.cache.reclaim = self.snapshots.evict
+                tok = lm.tokenizer
+                self._boundary_ids = tok.eos_token_ids | tok.block_end_ids()
         elif prefix_cache:
             # a growing pool (CPU) would grow for cached pages too: their count is capped at two full contexts
             cap = None if self.cache.max_pages is not None else 2 * -(-self.capacity // page_size)
@@ -124,7 +128,18 @@ class BatchScheduler:
             if shared:
                 self.cache.adopt(req.seq, shared)
                 req.prefilled = req.cached = req.reply.cached_tokens = req.seq.length
+        if self.snapshots is not None:
+            req.boundaries = self._boundaries(req.prompt_ids, req.prefilled)
         self.active.append(req)
+
+    BOUNDARY_SNAPSHOTS = 3  # message and block ends snapshotted per prompt, the last ones (edits come late)
+
+    def _boundaries(self, prompt: list[int], done: int) -> list[int]:
+        """Offsets just past the prompt's last few end-of-turn and block-closing tokens (`</think>`,
+        `</tool_call>`, ...) beyond `done` and before its end (which is snapshotted anyway)."""
+        ends = self._boundary_ids
+        found = [i + 1 for i in range(done, len(prompt) - 2) if prompt[i] in ends]
+        return found[-self.BOUNDARY_SNAPSHOTS:]
 
     @torch.inference_mode()
     def step(self) -> list[BatchRequest]:
@@ -153,7 +168,10 @@ class BatchScheduler:
         for r in prefilling:
             if room <= 0:
                 break
-            chunk = r.prompt_ids[r.prefilled:r.prefilled + room]
+            end = r.prefilled + room
+            if r.boundaries and r.prefilled < r.boundaries[0] < end:
+                end = r.boundaries[0]  # the chunk stops there: the state after it is snapshotted
+            chunk = r.prompt_ids[r.prefilled:end]
             batch.append(r)
             tokens += chunk
             counts.append(len(chunk))
@@ -172,6 +190,9 @@ class BatchScheduler:
             req.steps.append(len(batch))
             if not req.decoding:
                 req.prefilled += n
+                if req.boundaries and req.prefilled == req.boundaries[0]:
+                    req.boundaries.pop(0)
+                    self.snapshots.snapshot(req.prompt_ids, req.seq)
                 if req.prefilled < len(req.prompt_ids):
                     continue  # more prompt to go: these logits pick nothing
                 if self.snapshots is not None:

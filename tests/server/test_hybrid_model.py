@@ -67,6 +67,31 @@ def test_a_follow_up_turn_reuses_the_last_turns_state(hybrid):
         cold.stop()
 
 
+def test_an_edited_last_message_restarts_from_the_boundary_before_it(hybrid):
+    """A recurrent model cannot drop tokens from its state, so the server snapshots it at the last message ends
+    inside each prompt: a request whose history differs only in its last message (an agent rewriting a tool
+    result) recomputes from the end of the message before it, and answers as a cold server does."""
+    history = [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps over"},
+               {"role": "user", "content": "the lazy dog"}]
+    edited = [*history[:2], {"role": "user", "content": "a sleepy cat instead"}]
+    server = _serve(hybrid)
+    try:
+        _chat(server.url, history)
+        reply = _chat(server.url, edited)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        tok = server.engine.lm.tokenizer
+        shared = tok.encode(tok.apply_chat_template(history[:2], add_generation_prompt=False))
+        end_of_turn = max(i + 1 for i, t in enumerate(shared) if t in tok.eos_token_ids)
+        assert cached == end_of_turn > 0  # the snapshot just past the assistant's message, the last one shared
+    finally:
+        server.stop()
+    cold = _serve(hybrid)
+    try:
+        assert _chat(cold.url, edited).choices[0].message.content == reply.choices[0].message.content
+    finally:
+        cold.stop()
+
+
 def test_streams_and_a_forced_call_through_both_protocols(hybrid):
     server = _serve(hybrid)
     try:
