@@ -16,6 +16,7 @@ lose to fresh ones whatever their cost. Plain Python, no torch: the KV cache own
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -34,6 +35,11 @@ class PrefixCache:
         self._pages: OrderedDict[int, tuple[int, int, tuple[int, ...]]] = OrderedDict()
         self._children: dict[int, int] = {}  # key → cached pages continuing it
         self._credit: dict[int, float] = {}  # key → inflation level at its last use + its recompute cost
+        # eviction candidates, least credit first: (credit, push order, key), pushed at each use and when a page
+        # becomes a leaf; an entry whose key is gone, has children or was used again since is skipped. A scan
+        # of every page per eviction made making room for a long prompt quadratic in the index's size.
+        self._leaves: list[tuple[float, int, int]] = []
+        self._pushes = 0
         self._level = 0.0
         self.lookups = self.hit_tokens = self.inserted = self.evicted = 0
 
@@ -51,7 +57,16 @@ class PrefixCache:
     def _use(self, key: int, page_index: int) -> None:
         """Page `page_index` of its sequence was used: its credit is renewed (cost in units of one page's
         position-independent work)."""
-        self._credit[key] = self._level + 1.0 + (page_index + 0.5) * self.page_size / ATTENTION_TOKENS
+        credit = self._credit[key] = self._level + 1.0 + (page_index + 0.5) * self.page_size / ATTENTION_TOKENS
+        self._candidate(credit, key)
+
+    def _candidate(self, credit: float, key: int) -> None:
+        self._pushes += 1
+        heapq.heappush(self._leaves, (credit, self._pushes, key))
+        if len(self._leaves) > 4 * len(self._credit) + 64:  # mostly stale: keep the live entries only
+            live = {k: c for k, c in self._credit.items() if not self._children.get(k)}
+            self._leaves = [e for e in self._leaves if live.get(e[2]) == e[0]]
+            heapq.heapify(self._leaves)
 
     def match(self, tokens: Sequence[int]) -> list[int]:
         """The registered pages holding the longest prefix of `tokens` in whole pages, leaving at least one
@@ -88,14 +103,17 @@ class PrefixCache:
         """Drops the index's reference to `n` pages (fewer if it holds fewer), leaves with the least credit
         first; a page no sequence shares goes back to the pool. Returns how many were dropped."""
         dropped = []
-        while self._pages and len(dropped) < n:
-            key = min((k for k in self._pages if not self._children.get(k)), key=self._credit.__getitem__)
+        while self._leaves and len(dropped) < n:
+            credit, _, key = heapq.heappop(self._leaves)
+            if self._credit.get(key) != credit or self._children.get(key):
+                continue  # used again since (a newer entry stands), evicted, or no longer a leaf
             page, parent, _ = self._pages.pop(key)
             self._level = self._credit.pop(key)
             if parent in self._children:
                 self._children[parent] -= 1
                 if not self._children[parent]:
                     del self._children[parent]
+                    self._candidate(self._credit[parent], parent)  # a leaf now
             dropped.append(page)
         self._release(dropped)
         self.evicted += len(dropped)

@@ -87,6 +87,36 @@ def test_random_shares_and_evictions_keep_the_reference_counts_exact():
     assert alloc.num_free == alloc.num_pages
 
 
+def test_each_eviction_takes_a_leaf_of_least_credit():
+    """The leaf candidates are kept in a heap rather than found by a scan of every page: over random inserts,
+    matches and evictions, each evicted page was a leaf of the least credit among the leaves at that moment."""
+    rng = random.Random(1)
+    alloc, index = _index(pages=256, max_pages=None)
+    evictions = 0
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.5 and alloc.num_free >= 6:
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(4, 24))]
+            shared = index.match(tokens)
+            alloc.retain(shared)
+            pages = shared + alloc.allocate(-(-len(tokens) // 4) - len(shared))
+            index.insert(tokens, pages)
+            alloc.free(pages)
+        elif op < 0.7:
+            index.match([rng.randrange(3) for _ in range(rng.randrange(4, 24))])
+        elif len(index):
+            leaves = {k: index._credit[k] for k in index._pages if not index._children.get(k)}
+            least = min(leaves.values())
+            before = set(index._pages)
+            assert index.evict(1) == 1
+            (gone,) = before - set(index._pages)
+            assert leaves.get(gone) == least
+            evictions += 1
+    assert evictions > 100
+    index.clear()
+    assert not len(index) and alloc.num_free == alloc.num_pages
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
