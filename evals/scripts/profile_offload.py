@@ -41,6 +41,12 @@ PHASES = {  # (object, attribute) wrapped with a profiler range of the same name
     "prefetch_use": (executor_module.OffloadedExpertExecutor, "_count_prefetch_use"),
     "cache_step": (ExpertCache, "begin_step"),
     "cache_lookup": (ExpertCache, "lookup"),
+    "record_step": (executor_module.OffloadedExpertExecutor, "_record_step"),  # the cache's bookkeeping
+    "queue_copies": (executor_module.OffloadedExpertExecutor, "_queue_copies"),  # admissions and the copies
+    "cache_admit": (ExpertCache, "admit"),
+    "deferred_prefetch": (executor_module.OffloadedExpertExecutor, "_issue_deferred_prefetch"),
+    "plan_prefetch": (executor_module.OffloadedExpertExecutor, "_plan_prefetch"),
+    "copy_timings": (executor_module.OffloadedExpertExecutor, "_collect_copy_timings"),
     "cpu_launch_py": (cpu_experts.CpuExpertRunner, "_launch"),  # the workspace filled, then the kernel started
     "kernel_launch": (CpuExpertKernel, "launch"),  # argument conversion and ft_moe_start (waking the workers)
 }
