@@ -168,7 +168,7 @@ async def _stream(engine: ServingEngine, ident: str, prompt_tokens: int, events:
                 yield sse({"type": "ping"}, "ping")
                 continue
             last = ev
-            for p in parser.push(ev.text) + (parser.finish() if ev.finish_reason else []):
+            for p in parser.push(ev.text, len(ev.token_ids)) + (parser.finish() if ev.finish_reason else []):
                 if p.kind == "call_delta":  # into the tool_use block its call_start opened
                     yield _delta(index, {"type": "input_json_delta", "partial_json": p.text})
                     continue

@@ -30,10 +30,14 @@ class HarmonyParser:
         self.buffer = ""
         self.state = "header"  # or "body"
         self.header = ""
+        self.reasoning_tokens = 0  # generated tokens of analysis-channel bodies (usage reports them)
         self._pending: list[Part] = []
         self._pending = self.push(prefix) if prefix else []
 
-    def push(self, text: str) -> list[Part]:
+    def push(self, text: str, tokens: int = 0) -> list[Part]:
+        """As `OutputParser.push`."""
+        if self.state == "body" and self._body_kind() == "reasoning":
+            self.reasoning_tokens += tokens
         self.buffer += text
         parts, self._pending = self._pending, []
         while True:

@@ -195,7 +195,7 @@ async def _complete(engine: ServingEngine, ident: str, events: AsyncIterator, pa
     return {"id": ident, "object": "chat.completion", "created": int(time.time()), "model": engine.model_id,
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": "tool_calls" if calls else last.finish_reason}],
-            "usage": _usage(last)}
+            "usage": _usage(last, parser.reasoning_tokens)}
 
 
 async def _stream(engine: ServingEngine, ident: str, events: AsyncIterator, parser: OutputParser,
@@ -218,7 +218,7 @@ async def _stream(engine: ServingEngine, ident: str, events: AsyncIterator, pars
                 yield ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies and timeouts see traffic
                 continue
             last = ev
-            for p in parser.push(ev.text) + (parser.finish() if ev.finish_reason else []):
+            for p in parser.push(ev.text, len(ev.token_ids)) + (parser.finish() if ev.finish_reason else []):
                 if p.kind == "text":
                     yield chunk({"content": p.text})
                 elif p.kind == "reasoning":
@@ -239,14 +239,15 @@ async def _stream(engine: ServingEngine, ident: str, events: AsyncIterator, pars
         return
     yield chunk({}, "tool_calls" if calls else last.finish_reason)
     if include_usage:
-        yield chunk(None, usage=_usage(last))
+        yield chunk(None, usage=_usage(last, parser.reasoning_tokens))
     yield sse("[DONE]")
 
 
-def _usage(ev) -> dict:
+def _usage(ev, reasoning_tokens: int = 0) -> dict:
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
             "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
 def _call_id() -> str:

@@ -76,13 +76,18 @@ class OutputParser:
         self.tools, self.text_params, self.stream_calls = tools, text_params or {}, stream_calls
         self._call: StreamedCall | None = None  # the call streaming now
         self._call_whole = False  # the call in the buffer is not one to stream (another format, or not yet)
+        self.reasoning_tokens = 0  # generated tokens that went into reasoning (usage reports them)
         self.buffer = ""
         self._after_reasoning = False
         self._answered = False  # answer text has been emitted (so it is not a bare JSON tool call)
         self._pending: list[Part] = []
         self._pending = self.push(prefix) if prefix else []
 
-    def push(self, text: str) -> list[Part]:
+    def push(self, text: str, tokens: int = 0) -> list[Part]:
+        """The parts `text` completes; `tokens`: how many generated tokens it came from (counted into
+        `reasoning_tokens` while a reasoning block is open)."""
+        if self.state == "reasoning":
+            self.reasoning_tokens += tokens
         self.buffer += text
         parts, self._pending = self._pending, []
         while True:

@@ -212,7 +212,7 @@ async def collect(events: AsyncIterator[GenerationEvent], parser) -> tuple[list,
     """A whole reply: every part the parser makes of it, and its last event (finish reason, token counts)."""
     parts, last = [], None
     async for ev in events:
-        parts += parser.push(ev.text)
+        parts += parser.push(ev.text, len(ev.token_ids))
         last = ev
     return parts + parser.finish(), last
 

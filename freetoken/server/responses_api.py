@@ -123,8 +123,9 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
             return StreamingResponse(reply.stream(events, parser), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         async for ev in while_connected(request, events):
-            reply.add(parser.push(ev.text), ev)
+            reply.add(parser.push(ev.text, len(ev.token_ids)), ev)
         reply.add(parser.finish(), None)
+        reply.reasoning_tokens = parser.reasoning_tokens
         return JSONResponse(reply.finish())
 
     return r
@@ -138,6 +139,7 @@ class _Reply:
         self.engine, self.req, self.ident, self.store, self.conversation = engine, req, ident, store, conversation
         self.items: list[dict] = []
         self.last = None
+        self.reasoning_tokens = 0  # the parser's count, copied as the reply forms
         self.created = int(time.time())
 
     def add(self, parts: list[Part], ev) -> list[tuple[str, dict]]:
@@ -227,7 +229,8 @@ class _Reply:
         last = self.last
         usage = None if last is None else {
             "input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": last.cached_tokens},
-            "output_tokens": last.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": last.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": last.prompt_tokens + last.completion_tokens}
         req = self.req
         return {"id": self.ident, "object": "response", "created_at": self.created, "status": status,
@@ -254,8 +257,9 @@ class _Reply:
                 if ev is None:
                     yield ": keep-alive\n\n"
                     continue
-                for kind, payload in self.add(parser.push(ev.text), ev):
+                for kind, payload in self.add(parser.push(ev.text, len(ev.token_ids)), ev):
                     yield event(kind, payload)
+                self.reasoning_tokens = parser.reasoning_tokens
             for kind, payload in self.add(parser.finish(), None) + self._close_open():
                 yield event(kind, payload)
         except Exception as e:  # after the status line: the error travels as an event

@@ -38,13 +38,17 @@ def thinking_server(tmp_path_factory):
 def test_openai_chat_puts_the_reasoning_in_reasoning_content(thinking_server):
     oai = openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="unused", max_retries=0)
     ask = {"model": "tiny", "messages": ASK, "max_tokens": 12, "temperature": 0}
-    reply = oai.chat.completions.create(**ask).choices[0].message
+    whole = oai.chat.completions.create(**ask)
+    reply = whole.choices[0].message
     assert reply.reasoning_content and not reply.content  # the random model never closes the block
+    assert whole.usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens
     streamed = [c.choices[0].delta for c in oai.chat.completions.create(**ask, stream=True) if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in streamed) == reply.reasoning_content
     assert not "".join(d.content or "" for d in streamed)
-    off = oai.chat.completions.create(**ask, reasoning_effort="none").choices[0].message
+    off_reply = oai.chat.completions.create(**ask, reasoning_effort="none")
+    off = off_reply.choices[0].message
     assert off.content and not getattr(off, "reasoning_content", None)
+    assert off_reply.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_anthropic_messages_put_the_reasoning_in_thinking_blocks(thinking_server):
@@ -66,8 +70,10 @@ def test_responses_put_the_reasoning_in_a_reasoning_item(thinking_server):
     ask = {"model": "tiny", "input": "Why is the sky blue?", "max_output_tokens": 12, "temperature": 0}
     reply = oai.responses.create(**ask)
     assert [o.type for o in reply.output] == ["reasoning"] and reply.output[0].summary[0].text
+    assert reply.usage.output_tokens_details.reasoning_tokens == reply.usage.output_tokens
     events = list(oai.responses.create(**ask, stream=True))
     deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
     assert "".join(deltas) == reply.output[0].summary[0].text
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == reply.usage.output_tokens
     off = oai.responses.create(**ask, reasoning={"effort": "none"})
     assert [o.type for o in off.output] == ["message"] and off.output_text
