@@ -24,6 +24,15 @@ def _index(pages: int = 32, page_size: int = 4, max_pages: int | None = None):
     return alloc, PrefixCache(page_size, alloc.retain, alloc.free, max_pages=max_pages)
 
 
+def _sequence(rng: random.Random, alloc: PageAllocator, index: PrefixCache, shortest: int, longest: int):
+    """A random sequence of 4-token pages (tokens from 3 ids, so prefixes repeat): its tokens and its pages, the
+    cached prefix the index matched (referenced) and new pages for the rest."""
+    tokens = [rng.randrange(3) for _ in range(rng.randrange(shortest, longest))]
+    shared = index.match(tokens)
+    alloc.retain(shared)
+    return tokens, shared + alloc.allocate(-(-len(tokens) // 4) - len(shared))
+
+
 def test_the_longest_run_of_whole_pages_matches_and_one_token_is_always_left():
     alloc, index = _index()
     tokens = list(range(10))  # pages [0-3] [4-7], then 2 tokens in a partial page
@@ -62,11 +71,7 @@ def test_random_shares_and_evictions_keep_the_reference_counts_exact():
     for _ in range(500):
         op = rng.random()
         if op < 0.4 and alloc.num_free >= 3:
-            tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
-            shared = index.match(tokens)
-            alloc.retain(shared)
-            own = alloc.allocate(-(-len(tokens) // 4) - len(shared))
-            live.append((tokens, shared + own))
+            live.append(_sequence(rng, alloc, index, 1, 12))
         elif op < 0.8 and live:
             tokens, pages = live.pop(rng.randrange(len(live)))
             index.insert(tokens, pages)
@@ -96,10 +101,7 @@ def test_each_eviction_takes_a_leaf_of_least_credit():
     for _ in range(600):
         op = rng.random()
         if op < 0.5 and alloc.num_free >= 6:
-            tokens = [rng.randrange(3) for _ in range(rng.randrange(4, 24))]
-            shared = index.match(tokens)
-            alloc.retain(shared)
-            pages = shared + alloc.allocate(-(-len(tokens) // 4) - len(shared))
+            tokens, pages = _sequence(rng, alloc, index, 4, 24)
             index.insert(tokens, pages)
             alloc.free(pages)
         elif op < 0.7:
