@@ -6,7 +6,7 @@ Two call languages stream, read from the text after `<tool_call>`:
 - Qwen3-Coder XML (`<function=NAME>` then `<parameter=P>\nvalue\n</parameter>`…`</function>`): a JSON object
   built as the parameters arrive. A parameter the tool's schema types as a string streams its value as it forms
   (escaped into a JSON string: a file being written shows as it is typed); any other value is read whole at its
-  closing tag, JSON where it reads as JSON, as `output._tagged_arguments` does.
+  closing tag, JSON where it reads as JSON (`tagged_value`, as the whole call's parse reads it).
 Put together, a call's deltas are its arguments as JSON. Other languages come whole at the call's end.
 """
 
@@ -122,14 +122,20 @@ class XmlArguments(StreamedCall):
         if text:
             out.append(_escaped(body[self.pos:value_end]) + '"')
         else:
-            raw = body[self.value_start:value_end]
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError:
-                value = raw
-            out.append(json.dumps(value, ensure_ascii=False))
+            out.append(json.dumps(tagged_value(body[self.value_start:value_end], False), ensure_ascii=False))
         self.pos, self.state = end + len(_PARAMETER_CLOSE), "between"
         return True
+
+
+def tagged_value(raw: str, text: bool) -> object:
+    """A tagged call's parameter value (XML, GLM): the text itself for a parameter the schema types as a string
+    (`text`), else JSON where it reads as JSON, else the text."""
+    if text:
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
 def open_call(body: str, text_params: dict[str, frozenset[str]]) -> StreamedCall | bool:

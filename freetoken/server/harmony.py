@@ -104,7 +104,7 @@ def reply_parser(*, harmony: bool, in_reasoning: bool = False, tools: bool = Tru
                  text_params: dict[str, frozenset[str]] | None = None,
                  stream_calls: bool = False) -> OutputParser | HarmonyParser:
     """The parser for a reply rendered by a Harmony template (`harmony`) or by any other. `stream_calls`: Hermes
-    calls also stream while they form (Harmony's calls come whole)."""
+    and Qwen3-Coder calls also stream while they form (Harmony's calls come whole)."""
     if harmony:
         return HarmonyParser(tools=tools, prefix=prefix)
     return OutputParser(in_reasoning=in_reasoning, tools=tools, prefix=prefix, text_params=text_params,

@@ -27,7 +27,7 @@ from freetoken.engine.call_languages import (
     DEEPSEEK_SEP,
 )
 from freetoken.engine.json_schema import compile_schema
-from freetoken.server.call_streams import StreamedCall, open_call
+from freetoken.server.call_streams import StreamedCall, open_call, tagged_value
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -71,7 +71,8 @@ class OutputParser:
         """`in_reasoning`: the prompt already opened a reasoning block (templates that end with `<think>`).
         `prefix`: text the prompt wrote on the model's behalf (a forced tool call's opening), read first.
         `text_params`: per tool, the parameters whose XML values stay text (`text_parameters`).
-        `stream_calls`: Hermes calls also come as call_start / call_delta parts while they form (streams)."""
+        `stream_calls`: Hermes and Qwen3-Coder calls also come as call_start / call_delta parts while they form
+        (for streamed replies; call_streams.py)."""
         self.state = "reasoning" if in_reasoning else "text"
         self.tools, self.text_params, self.stream_calls = tools, text_params or {}, stream_calls
         self._call: StreamedCall | None = None  # the call streaming now
@@ -315,17 +316,7 @@ def _parse_xml_call(body: str, text_params: dict[str, frozenset[str]]) -> ToolCa
 def _tagged_arguments(pairs: list[tuple[str, str]], texts: frozenset[str]) -> dict:
     """(name, value text) pairs of a tagged call: values are JSON where they read as JSON, else text; `texts`
     (the parameters the schema types as strings) are always text."""
-    args = {}
-    for name, value in pairs:
-        name = name.strip()
-        if name in texts:
-            args[name] = value
-            continue
-        try:
-            args[name] = json.loads(value)
-        except json.JSONDecodeError:
-            args[name] = value
-    return args
+    return {name.strip(): tagged_value(value, name.strip() in texts) for name, value in pairs}
 
 
 def partial_tag(text: str, tags: list[str]) -> int:

@@ -116,16 +116,15 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
                                  context=engine.context_length, temperature=req.temperature, top_p=req.top_p,
                                  top_k=None, min_p=None, seed=None, stop=[], json_object=json_object,
                                  json_schema=json_schema, ignore_eos=req.ignore_eos))
-        reply = _Reply(engine, req, f"resp_{uuid.uuid4().hex}", store if req.store else None, conversation)
         parser = chat.parser(stream_calls=req.stream)
+        reply = _Reply(engine, req, f"resp_{uuid.uuid4().hex}", store if req.store else None, conversation, parser)
         events = engine.stream(ids, params)
         if req.stream:
-            return StreamingResponse(reply.stream(events, parser), media_type="text/event-stream",
+            return StreamingResponse(reply.stream(events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         async for ev in while_connected(request, events):
             reply.add(parser.push(ev.text, len(ev.token_ids)), ev)
         reply.add(parser.finish(), None)
-        reply.reasoning_tokens = parser.reasoning_tokens
         return JSONResponse(reply.finish())
 
     return r
@@ -135,11 +134,11 @@ class _Reply:
     """The output items of one response as they form, and the response object around them."""
 
     def __init__(self, engine: ServingEngine, req: ResponsesRequest, ident: str, store: ResponseStore | None,
-                 conversation: list[dict]):
+                 conversation: list[dict], parser: OutputParser):
         self.engine, self.req, self.ident, self.store, self.conversation = engine, req, ident, store, conversation
+        self.parser = parser  # its reasoning-token count goes into the usage
         self.items: list[dict] = []
         self.last = None
-        self.reasoning_tokens = 0  # the parser's count, copied as the reply forms
         self.created = int(time.time())
 
     def add(self, parts: list[Part], ev) -> list[tuple[str, dict]]:
@@ -148,39 +147,18 @@ class _Reply:
             self.last = ev
         events = []
         for p in parts:
-            if p.kind == "call_start":  # a call streamed as it forms: its item opens now, its arguments follow
-                events += self._close_open()
-                self.items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": _call_id(),
-                                   "name": p.call.name, "arguments": "", "status": "in_progress"})
-                events.append(("response.output_item.added", {"output_index": len(self.items) - 1,
-                                                              "item": {**self.items[-1]}}))
+            # a call streamed as it forms opens its item at call_start and closes it at its tool_call; a whole
+            # call does all three at once
+            if p.kind == "call_start":
+                events += self._call_opened(p.call.name)
                 continue
             if p.kind == "call_delta":
-                item = self.items[-1]
-                item["arguments"] += p.text
-                events.append(("response.function_call_arguments.delta", {"output_index": len(self.items) - 1,
-                                                                          "item_id": item["id"], "delta": p.text}))
-                continue
-            if p.kind == "tool_call" and p.streamed:
-                item, index = self.items[-1], len(self.items) - 1
-                item["status"] = "completed"
-                events += [("response.function_call_arguments.done", {"output_index": index, "item_id": item["id"],
-                                                                      "arguments": item["arguments"]}),
-                           ("response.output_item.done", {"output_index": index, "item": item})]
+                events += self._call_arguments(p.text)
                 continue
             if p.kind == "tool_call":
-                events += self._close_open()  # the message before the call is done
-                item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": _call_id(),
-                        "name": p.call.name, "arguments": p.call.arguments_json, "status": "completed"}
-                self.items.append(item)
-                index = len(self.items) - 1
-                events += [("response.output_item.added", {"output_index": index, "item": {**item, "arguments": "",
-                                                                                           "status": "in_progress"}}),
-                           ("response.function_call_arguments.delta", {"output_index": index, "item_id": item["id"],
-                                                                       "delta": item["arguments"]}),
-                           ("response.function_call_arguments.done", {"output_index": index, "item_id": item["id"],
-                                                                      "arguments": item["arguments"]}),
-                           ("response.output_item.done", {"output_index": index, "item": item})]
+                if not p.streamed:
+                    events += self._call_opened(p.call.name) + self._call_arguments(p.call.arguments_json)
+                events += self._call_closed()
                 continue
             kind = "reasoning" if p.kind == "reasoning" else "message"
             if not self.items or self.items[-1]["type"] != kind or self.items[-1].get("status") == "completed":
@@ -204,6 +182,26 @@ class _Reply:
                                                                          "item_id": item["id"], "summary_index": 0,
                                                                          "delta": p.text}))
         return events
+
+    def _call_opened(self, name: str) -> list[tuple[str, dict]]:
+        events = self._close_open()  # the message before the call is done
+        self.items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": _call_id(),
+                           "name": name, "arguments": "", "status": "in_progress"})
+        return events + [("response.output_item.added", {"output_index": len(self.items) - 1,
+                                                         "item": {**self.items[-1]}})]
+
+    def _call_arguments(self, text: str) -> list[tuple[str, dict]]:
+        item = self.items[-1]
+        item["arguments"] += text
+        return [("response.function_call_arguments.delta", {"output_index": len(self.items) - 1,
+                                                            "item_id": item["id"], "delta": text})]
+
+    def _call_closed(self) -> list[tuple[str, dict]]:
+        item, index = self.items[-1], len(self.items) - 1
+        item["status"] = "completed"
+        return [("response.function_call_arguments.done", {"output_index": index, "item_id": item["id"],
+                                                           "arguments": item["arguments"]}),
+                ("response.output_item.done", {"output_index": index, "item": item})]
 
     def _close_open(self) -> list[tuple[str, dict]]:
         if not self.items or self.items[-1].get("status") == "completed":
@@ -230,7 +228,7 @@ class _Reply:
         usage = None if last is None else {
             "input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": last.cached_tokens},
             "output_tokens": last.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "output_tokens_details": {"reasoning_tokens": self.parser.reasoning_tokens},
             "total_tokens": last.prompt_tokens + last.completion_tokens}
         req = self.req
         return {"id": self.ident, "object": "response", "created_at": self.created, "status": status,
@@ -242,7 +240,8 @@ class _Reply:
                 "text": {"format": {"type": "text"}}, "reasoning": req.reasoning, "store": req.store,
                 "metadata": req.metadata or {}}
 
-    async def stream(self, events: AsyncIterator, parser: OutputParser) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncIterator) -> AsyncIterator[str]:
+        parser = self.parser
         seq = 0
 
         def event(kind: str, payload: dict) -> str:
@@ -259,7 +258,6 @@ class _Reply:
                     continue
                 for kind, payload in self.add(parser.push(ev.text, len(ev.token_ids)), ev):
                     yield event(kind, payload)
-                self.reasoning_tokens = parser.reasoning_tokens
             for kind, payload in self.add(parser.finish(), None) + self._close_open():
                 yield event(kind, payload)
         except Exception as e:  # after the status line: the error travels as an event
