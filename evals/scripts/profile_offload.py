@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from freetoken.bench.decode import measure_ceilings
 from freetoken.bench.synthetic import build_synthetic
+from freetoken.engine import gpu_paths
 from freetoken.engine.cuda_graphs import GraphedDecoder
 from freetoken.engine.loader import attach_experts, build_executor
 from freetoken.engine.offload import cpu_experts
@@ -47,16 +51,45 @@ PHASES = {  # (object, attribute) wrapped with a profiler range of the same name
     "deferred_prefetch": (executor_module.OffloadedExpertExecutor, "_issue_deferred_prefetch"),
     "plan_prefetch": (executor_module.OffloadedExpertExecutor, "_plan_prefetch"),
     "copy_timings": (executor_module.OffloadedExpertExecutor, "_collect_copy_timings"),
+    "to_device": (executor_module.OffloadedExpertExecutor, "_to_device"),  # slot map / CPU share to the device
+    "step_time": (executor_module.OffloadedExpertExecutor, "_count_step_time"),  # counters, the guard
+    "sync": (torch.cuda.Stream, "synchronize"),  # the wait for the segment's routing
     "cpu_launch_py": (cpu_experts.CpuExpertRunner, "_launch"),  # the workspace filled, then the kernel started
     "kernel_launch": (CpuExpertKernel, "launch"),  # argument conversion and ft_moe_start (waking the workers)
 }
 
 
-def _mark(owner, name: str, label: str) -> None:
+class _Clock:
+    """`--clock perf`: each marked range's inclusive wall time from perf_counter (~0.3 µs a call), no profiler.
+    The profiler's own cost (~8 µs a range, more for every CUDA call it traces) hides what the host really
+    spends; this gives the real split, without the GPU side."""
+
+    def __init__(self):
+        self.seconds = collections.defaultdict(float)
+        self.calls = collections.Counter()
+
+    @contextlib.contextmanager
+    def __call__(self, label: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[label] += time.perf_counter() - t0
+            self.calls[label] += 1
+
+    def summary(self, steps: int) -> str:
+        lines = [f"mean µs per layer-step over {steps} layer-steps (host thread, perf_counter, inclusive):"]
+        for label, total in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {label:<24} {total / steps * 1e6:8.1f}   ({self.calls[label] / steps:.2f} calls, "
+                         f"{total / self.calls[label] * 1e6:.1f} µs each)")
+        return "\n".join(lines)
+
+
+def _mark(owner, name: str, label: str, scope=record_function) -> None:
     fn = getattr(owner, name)
 
     def marked(*args, **kwargs):
-        with record_function(label):
+        with scope(label):
             return fn(*args, **kwargs)
 
     setattr(owner, name, marked)
@@ -98,8 +131,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=6)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"])
+    p.add_argument("--clock", default="profiler", choices=["profiler", "perf"],
+                   help="profiler: a torch-profiler trace (GPU streams too); perf: the host's real times, no trace")
+    p.add_argument("--ab", metavar="PATH", help="with --clock perf: rounds with this experimental GPU path off, on, "
+                   "off, on")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
+    clock = _Clock() if a.clock == "perf" else None
+    scope = clock or record_function
     device, dtype = torch.device("cuda"), torch.bfloat16
     ceilings = measure_ceilings(device, a.expert_format, dtype, 512)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=0,
@@ -111,22 +150,26 @@ def main() -> None:
     attach_experts(lm.model, executor)
     lm.experts = executor
     for label, (owner, name) in PHASES.items():
-        _mark(owner, name, f"ft.{label}")
-    _mark(executor.copier, "to_slots", "ft.copies")
-    _mark(fused, "dequantize_into", "ft.dequant_launch")
-    _mark(type(executor.cpu), "start_pairs", "ft.cpu_start")
+        _mark(owner, name, f"ft.{label}", scope)
+    _mark(executor.copier, "to_slots", "ft.copies", scope)
+    _mark(fused, "dequantize_into", "ft.dequant_launch", scope)
+    _mark(type(executor.cpu), "start_pairs", "ft.cpu_start", scope)
+    _mark(torch.cuda.CUDAGraph, "replay", "ft.graph_replay", scope)
     started = cpu_experts._Started.__init__
 
     def marked_wait(self, finish):
         def wait():
-            with record_function("ft.cpu_wait"):
+            with scope("ft.cpu_wait"):
                 return finish()
         started(self, wait)
 
     cpu_experts._Started.__init__ = marked_wait
+    # --ab PATH (perf clock): the same model and sequence decoded in rounds with that experimental GPU path off,
+    # on, off, on: an A/B on one build, each round after its own warm-up
+    rounds = [None] if a.ab is None else [False, True, False, True]
     gen = torch.Generator().manual_seed(0)
-    context = 256
-    ids = torch.randint(0, lm.args.decoder.vocab_size, (context + a.warmup + a.tokens,), generator=gen).tolist()
+    context, per_round = 256, a.warmup + a.tokens
+    ids = torch.randint(0, lm.args.decoder.vocab_size, (context + per_round * len(rounds),), generator=gen).tolist()
     cache = lm.new_cache(initial_tokens=len(ids) + 16, max_tokens=len(ids) + 16)
     seq = cache.new_sequence()
     decoder = GraphedDecoder(lm, cache)
@@ -134,26 +177,53 @@ def main() -> None:
         executor.miss_path = "copy"
         lm.forward(torch.tensor(ids[:context], device=device), cache, seq, "last")
         executor.miss_path = miss_path
-        for token in ids[context:context + a.warmup]:
-            int(decoder.step(seq, token).argmax())
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for token in ids[context + a.warmup:]:
-                with record_function("ft.token"):
-                    int(decoder.step(seq, token).argmax())
-            elapsed = time.perf_counter() - t0
+        for r, on in enumerate(rounds):
+            if on is not None:
+                os.environ["FREETOKEN_EXPERIMENTAL"] = a.ab if on else ""
+                gpu_paths.enabled.cache_clear()
+                gpu_paths._named.cache_clear()
+            start = context + r * per_round
+            for token in ids[start:start + a.warmup]:
+                int(decoder.step(seq, token).argmax())
+            torch.cuda.synchronize()
+            if clock is not None:
+                clock.seconds.clear()
+                clock.calls.clear()
+            before = dataclasses.replace(executor.counters)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if clock is None \
+                    else contextlib.nullcontext() as prof:
+                t0 = time.perf_counter()
+                for token in ids[start + a.warmup:start + per_round]:
+                    with scope("ft.token"):
+                        int(decoder.step(seq, token).argmax())
+                elapsed = time.perf_counter() - t0
+            label = "" if on is None else f" [{a.ab} {'on' if on else 'off'}]"
+            _report(a, executor, before, elapsed, label)
+            if clock is not None:
+                print(clock.summary(a.layers * a.tokens))
+    if clock is not None:
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     trace_path = a.out / f"trace-{a.shape}-{a.strategy}-{a.budget}.json"
     prof.export_chrome_trace(str(trace_path))
-    c = executor.counters
-    if c.cpu_starts:
-        print(f"CPU share started {c.cpu_start_delay_seconds / c.cpu_starts * 1e6:.0f} µs after the routing reached "
-              f"the host (mean of {c.cpu_starts}, warm-up included)")
-    print(f"{a.shape} {a.strategy} budget {a.budget}: {a.tokens / elapsed:.2f} tok/s under the profiler, "
-          f"{elapsed / (a.tokens * a.layers) * 1e6:.0f} µs per layer-step; counters {c}")
     print(summarize(json.loads(trace_path.read_text()), a.layers, a.tokens))
 
+
+def _report(a, executor, before, elapsed: float, label: str) -> None:
+    """The timed tokens' rate and the counters they moved."""
+    c = executor.counters
+    moved = {f.name: getattr(c, f.name) - getattr(before, f.name) for f in dataclasses.fields(c)}
+    if moved["cpu_starts"]:
+        print(f"CPU share started {moved['cpu_start_delay_seconds'] / moved['cpu_starts'] * 1e6:.0f} µs after the "
+              f"routing reached the host (mean of {moved['cpu_starts']})")
+    steps = moved["layer_steps"] or 1
+    print(f"{a.shape} {a.strategy} budget {a.budget}{label}: {a.tokens / elapsed:.2f} tok/s under the {a.clock} "
+          f"clock, {elapsed / (a.tokens * a.layers) * 1e6:.0f} µs per layer-step; per layer-step: "
+          f"{moved['misses'] / steps:.2f} misses, {moved['cpu_experts'] / steps:.2f} on the CPU, "
+          f"{moved['prefetched'] / steps:.2f} prefetched ({moved['prefetch_used'] / steps:.2f} used), "
+          f"GPU wait / host / CPU wait {moved['gpu_wait_seconds'] / steps * 1e6:.0f} / "
+          f"{moved['host_seconds'] / steps * 1e6:.0f} / {moved['cpu_wait_seconds'] / steps * 1e6:.0f} µs")
+    print(f"planner: {executor.planner.describe()}")
 
 if __name__ == "__main__":
     main()

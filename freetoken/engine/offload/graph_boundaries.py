@@ -135,6 +135,9 @@ class GraphBoundaries:
         if step.staged:
             self.copier.release(*step.staged)
         pending = self._plan_prefetch(boundary, layer, ids, rows)  # while the CPU share still runs
+        if pending is not None and gpu_paths.enabled("prefetch-with-cpu"):
+            self._prefetch(*pending)  # the link starts on the next layer while this layer's CPU share runs
+            pending = None
         cpu_wait = 0.0
         if step.on_cpu is None:
             io.y.zero_()

@@ -120,12 +120,13 @@ class _EagerBoundaries:
 
 @pytest.mark.parametrize("slots", [0, 3])
 @pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
-@pytest.mark.parametrize("path", [None, "prefetch-early", "cpu-prewake", "cpu-first"],
-                         ids=["defaults", "prefetch-early", "cpu-prewake", "cpu-first"])
+@pytest.mark.parametrize("path", [None, "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first"],
+                         ids=["defaults", "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first"])
 def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path, path, monkeypatch):
     """The calls CUDA-graph decode makes instead of `forward` (cuda_graphs.py), checked for numerics and
     bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used; the prefetch
-    queued at the next boundary or (GPU path "prefetch-early") at once; the CPU kernel's workers woken before
+    queued at the next boundary, at the end of the host work (GPU path "prefetch-early") or while the CPU share
+    runs ("prefetch-with-cpu"); the CPU kernel's workers woken before
     each routing wait (GPU path "cpu-prewake"); the CPU share started before the copies (GPU path "cpu-first", on
     by default; the "defaults" row turns every path off, so it queues the copies first)."""
     from freetoken.engine import gpu_paths
