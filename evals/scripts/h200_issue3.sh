@@ -178,7 +178,7 @@ for part in "$@"; do
     profile-perf) for fb in "Q8_0 0" "dense 0" "dense 16GiB"; do  # host phases by perf_counter; A/B of a GPU path
                read -r fmt budget <<< "$fb"
                (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 48 --strategy auto --tokens 16 \
-                 --expert-format "$fmt" --budget "$budget" --clock perf --ab "${AB:-prefetch-with-cpu}" --out /tmp/prof \
+                 --warmup 20 --expert-format "$fmt" --budget "$budget" --clock perf --ab "${AB:-prefetch-with-cpu}" --out /tmp/prof \
                  2>&1 | grep -v Warning | tee -a "$OUT/profile-perf.txt")
              done ;;
     profile-host2) for fb in "Q8_0 0" "dense 0" "dense 16GiB"; do  # the copies' host cost (48 layers)

@@ -165,7 +165,8 @@ def main() -> None:
 
     cpu_experts._Started.__init__ = marked_wait
     # --ab PATH (perf clock): the same model and sequence decoded in rounds with that experimental GPU path off,
-    # on, off, on: an A/B on one build, each round after its own warm-up
+    # on, off, on: an A/B on one build, each round with a fresh planner and its own warm-up (use --warmup 16 or
+    # more: the path guard measures each way three times first)
     rounds = [None] if a.ab is None else [False, True, False, True]
     gen = torch.Generator().manual_seed(0)
     context, per_round = 256, a.warmup + a.tokens
@@ -178,7 +179,8 @@ def main() -> None:
         lm.forward(torch.tensor(ids[:context], device=device), cache, seq, "last")
         executor.miss_path = miss_path
         for r, on in enumerate(rounds):
-            if on is not None:
+            if on is not None:  # each round learns afresh, so one round's state cannot favour the next
+                executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
                 os.environ["FREETOKEN_EXPERIMENTAL"] = a.ab if on else ""
                 gpu_paths.enabled.cache_clear()
                 gpu_paths._named.cache_clear()

@@ -16,6 +16,7 @@ import ctypes
 import functools
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+_NOT_READY = 600  # cudaErrorNotReady
 
 
 @functools.cache
@@ -36,7 +37,10 @@ def _runtime() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         for name, args in (("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
                            ("cudaStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
-                           ("cudaGraphLaunch", [ctypes.c_void_p, ctypes.c_void_p])):
+                           ("cudaGraphLaunch", [ctypes.c_void_p, ctypes.c_void_p]),
+                           ("cudaEventQuery", [ctypes.c_void_p]),
+                           ("cudaEventElapsedTime", [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p,
+                                                     ctypes.c_void_p])):
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, ctypes.c_int
         return lib
     return None
@@ -67,6 +71,32 @@ def wait_event(stream: int, event) -> None:
 def launch_graph(graph_exec: int, stream: int) -> None:
     """Launches an instantiated graph (`CUDAGraph.raw_cuda_graph_exec()`) on `stream`."""
     _check("cudaGraphLaunch", _runtime().cudaGraphLaunch(graph_exec, stream))
+
+
+def event_done(event) -> bool:
+    """Whether the work before `event`'s last record has run (never blocks; torch's `query` costs several µs)."""
+    rc = _runtime().cudaEventQuery(event._as_parameter_)
+    if rc == _NOT_READY:
+        return False
+    _check("cudaEventQuery", rc)
+    return True
+
+
+def elapsed_seconds(start, end) -> float:
+    """Seconds between two completed records of timing events."""
+    ms = ctypes.c_float()
+    _check("cudaEventElapsedTime", _runtime().cudaEventElapsedTime(ctypes.byref(ms), start._as_parameter_,
+                                                                    end._as_parameter_))
+    return ms.value / 1e3
+
+
+def graph_exec(graph) -> int | None:
+    """The instantiated graph's handle, for `launch_graph`, where this torch gives it (else None: replay it).
+    Only for graphs without random-number work: torch's `replay` also advances the generators' offsets (two
+    small fills per replay, most of its ~20 µs of host time on the H200), which `launch_graph` skips."""
+    if _runtime() is None or not hasattr(graph, "raw_cuda_graph_exec"):
+        return None
+    return graph.raw_cuda_graph_exec()
 
 
 def _check(call: str, rc: int) -> None:

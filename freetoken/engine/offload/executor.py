@@ -390,7 +390,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         # staging slots wait for their own last reader; cache slots for the compute queued so far, or `after`
         copier.begin(wait_compute=bool(self.cache.capacity) and after is None)
         if after is not None and self.cache.capacity:
-            copier.stream.wait_event(after)
+            copier.wait_for(after)
         experts, slots = [], []
         for e in missing:
             if self.cache.capacity:
@@ -411,7 +411,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             slots.append(slot)
         copier.to_slots(layer, experts, self.slots, slots)
         if experts and copier.stream is not None:
-            self._prefetch_done = [copier.stream.record_event()]
+            self._prefetch_done = [copier.mark_copies()]
         copier.end()
         if experts:
             self._link.queued(time.perf_counter(), self.planner.copy.predict(len(experts) * self.expert_bytes))

@@ -54,6 +54,8 @@ class GraphBoundary:
 class GraphBoundaries:
     """What cuda_graphs.py calls instead of `forward` at each expert call of a captured decode step."""
 
+    _runtime_io: bool | None = None  # small copies through the runtime (`_to_device`); known on first use
+
     @property
     def _top_k(self) -> int:
         """Experts per token (the routers' largest top-k; every expert when no router is known)."""
@@ -117,13 +119,23 @@ class GraphBoundaries:
         are real tokens, the rest padding (a batched step replaying a larger captured one): padding pairs point at
         the zero slot and are never looked up, copied or computed on the CPU."""
         t0 = time.perf_counter()
+        if self.device.type != "cuda":
+            self._run_boundary(boundary, replay_experts, rows, t0)
+            return
+        self.copier.compute = torch.cuda.current_stream(self.device)  # once, not at each use (see ExpertCopier)
+        try:
+            self._run_boundary(boundary, replay_experts, rows, t0)
+        finally:
+            self.copier.compute = None
+
+    def _run_boundary(self, boundary: GraphBoundary, replay_experts, rows: int | None, t0: float) -> None:
         io, layer = boundary.io, boundary.layer
         rows = io.ids.shape[0] if rows is None else rows
         self._prewake_cpu()  # the workers' wake-up overlaps the wait for the routing below
         self._issue_deferred_prefetch(layer)
         self._collect_copy_timings()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the segment's copies to the host have landed
+        if self.copier.compute is not None:
+            self.copier.compute.synchronize()  # the segment's copies to the host have landed
         t_routed = time.perf_counter()
         ids, weights = io.ids[:rows].tolist(), io.weights[:rows].tolist()
         step = self._dispatch(layer, ids, weights, io.x, io.x_bf16, io.y_host)
@@ -169,7 +181,7 @@ class GraphBoundaries:
         if next_layer is None or not boundary.predicts:
             return None
         k = self._routers[next_layer][1]
-        after = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
+        after = self.copier.mark_compute()
         return next_layer, set(boundary.io.predicted[:rows, :k].flatten().tolist()), self._prefetch_room(ids), after
 
     def _issue_deferred_prefetch(self, layer: int) -> None:
@@ -181,8 +193,9 @@ class GraphBoundaries:
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Small pinned → device copy on the compute stream, through the runtime directly where possible."""
-        if self.device.type == "cuda" and cudart.available():
-            cudart.copy_to_device(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
-                                  torch.cuda.current_stream(self.device).cuda_stream)
+        if self._runtime_io is None:
+            self._runtime_io = self.device.type == "cuda" and cudart.available()
+        if self._runtime_io:
+            cudart.copy_to_device(dst.data_ptr(), src.data_ptr(), src.nbytes, self.copier.compute_stream().cuda_stream)
         else:
             dst.copy_(src, non_blocking=True)

@@ -50,6 +50,7 @@ class _Batch:
 
 
 class ExpertCopier:
+    MARKS = 4  # events handed out by mark_compute / mark_copies before one is re-recorded
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, dtype: torch.dtype,
                  staging_slots: int = 2):
         first = next(iter(host.values()))
@@ -77,6 +78,11 @@ class ExpertCopier:
             self._compute_mark = self._new_event()
             self._release_marks = [self._new_event() for _ in range(staging_slots)]
             self._timing_pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # free (start, end) pairs
+            self._copies_mark = self._new_event()  # wait_all: the copies queued so far
+            # marks handed out (`mark_compute`, `mark_copies`), each re-recorded only a ring later: a wait queued
+            # on one waits for the record before it, whatever is recorded after
+            self._marks = [self._new_event() for _ in range(self.MARKS)]
+            self._next_mark = 0
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
             self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
         self._raw_batches: dict[str, torch.Tensor] = {}  # the same for several experts at once (to_slots)
@@ -85,8 +91,41 @@ class ExpertCopier:
         self._launched: set[bool] = set()  # kernel variants compiled: reading slot numbers from the device or not
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
+        # the compute stream while a decode boundary runs (the executor pins it: `torch.cuda.current_stream` costs
+        # the host several µs a call, about ten calls a layer-step), else looked up at each use
+        self.compute: torch.cuda.Stream | None = None
         if self.fused:
             self._prepare_fused()
+
+    def compute_stream(self) -> torch.cuda.Stream:
+        return self.compute if self.compute is not None else torch.cuda.current_stream(self.device)
+
+    def mark_compute(self):
+        """An event past the compute queued so far, for `wait_for` (None on the CPU)."""
+        if self.stream is None:
+            return None
+        if not self._direct:
+            return self.compute_stream().record_event()
+        return self._mark(self.compute_stream().cuda_stream)
+
+    def mark_copies(self):
+        """An event past the copies queued so far, for `wait` (None on the CPU)."""
+        if self.stream is None:
+            return None
+        return self._mark(self._stream_handle) if self._direct else self.stream.record_event()
+
+    def wait_for(self, event) -> None:
+        """Copies queued after this wait for `event` (from `mark_compute`)."""
+        if self._direct:
+            cudart.wait_event(self._stream_handle, event)
+        else:
+            self.stream.wait_event(event)
+
+    def _mark(self, stream: int):
+        event = self._marks[self._next_mark]
+        self._next_mark = (self._next_mark + 1) % len(self._marks)
+        cudart.record_event(event, stream)
+        return event
 
     @property
     def staging_slots(self) -> int:
@@ -108,10 +147,10 @@ class ExpertCopier:
         if self.stream is None or not wait_compute:
             return
         if self._direct:
-            cudart.record_event(self._compute_mark, torch.cuda.current_stream(self.device).cuda_stream)
+            cudart.record_event(self._compute_mark, self.compute_stream().cuda_stream)
             cudart.wait_event(self._stream_handle, self._compute_mark)
         else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.stream.wait_stream(self.compute_stream())
 
     def to_slot(self, layer: int, expert: int, dest: LayerExperts, slot: int):
         """Copies one expert into dest[slot]; returns what `wait` needs before computing from it."""
@@ -274,25 +313,32 @@ class ExpertCopier:
 
     def wait(self, done) -> None:
         """Makes the compute stream wait for one copy."""
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
+        if done is None:
+            return
+        if self._direct:
+            cudart.wait_event(self.compute_stream().cuda_stream, done)
+        else:
+            self.compute_stream().wait_event(done)
 
     def wait_all(self) -> None:
         """Makes the compute stream wait for every copy issued so far."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self._direct:
+            cudart.record_event(self._copies_mark, self._stream_handle)
+            cudart.wait_event(self.compute_stream().cuda_stream, self._copies_mark)
+        elif self.stream is not None:
+            self.compute_stream().wait_stream(self.stream)
 
     def release(self, *staging: int) -> None:
         """The compute stream has queued its last read of these staging slots (ring indices)."""
         if self.stream is None or not staging:
             return
         if self._direct:
-            compute = torch.cuda.current_stream(self.device).cuda_stream
+            compute = self.compute_stream().cuda_stream
             for i in staging:
                 cudart.record_event(self._release_marks[i], compute)
                 self._released[i] = self._release_marks[i]
             return
-        event = torch.cuda.current_stream(self.device).record_event()
+        event = self.compute_stream().record_event()
         for i in staging:
             self._released[i] = event
 
@@ -309,7 +355,7 @@ class ExpertCopier:
     def idle(self) -> bool:
         """Whether every batch of copies queued so far has landed (never blocks)."""
         last = self._timed[-1] if self._timed else None
-        return last is None or last.seconds is not None or last.end.query()
+        return last is None or last.seconds is not None or self._done(last.end)
 
     @property
     def batch_is_sample(self) -> bool:
@@ -323,8 +369,9 @@ class ExpertCopier:
         for b in self._timed:
             if b.seconds is not None:
                 done.append((b.nbytes, b.seconds, b.sample, b.prefill))
-            elif b.end.query():
-                done.append((b.nbytes, b.start.elapsed_time(b.end) / 1e3, b.sample, b.prefill))
+            elif self._done(b.end):
+                seconds = cudart.elapsed_seconds(b.start, b.end) if self._direct else b.start.elapsed_time(b.end) / 1e3
+                done.append((b.nbytes, seconds, b.sample, b.prefill))
                 if self._direct:
                     self._timing_pairs.append((b.start, b.end))
             else:
@@ -333,6 +380,9 @@ class ExpertCopier:
         return done
 
     # -- internals --
+
+    def _done(self, event) -> bool:
+        return cudart.event_done(event) if self._direct else event.query()
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
