@@ -19,7 +19,8 @@ for part in "$@"; do
     machine) nproc; lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node"; free -g | head -2
              nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv ;;
     graphs-test) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" \
-             -k test_on_cuda_pinned "$OLDPWD/tests/engine/offload/test_offloaded_executor.py" 2>&1 | tail -3) ;;
+             -k test_on_cuda_pinned "$OLDPWD/tests/engine/offload/test_offloaded_executor.py" 2>&1 | tail -3 \
+             | tee -a "$OUT/tests.txt") ;;
     reuse) ft bench reuse --shape qwen3-30b-a3b --history 20000 --turn 500 --edits 1000,4000,16000 \
              --expert-cache 16GiB --commit "$commit" --out "$OUT/reuse-qwen3-30b-a3b-20k.md" ;;
     reuse-resident) ft bench reuse --shape qwen3-30b-a3b --history 20000 --turn 500 --edits 1000,4000,16000 \
@@ -49,7 +50,8 @@ for part in "$@"; do
                --out "$OUT/serve-q3-8l-resident.md" ;;
     graphs-batch-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k cuda -rf \
              "$OLDPWD/tests/engine/test_batching.py" "$OLDPWD/tests/engine/test_static_decode.py" \
-             "$OLDPWD/tests/engine/models/test_glm_moe_dsa.py" "$OLDPWD/tests/kernels/test_paged_decode.py" 2>&1 | tail -25) ;;
+             "$OLDPWD/tests/engine/models/test_glm_moe_dsa.py" "$OLDPWD/tests/kernels/test_paged_decode.py" 2>&1 | tail -25 \
+             | tee -a "$OUT/tests.txt") ;;
     batching-cuda) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k cuda \
              "$OLDPWD/tests/engine/test_batching.py" "$OLDPWD/tests/sdk/test_sessions.py" 2>&1 | tail -15) ;;
     q8-tests) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" -k "cuda or compiled" \
