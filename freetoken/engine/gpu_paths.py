@@ -40,7 +40,7 @@ EXPERIMENTAL: dict[str, str] = {
                       "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
     "prefetch-with-cpu": "captured decode queues the next layer's prefetch right after a layer's expert replay, "
                          "while its CPU share runs, instead of after the next segment's launch. Measured slower "
-                         "(profile-perf-h200.md, 47ae3b8 and fb990d8: auto 0.82-0.97x at budget 0, 0.80-0.88x at "
+                         "(evals/results/profile-perf-h200.md, fb990d8: auto 0.83-0.97x at budget 0, 0.80-0.88x at "
                          "16 GiB): the copies share host DRAM with the CPU share, which then runs longer",
     "stream-short-chunks": "offloaded prefill chunks of a few hundred tokens (an agent's next turn, an edit's "
                            "suffix) stream the next layer's experts like long chunks and copy all their misses, "
