@@ -11,7 +11,7 @@
 
 __version__ = "0.1.0"
 
-_SDK = ("Engine", "Session", "Reply", "ReplyStats", "connect", "RemoteEngine", "RemoteSession")
+_SDK = ("Engine", "Session", "Reply", "ReplyStats", "ToolCall", "connect", "RemoteEngine", "RemoteSession")
 
 
 def __getattr__(name: str):

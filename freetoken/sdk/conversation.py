@@ -13,7 +13,9 @@ from typing import Any
 from freetoken.engine.json_schema import compile_schema
 from freetoken.errors import FreeTokenError
 from freetoken.sdk.reply import Reply, ReplyStats
+from freetoken.server.errors import APIError
 from freetoken.server.output import Part
+from freetoken.server.tool_choice import ToolChoice, openai_choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,7 @@ class Sampling:
     seed: int | None = None
     json: bool = False  # the reply is one JSON object (constrained sampling)
     schema: str = ""  # ... valid under this JSON schema (compact JSON text), when given
+    tool_choice: ToolChoice | None = None  # None: auto
 
 
 class Conversation(ABC):
@@ -42,14 +45,20 @@ class Conversation(ABC):
 
     def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-             json: bool | Mapping[str, Any] = False) -> Reply:
+             json: bool | Mapping[str, Any] = False, tool_choice: str | Mapping[str, Any] | None = None) -> Reply:
         """Queues `message` (a string is a user message; a dict any OpenAI-style message, a tool result too)
         and returns its reply at once; the reply completes whether or not it is read. `json=True`: the reply's
         text is one JSON object (sampling is constrained to it); a JSON schema (a dict): one valid under it (what
-        is enforced: freetoken/engine/json_schema.py; an unreadable schema raises ValueError here)."""
+        is enforced: freetoken/engine/json_schema.py; an unreadable schema raises ValueError here).
+        `tool_choice` as OpenAI takes it: "auto" (default), "none" (a plain reply: in-process the tools stay in
+        the prompt, so the turn reuses the history's K/V; a remote server drops them for the turn),
+        "required" (the reply is a call of some tool), or {"type": "function", "function": {"name": ...}} (a call
+        of that tool; {"type": "function", "name": ...} too); anything else, or a tool the session lacks, raises
+        ValueError here."""
         msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
         schema = _schema_text(json) if isinstance(json, Mapping) else ""
-        sampling = Sampling(max_tokens, temperature, top_p, top_k, tuple(stop), seed, bool(json), schema)
+        sampling = Sampling(max_tokens, temperature, top_p, top_k, tuple(stop), seed, bool(json), schema,
+                            _tool_choice(tool_choice, self.tools))
         reply = Reply()
         self.engine.submit(lambda: self._run(msg, sampling, reply))
         return reply
@@ -76,6 +85,25 @@ class Conversation(ABC):
             self._messages[index] = {**old, "content": message} if isinstance(message, str) else dict(message)
 
         self.engine.run(change)
+
+
+def _tool_choice(value: str | Mapping[str, Any] | None, tools: list[dict] | None) -> ToolChoice | None:
+    """`send`'s tool_choice, checked against the session's tools now, so a bad one fails at the caller."""
+    if value is None:
+        return None
+    names = [t["function"]["name"] for t in tools or []]
+    responses_shape = isinstance(value, Mapping) and "function" not in value
+    try:
+        return openai_choice(dict(value) if isinstance(value, Mapping) else value, names, responses=responses_shape)
+    except APIError as e:
+        raise ValueError(e.message) from None
+
+
+def openai_tool_choice(choice: ToolChoice) -> str | dict:
+    """A checked choice as Chat Completions takes it (what a remote session sends)."""
+    if choice.mode == "named":
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice.mode
 
 
 def _schema_text(schema: Mapping[str, Any]) -> str:

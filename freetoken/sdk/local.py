@@ -22,6 +22,7 @@ it is read.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -33,10 +34,7 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.errors import FreeTokenError
 from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
 from freetoken.sdk.reply import Reply, ReplyStats
-from freetoken.server.engine import constrained_format, offered_schemas, offered_tools
-from freetoken.server.harmony import reply_parser
-from freetoken.server.output import text_parameters
-from freetoken.server.tool_choice import call_syntax
+from freetoken.server.engine import render_chat, template_messages
 
 
 class Worker:
@@ -140,20 +138,27 @@ class Session(Conversation):
     def _produce(self, msg: dict, sampling: Sampling, reply: Reply) -> ReplyStats:
         lm, cache = self.engine.lm, self.engine.cache
         messages = self._messages + [msg]
-        text = lm.tokenizer.apply_chat_template(messages, tools=self.tools,
-                                                **({"enable_thinking": False} if sampling.json else {}))
-        if sampling.json and text.rstrip().endswith("<think>"):
+        choice, tools = sampling.tool_choice, self.tools
+        # rendered as the server renders it: tools a template ignores described in the system message, a forced
+        # call's opening written after the generation prompt, calls constrained where the format allows
+        chat = render_chat(lm.tokenizer, messages, tools, enable_thinking=False if sampling.json else None,
+                           choice=choice)
+        if choice is not None and choice.mode == "none":
+            # the tools stay in the prompt (as Anthropic keeps them for "none"), so the turn reuses the history's
+            # K/V; the reply is read and sampled as plain text
+            chat = dataclasses.replace(chat, tools=False, call_format="")
+        if sampling.json and chat.in_reasoning:
             raise FreeTokenError("this model's chat template opens a reasoning block the reply must close first, "
                                  "so it cannot be constrained to a JSON object; send without json=True")
-        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                max_tokens=sampling.max_tokens, stop=sampling.stop, seed=sampling.seed,
-                                json_object=sampling.json, json_schema=sampling.schema,
-                                **self._call_constraint(sampling))
-        prompt = lm.tokenizer.encode(text)
+        params = chat.constrain(SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, stop=sampling.stop, seed=sampling.seed, json_object=sampling.json,
+            json_schema=sampling.schema))
+        prompt = chat.ids
         common = _common_prefix(self._tokens, prompt, limit=len(prompt) - 1)
         if lm.has_recurrent_state:
             common = self._restore_before(common)
-            for end in self._boundaries(messages, prompt, after=common):  # snapshots while prefilling
+            for end in self._boundaries(messages, tools, prompt, after=common):  # snapshots while prefilling
                 self.engine.generator.prefill(self._seq, prompt[self._seq.length:end])
                 self._snapshots[end] = cache.fork(self._seq)
             common_reused, common = common, self._seq.length
@@ -162,10 +167,7 @@ class Session(Conversation):
             cache.truncate(self._seq, common)  # history past an edit, or the end of the last reply, recomputed
             common_reused = common
         self._tokens = prompt[:common]
-        template = lm.tokenizer.chat_template
-        parser = reply_parser(harmony=template is not None and call_syntax(template.source) == "harmony",
-                              in_reasoning=text.rstrip().endswith("<think>"), tools=bool(self.tools),
-                              text_params=text_parameters(offered_schemas(self.tools or ())))
+        parser = chat.parser()
         generated, parts, last = [], [], None
         try:
             for ev in self.engine.generator.extend(self._seq, prompt[common:], params, cached_tokens=common_reused):
@@ -186,17 +188,6 @@ class Session(Conversation):
             else None
         return ReplyStats(last.prompt_tokens, common_reused, last.completion_tokens,
                           t.first_token_s if t else None, decode, "tool_calls" if calls else last.finish_reason)
-
-    def _call_constraint(self, sampling) -> dict:
-        """Where the model's template teaches a call format the sampler knows, its calls are constrained to calls
-        of the offered tools (as the server does; see engine/call_languages.py)."""
-        template = self.engine.lm.tokenizer.tool_use_template or self.engine.lm.tokenizer.chat_template
-        syntax = call_syntax(template.source) if self.tools and template is not None else "none"
-        fmt = constrained_format(syntax) if syntax != "none" else ""  # (tools not rendered: nothing to constrain)
-        if sampling.json or not fmt:
-            return {}
-        return {"call_format": fmt, "call_tools": offered_tools(self.tools),
-                "call_schemas": offered_schemas(self.tools)}
 
     def _adopt_longer_prefix(self, prompt: list[int], common: int) -> int:
         """Another session's pages when they hold a longer start of `prompt` than this session's own history."""
@@ -228,7 +219,7 @@ class Session(Conversation):
 
     SNAPSHOT_EVERY = 4096  # tokens between snapshots inside one long message (a coarse fallback)
 
-    def _boundaries(self, messages: list[dict], prompt: list[int], after: int) -> list[int]:
+    def _boundaries(self, messages: list[dict], tools: list[dict] | None, prompt: list[int], after: int) -> list[int]:
         """Token offsets in `prompt` where a message ends (where its rendering alone is a prefix of the prompt),
         where a reasoning block or tool call ends (after its closing marker), plus every SNAPSHOT_EVERY tokens,
         past `after` and before the prompt's last token."""
@@ -237,9 +228,10 @@ class Session(Conversation):
         ends = [at for at in range(every, len(prompt), every) if at > after]
         closing = tok.block_end_ids()
         ends += [i + 1 for i in range(after, len(prompt) - 1) if prompt[i] in closing]
-        for i in range(1, len(messages) + 1):
+        rendered = template_messages(tok, messages, tools)[0]  # (tools described in the system message too)
+        for i in range(1, len(rendered) + 1):
             try:
-                ids = tok.encode(tok.apply_chat_template(messages[:i], tools=self.tools, add_generation_prompt=False))
+                ids = tok.encode(tok.apply_chat_template(rendered[:i], tools=tools, add_generation_prompt=False))
             except Exception:  # noqa: BLE001 - a template that cannot render a partial conversation: no boundary
                 continue
             if after < len(ids) < len(prompt) and prompt[:len(ids)] == ids:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken.errors import FreeTokenError
-from freetoken.sdk.conversation import Conversation, Sampling, assistant_message
+from freetoken.sdk.conversation import Conversation, Sampling, assistant_message, openai_tool_choice
 from freetoken.sdk.local import Worker
 from freetoken.sdk.reply import Reply, ReplyStats
 from freetoken.server.output import Part, ToolCall
@@ -60,7 +60,8 @@ class RemoteSession(Conversation):
         body = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
                 "stop": list(sampling.stop) or None, "seed": sampling.seed,
                 **({"response_format": _response_format(sampling)} if sampling.json else {}),
-                **({"extra_body": {"top_k": sampling.top_k}} if sampling.top_k else {})}
+                **({"extra_body": {"top_k": sampling.top_k}} if sampling.top_k else {}),
+                **({"tool_choice": openai_tool_choice(sampling.tool_choice)} if sampling.tool_choice else {})}
         messages = self._messages + [msg]
         started, first, parts, usage, finish = time.perf_counter(), None, [], None, None
         calls: dict[int, list] = {}  # index → [name, arguments so far]: a call's arguments may come in pieces

@@ -72,6 +72,34 @@ class ChatPrompt:
                                    call_tools=self.call_tools, call_schemas=self.call_schemas)
 
 
+def template_messages(tok, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None):
+    """(the messages to render, the template, its call syntax): a template that never renders tools gets them
+    described in the system message instead (tool_choice.with_tools_described)."""
+    template = (tok.tool_use_template if tools else None) or tok.chat_template
+    syntax = call_syntax(template.source) if tools and template is not None else "none"
+    if tools and syntax == "none":
+        messages = with_tools_described(list(messages), list(tools))
+    return messages, template, syntax
+
+
+def render_chat(tok, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                enable_thinking: bool | None = None, choice: ToolChoice | None = None,
+                reasoning_effort: str | None = None) -> ChatPrompt:
+    """The chat template's rendering of a conversation and its token ids (ChatTemplateError if it fails), for
+    the server and the SDK alike. Tools go through the template (or are described: `template_messages`). A
+    `choice` that forces a call ends the prompt with the opening of one (see tool_choice.py).
+    `reasoning_effort` ("low" | "medium" | "high") goes to templates that read it (gpt-oss's)."""
+    messages, template, syntax = template_messages(tok, messages, tools)
+    text = tok.apply_chat_template(messages, tools=tools or None, enable_thinking=enable_thinking,
+                                   reasoning_effort=reasoning_effort)
+    in_reasoning = text.rstrip().endswith("<think>")
+    opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
+    return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),
+                      call_format=constrained_format(syntax) if tools else "",
+                      call_tools=offered_tools(tools or ()), call_schemas=offered_schemas(tools or ()),
+                      harmony=template is not None and call_syntax(template.source) == "harmony")
+
+
 def constrained_format(syntax: str) -> str:
     """The constrained call language for a template's call syntax (tool_choice.call_syntax); templates that
     ignore tools get the Hermes format described, so their calls are Hermes calls."""
@@ -192,23 +220,8 @@ class ServingEngine:
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                     enable_thinking: bool | None = None, choice: ToolChoice | None = None,
                     reasoning_effort: str | None = None) -> ChatPrompt:
-        """The chat template's rendering of a conversation and its token ids (ChatTemplateError if it fails).
-        Tools go through the template; one that never renders tools gets them described in the system message.
-        A `choice` that forces a call ends the prompt with the opening of one (see tool_choice.py).
-        `reasoning_effort` ("low" | "medium" | "high") goes to templates that read it (gpt-oss's)."""
-        tok = self.tokenizer
-        template = (tok.tool_use_template if tools else None) or tok.chat_template
-        syntax = call_syntax(template.source) if tools and template is not None else "none"
-        if tools and syntax == "none":
-            messages = with_tools_described(list(messages), list(tools))
-        text = tok.apply_chat_template(messages, tools=tools or None, enable_thinking=enable_thinking,
-                                       reasoning_effort=reasoning_effort)
-        in_reasoning = text.rstrip().endswith("<think>")
-        opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
-        return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),
-                          call_format=constrained_format(syntax) if tools else "",
-                          call_tools=offered_tools(tools or ()), call_schemas=offered_schemas(tools or ()),
-                          harmony=template is not None and call_syntax(template.source) == "harmony")
+        """`render_chat` with this server's tokenizer."""
+        return render_chat(self.tokenizer, messages, tools, enable_thinking, choice, reasoning_effort)
 
     def check_fits(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.context_length:

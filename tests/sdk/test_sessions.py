@@ -114,6 +114,52 @@ def test_replies_stream_to_sync_and_async_readers(engine):
     session.close()
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time of a city",
+                                           "parameters": CITY}}]
+
+
+def _forced_calls(session) -> None:
+    """A named choice gets a call of that tool, "required" a call of one of them (JSON arguments under the
+    schema), "none" a plain answer; the call and its result go on in the history."""
+    named = session.send("Weather in Paris?", tool_choice={"type": "function", "function": {"name": "get_time"}},
+                         max_tokens=64)
+    assert [c.name for c in named.tool_calls] == ["get_time"] and named.stats.finish_reason == "tool_calls"
+    assert set(named.tool_calls[0].arguments) == {"city"} and isinstance(named.tool_calls[0].arguments["city"], str)
+    assert session.messages[-1]["tool_calls"][0]["function"]["name"] == "get_time"
+    answer = session.send({"role": "tool", "content": '{"time": "14:05"}'}, tool_choice="none", max_tokens=24)
+    assert answer.tool_calls == [] and answer.text.strip() and answer.stats.finish_reason in ("stop", "length")
+    required = session.send("And the weather in Rome?", tool_choice="required", max_tokens=64)
+    assert len(required.tool_calls) >= 1 and required.tool_calls[0].name in ("get_weather", "get_time")
+    assert set(required.tool_calls[0].arguments) == {"city"}
+
+
+def test_a_session_forces_tool_calls_with_tool_choice(engine):
+    session = engine.session(system="You are a travel assistant.", tools=TOOLS)
+    _forced_calls(session)
+    session.close()
+
+
+@pytest.mark.parametrize("choice, problem", [
+    ({"type": "function", "function": {"name": "book_flight"}}, "not among the tools"),
+    ("sometimes", "tool_choice must be"),
+    ({"type": "function", "name": "get_time", "extra": 1}, None),  # the Responses shape is taken too
+])
+def test_a_bad_tool_choice_fails_at_send(engine, choice, problem):
+    session = engine.session(tools=TOOLS)
+    if problem is None:
+        assert session.send("Time in Oslo?", tool_choice=choice, max_tokens=48).tool_calls[0].name == "get_time"
+    else:
+        with pytest.raises(ValueError, match=problem):
+            session.send("Time in Oslo?", tool_choice=choice)
+    with pytest.raises(ValueError, match="needs tools"):
+        engine.session().send("Time in Oslo?", tool_choice="required")
+    session.close()
+
+
 def test_connect_gives_the_same_sessions_against_a_server(smollm2_gguf):
     from freetoken.engine.loader import load_model
 
@@ -138,6 +184,7 @@ def test_connect_gives_the_same_sessions_against_a_server(smollm2_gguf):
         assert isinstance(json.loads(shaped.text), dict)
         schemed = session.send("Now give the capital of France as JSON.", json=CAPITAL_SCHEMA, max_tokens=64)
         assert set(json.loads(schemed.text)) == {"country", "capital"}  # through response_format json_schema
+        _forced_calls(remote.session(system="You are a travel assistant.", tools=TOOLS))  # as the server takes it
         remote.close()
     finally:
         running.stop()
