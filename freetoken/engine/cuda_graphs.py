@@ -71,7 +71,6 @@ class _Captured:
     logits: torch.Tensor  # [B, V] output buffer
     slots_version: int = 0  # the executor's slot tensors these graphs read (recaptured when they change)
     kv_version: int = 0  # the KV pool tensors they read (a resized pool is reallocated)
-
     launches: list | None = None  # per graph: its runtime handle, or None (replayed through torch); see replay
 
     def replay(self, experts, rows: int) -> None:
@@ -96,7 +95,6 @@ class _Captured:
                 else:  # padding rows keep what their buffer held (zeros, or an earlier step's rows): finite
                     b.out[:rows].copy_(experts.forward(b.layer, b.hidden[:rows], b.topk_ids[:rows],
                                                        b.topk_weights[:rows]))
-
 
     def _launches(self) -> list:
         """Runtime handles of the segment graphs, then of each boundary's experts graph (None where torch gives

@@ -51,6 +51,7 @@ class _Batch:
 
 class ExpertCopier:
     MARKS = 4  # events handed out by mark_compute / mark_copies before one is re-recorded
+
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, dtype: torch.dtype,
                  staging_slots: int = 2):
         first = next(iter(host.values()))
