@@ -50,8 +50,8 @@ class Conversation(ABC):
         and returns its reply at once; the reply completes whether or not it is read. `json=True`: the reply's
         text is one JSON object (sampling is constrained to it); a JSON schema (a dict): one valid under it (what
         is enforced: freetoken/engine/json_schema.py; an unreadable schema raises ValueError here).
-        `tool_choice` as OpenAI takes it: "auto" (default), "none" (a plain reply: in-process the tools stay in
-        the prompt, so the turn reuses the history's K/V; a remote server drops them for the turn),
+        `tool_choice` as OpenAI takes it: "auto" (default), "none" (a plain reply; the tools stay in the prompt,
+        so the turn reuses the history's K/V),
         "required" (the reply is a call of some tool), or {"type": "function", "function": {"name": ...}} (a call
         of that tool; {"type": "function", "name": ...} too); anything else, or a tool the session lacks, raises
         ValueError here."""

@@ -22,7 +22,6 @@ it is read.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -143,10 +142,6 @@ class Session(Conversation):
         # call's opening written after the generation prompt, calls constrained where the format allows
         chat = render_chat(lm.tokenizer, messages, tools, enable_thinking=False if sampling.json else None,
                            choice=choice)
-        if choice is not None and choice.mode == "none":
-            # the tools stay in the prompt (as Anthropic keeps them for "none"), so the turn reuses the history's
-            # K/V; the reply is read and sampled as plain text
-            chat = dataclasses.replace(chat, tools=False, call_format="")
         if sampling.json and chat.in_reasoning:
             raise FreeTokenError("this model's chat template opens a reasoning block the reply must close first, "
                                  "so it cannot be constrained to a JSON object; send without json=True")

@@ -228,8 +228,7 @@ def _tool_id() -> str:
 
 
 def _tools(req: MessagesRequest | CountRequest) -> list[dict] | None:
-    choice = getattr(req, "tool_choice", None) or {}
-    if not req.tools or choice.get("type") == "none":
+    if not req.tools:
         return None
     check_tool_schemas(req.tools, lambda t: t.get("name"), lambda t: t.get("input_schema", {}))
     return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),

@@ -94,8 +94,11 @@ def render_chat(tok, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapp
                                    reasoning_effort=reasoning_effort)
     in_reasoning = text.rstrip().endswith("<think>")
     opener = call_opener(choice, syntax, in_reasoning) if tools and choice is not None else ""
-    return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, bool(tools),
-                      call_format=constrained_format(syntax) if tools else "",
+    # "none": the tools stay in the prompt (Anthropic keeps them too), so the turn reuses the K/V of a history
+    # rendered with them; the reply is read and sampled as plain text
+    calls = bool(tools) and (choice is None or choice.mode != "none")
+    return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, calls,
+                      call_format=constrained_format(syntax) if calls else "",
                       call_tools=offered_tools(tools or ()), call_schemas=offered_schemas(tools or ()),
                       harmony=template is not None and call_syntax(template.source) == "harmony")
 

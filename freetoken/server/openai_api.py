@@ -255,7 +255,7 @@ def _call_id() -> str:
 
 
 def _tools(req: ChatRequest) -> list[dict] | None:
-    if not req.tools or req.tool_choice == "none":
+    if not req.tools:
         return None
     for i, tool in enumerate(req.tools):
         if tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):

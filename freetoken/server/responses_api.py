@@ -334,7 +334,7 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
 
 
 def _tools(req: ResponsesRequest) -> list[dict] | None:
-    if not req.tools or req.tool_choice == "none":
+    if not req.tools:
         return None
     functions = _function_tools(req.tools)
     if not functions:
