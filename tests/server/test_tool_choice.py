@@ -263,3 +263,18 @@ def test_a_forced_call_streams_its_arguments_in_every_protocol(smollm2_server):
     assert len(deltas) >= 2 and "".join(deltas) == done.arguments and isinstance(json.loads(done.arguments), dict)
     item = next(o for o in events[-1].response.output if o.type == "function_call")
     assert item.name == "get_weather" and item.arguments == done.arguments
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_answers_in_text(smollm2_server):
+    """The tools stay rendered under `none` (the prompt is auto's, so the turn reuses a history rendered with
+    them), and whatever the model writes comes back as text, never as a call."""
+    oai = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
+           "temperature": 0, "max_tokens": 24}
+    auto = oai.chat.completions.create(**ask, tool_choice="auto")
+    none = oai.chat.completions.create(**ask, tool_choice="none")
+    assert none.usage.prompt_tokens == auto.usage.prompt_tokens
+    assert none.usage.prompt_tokens_details.cached_tokens > 0  # auto's prompt, cached
+    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+    bare = oai.chat.completions.create(**{**ask, "tools": None})
+    assert bare.usage.prompt_tokens < none.usage.prompt_tokens  # the tools' description is in the prompt
