@@ -227,5 +227,6 @@ def _report(a, executor, before, elapsed: float, label: str) -> None:
           f"{moved['host_seconds'] / steps * 1e6:.0f} / {moved['cpu_wait_seconds'] / steps * 1e6:.0f} µs")
     print(f"planner: {executor.planner.describe()}")
 
+
 if __name__ == "__main__":
     main()

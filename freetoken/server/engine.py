@@ -46,7 +46,7 @@ class ChatPrompt:
     ids: list[int]
     opener: str  # written on the model's behalf (a forced tool call's opening), or ""
     in_reasoning: bool  # the template left a reasoning block open
-    tools: bool  # tools were offered (the parser looks for calls)
+    tools: bool  # the reply may hold calls (tools offered, tool_choice not "none"): the parser looks for them
     # how the model writes calls where the sampler can constrain them (a language of engine/call_languages.py:
     # "hermes", also for described tools, "qwen-xml", "mistral-json", "mistral-args", "llama3"), else ""; and the
     # offered tools as (name, parameter names)
