@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -188,7 +188,7 @@ for part in "$@"; do
     profile-perf) for fb in "Q8_0 0" "dense 0" "dense 16GiB"; do  # host phases by perf_counter; A/B of a GPU path
                read -r fmt budget <<< "$fb"
                (cd /tmp && python3 "$OLDPWD/evals/scripts/profile_offload.py" --layers 48 --strategy auto --tokens 16 \
-                 --warmup 20 --expert-format "$fmt" --budget "$budget" --clock perf --ab "${AB:-prefetch-with-cpu}" --out /tmp/prof \
+                 --warmup 20 --expert-format "$fmt" --budget "$budget" --clock perf --ab ${AB:-prefetch-with-cpu} --out /tmp/prof \
                  2>&1 | grep -v Warning | tee -a "$OUT/profile-perf.txt")
              done ;;
     profile-host2) for fb in "Q8_0 0" "dense 0" "dense 16GiB"; do  # the copies' host cost (48 layers)
@@ -210,6 +210,8 @@ for part in "$@"; do
     d1-q8) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB \
              --expert-format Q8_0 --strategies copy,cpu,auto --probe-mib 512 --commit "$commit" \
              --out "$OUT/d1-q8-1k.md" ;;
+    wake-bench) (cd /tmp && for f in Q8_0 BF16; do FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.wake_bench \
+               --format $f --calls 300; done | tee "$OUT/wake-bench.md") ;;
     copy-size-cost) (cd /tmp && python3 "$OLDPWD/evals/scripts/copy_size_cost.py" | tee "$OUT/copy-size-cost.md") ;;
     copier-cost) (cd /tmp && python3 "$OLDPWD/evals/scripts/copier_host_cost.py" | tee "$OUT/copier-host-cost.md") ;;
     d1-q8-nographs) python3 -c "import sys; from freetoken.engine.offload import transfer; transfer.DEQUANT_GRAPHS = False

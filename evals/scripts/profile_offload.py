@@ -133,8 +133,9 @@ def main() -> None:
     p.add_argument("--expert-format", default="dense", choices=["dense", "Q8_0"])
     p.add_argument("--clock", default="profiler", choices=["profiler", "perf"],
                    help="profiler: a torch-profiler trace (GPU streams too); perf: the host's real times, no trace")
-    p.add_argument("--ab", metavar="PATH", help="with --clock perf: rounds with this experimental GPU path off, on, "
-                   "off, on")
+    p.add_argument("--ab", metavar="PATHS", nargs="+",
+                   help="with --clock perf: rounds with no experimental GPU path, then with each of these "
+                   "(a FREETOKEN_EXPERIMENTAL value each: one path, or several joined by commas), twice over")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     clock = _Clock() if a.clock == "perf" else None
@@ -164,10 +165,10 @@ def main() -> None:
         started(self, wait)
 
     cpu_experts._Started.__init__ = marked_wait
-    # --ab PATH (perf clock): the same model and sequence decoded in rounds with that experimental GPU path off,
-    # on, off, on: an A/B on one build, each round with a fresh planner and its own warm-up (use --warmup 16 or
-    # more: the path guard measures each way three times first)
-    rounds = [None] if a.ab is None else [False, True, False, True]
+    # --ab PATHS (perf clock): the same model and sequence decoded in rounds with no experimental GPU path, then
+    # with each of PATHS, twice over: an A/B on one build, each round with a fresh planner and its own warm-up
+    # (use --warmup 16 or more: the path guard measures each way three times first)
+    rounds = [None] if a.ab is None else ["", *a.ab] * 2
     gen = torch.Generator().manual_seed(0)
     context, per_round = 256, a.warmup + a.tokens
     ids = torch.randint(0, lm.args.decoder.vocab_size, (context + per_round * len(rounds),), generator=gen).tolist()
@@ -178,10 +179,11 @@ def main() -> None:
         executor.miss_path = "copy"
         lm.forward(torch.tensor(ids[:context], device=device), cache, seq, "last")
         executor.miss_path = miss_path
-        for r, on in enumerate(rounds):
-            if on is not None:  # each round learns afresh, so one round's state cannot favour the next
+        for r, paths in enumerate(rounds):
+            if paths is not None:  # each round learns afresh, so one round's state cannot favour the next
                 executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
-                os.environ["FREETOKEN_EXPERIMENTAL"] = a.ab if on else ""
+                executor.prefetch_lead_s = None
+                os.environ["FREETOKEN_EXPERIMENTAL"] = paths
                 gpu_paths.enabled.cache_clear()
                 gpu_paths._named.cache_clear()
             start = context + r * per_round
@@ -199,7 +201,7 @@ def main() -> None:
                     with scope("ft.token"):
                         int(decoder.step(seq, token).argmax())
                 elapsed = time.perf_counter() - t0
-            label = "" if on is None else f" [{a.ab} {'on' if on else 'off'}]"
+            label = "" if paths is None else f" [{paths or 'no experimental path'}]"
             _report(a, executor, before, elapsed, label)
             if clock is not None:
                 print(clock.summary(a.layers * a.tokens))

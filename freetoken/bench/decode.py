@@ -42,6 +42,7 @@ class Row:
     budget: str
     tok_s: float
     hit_rate: float | None = None
+    hit_rate_cached: float | None = None  # the hits on experts cached before the step (not admitted by its prefetch)
     copied_gb_per_token: float = 0.0
     cpu_gb_per_token: float = 0.0  # expert bytes the CPU read per token
     pcie_gb_s: float | None = None  # achieved while copying (copy bytes / copy-stream busy time)
@@ -298,13 +299,17 @@ def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, exe
     if before is None:
         return Row(strategy, budget, tok_s)
     hits, misses = after.hits - before.hits, after.misses - before.misses
+    # a hit on an expert that a prefetch admitted for that very step cost this token its bytes: the floor counts it
+    # as the miss it was (without cache slots a used prefetch is counted a miss already)
+    prefetch_hits = after.prefetch_hits - before.prefetch_hits
     copied = (after.bytes_copied - before.bytes_copied) / tokens
     cpu = (after.cpu_experts - before.cpu_experts) * executor.expert_bytes / tokens
-    miss_bytes = misses * executor.expert_bytes / tokens
+    miss_bytes = (misses + prefetch_hits) * executor.expert_bytes / tokens
     floor = ceilings.miss_gb_s() * 1e9 / miss_bytes if miss_bytes and ceilings.miss_gb_s() > 0 else None
     copy_s, cpu_s = after.copy_seconds - before.copy_seconds, after.cpu_seconds - before.cpu_seconds
     prefetched, used = after.prefetched - before.prefetched, after.prefetch_used - before.prefetch_used
-    return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), copied / 1e9, cpu / 1e9,
+    return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), (hits - prefetch_hits) / max(hits + misses, 1),
+               copied / 1e9, cpu / 1e9,
                copied * tokens / copy_s / 1e9 if copy_s > 0 else None,
                cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor, miss_bytes / 1e9,
                f"{used / prefetched:.0%} of {prefetched / tokens:.1f}" if prefetched else "—",
@@ -324,6 +329,8 @@ def _layer_step_us(before, after) -> str:
 
 def _format_row(r: Row) -> str:
     hit = "—" if r.hit_rate is None else f"{r.hit_rate:.1%}"
+    if r.hit_rate_cached is not None and r.hit_rate_cached != r.hit_rate:
+        hit += f" ({r.hit_rate_cached:.1%})"
     floor = "—" if r.floor_tok_s is None else f"{r.floor_tok_s:.2f}"
     of_floor = "—" if r.floor_tok_s is None else f"{r.tok_s / r.floor_tok_s:.0%}"
     same = {True: "yes", False: "no", None: "—"}[r.same_tokens]
@@ -368,7 +375,8 @@ def render(rows: list[Row], a: argparse.Namespace, ceilings: Ceilings) -> str:
         f"{_routing(a.skew)}; decode teacher-forced with random tokens; {how}",
         f"- measured in this run: pinned host→device {_gb(ceilings.h2d)}, host DRAM read {_gb(ceilings.dram_read)}, "
         f"CPU expert kernel {_gb(ceilings.cpu_experts)} (batch 1); floor = "
-        f"{upper + ' time + ' if has_resident else ''}miss bytes / min(PCIe + CPU, DRAM) = "
+        f"{upper + ' time + ' if has_resident else ''}miss bytes (misses and hits on experts a prefetch admitted "
+        f"for that step: the hit rate in brackets leaves those out) / min(PCIe + CPU, DRAM) = "
         f"{_gb(ceilings.miss_gb_s())}"
         f"{'' if has_resident else _NO_RESIDENT_FLOOR}",
         "",

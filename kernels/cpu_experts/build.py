@@ -82,6 +82,7 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.ft_pool_start.argtypes, lib.ft_pool_start.restype = [i], i
     lib.ft_pool_wake.argtypes, lib.ft_pool_wake.restype = [ctypes.c_long], None
+    lib.ft_pool_set_tree_wake.argtypes, lib.ft_pool_set_tree_wake.restype = [i], i
     f = ctypes.c_float
     lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i, p, p,
                                  p, p, p, i, f, f]

@@ -192,6 +192,11 @@ class CpuExpertKernel:
         µs of system calls) overlaps the caller's wait instead of delaying the call. Nothing when none sleeps."""
         self.lib.ft_pool_wake(int(spin_s * 1e9))
 
+    def set_tree_wake(self, on: bool) -> bool:
+        """Sleeping workers woken as a binary tree (each woken worker wakes two more; the caller only the first
+        two) instead of all by the caller. Returns whether it is on: never off Linux."""
+        return bool(self.lib.ft_pool_set_tree_wake(int(on)))
+
     def random_fill(self, t: torch.Tensor, seed: int, bound: float | None = None) -> None:
         """Seeded random bytes into a contiguous CPU tensor (`bound` None), or values uniform in [-bound, bound)
         into an f32/bf16 one, on all pool threads (freetoken/bench/random_fill.py is the torch form)."""

@@ -1,12 +1,33 @@
 /* Part of experts.c (included once, where it stands): the persistent worker pool. */
 
-/* ---- persistent thread pool: workers spin briefly, then sleep on a condition variable ----
+/* ---- persistent thread pool: workers spin briefly, then sleep ----
    Waking sleeping workers costs the waker a system call that wakes each of them in turn (tens of µs on a
-   16-core host), on the decode step's critical path when it happens as a job is posted. `ft_pool_wake` moves
-   it earlier: the caller wakes them while it waits anyway (for the GPU's routing), and they spin for the job
-   for a bounded time. Spinning through every gap instead made the kernel slower (see SPIN_NS). */
+   16-core host), on the decode step's critical path when it happens as a job is posted. Two remedies:
+   - `ft_pool_wake` moves it earlier: the caller wakes them while it waits anyway (for the GPU's routing), and
+     they spin for the job for a bounded time. Spinning through every gap instead made the kernel slower (see
+     SPIN_NS).
+   - the tree wake-up (`ft_pool_set_tree_wake`, Linux): each worker sleeps on its own futex word, and the poster
+     wakes only the first two; every worker that wakes (or finds the job while spinning) wakes the next two, so
+     the poster returns after two wake-ups and the rest fan out over the workers, as a binary tree.
+   Without it workers sleep on one condition variable that the poster broadcasts to. */
 
 typedef void (*task_fn)(void *ctx, int task);
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_TREE_WAKE 1
+#else
+#define HAVE_TREE_WAKE 0
+#endif
+
+/* One per worker, a cache line each: the futex word it sleeps on in tree mode, and whether it sleeps there. */
+typedef struct {
+    atomic_uint bell;
+    atomic_int asleep;
+    char pad[56];
+} doorbell;
 
 static struct {
     pthread_mutex_t mu;
@@ -15,11 +36,31 @@ static struct {
     int nworkers;
     atomic_uint generation, wake_requests;
     atomic_int next, busy, sleepers;
+    atomic_int cond_sleepers;  /* of the sleepers, those on the condition variable (not on their doorbell) */
+    atomic_int tree_wake;      /* new sleeps go to the doorbells (ft_pool_set_tree_wake) */
     atomic_long spin_until;  /* now_ns() until which workers woken ahead of a job spin for it */
     task_fn fn;
     void *ctx;
     int ntasks;
 } pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static doorbell bells[MAX_THREADS];
+
+/* Worker w wakes workers 2w+2 and 2w+3; the poster (w = -1) wakes workers 0 and 1. A child that is not asleep on
+   its doorbell costs one load: it is spinning (it sees the job itself and wakes its own children) or on its way to
+   sleep (it checks for a new job after saying so, and finds this one; see `sleep_on_bell`). */
+static void wake_children(int w) {
+#if HAVE_TREE_WAKE
+    for (int c = 2 * w + 2; c <= 2 * w + 3 && c < pool.nworkers; c++) {
+        if (atomic_load(&bells[c].asleep)) {
+            atomic_fetch_add(&bells[c].bell, 1);
+            syscall(SYS_futex, &bells[c].bell, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+        }
+    }
+#else
+    (void)w;
+#endif
+}
 
 static void run_tasks(void) {
     for (int i; (i = atomic_fetch_add(&pool.next, 1)) < pool.ntasks;) pool.fn(pool.ctx, i);
@@ -40,25 +81,64 @@ static int spin_for_job(unsigned seen, long until) {
     return 1;
 }
 
+/* Sleeps until a job newer than `seen` or a wake request newer than `requests` (loaded before) is posted. */
+static void sleep_on_condvar(unsigned seen, unsigned requests) {
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add(&pool.cond_sleepers, 1);
+    while (atomic_load(&pool.generation) == seen && atomic_load(&pool.wake_requests) == requests)
+        pthread_cond_wait(&pool.wake, &pool.mu);
+    atomic_fetch_sub(&pool.cond_sleepers, 1);
+    pthread_mutex_unlock(&pool.mu);
+}
+
+#if HAVE_TREE_WAKE
+/* The same on worker w's doorbell. `asleep` is set before the job is checked and a waker checks `asleep` after
+   posting (both sequentially consistent), so either this worker sees the job or its waker sees it asleep and
+   rings; a ring between the check and the wait changes the word, and the wait returns at once. */
+static void sleep_on_bell(int w, unsigned seen, unsigned requests) {
+    doorbell *d = &bells[w];
+    unsigned rung = atomic_load(&d->bell);
+    atomic_store(&d->asleep, 1);
+    while (atomic_load(&pool.generation) == seen && atomic_load(&pool.wake_requests) == requests) {
+        syscall(SYS_futex, &d->bell, FUTEX_WAIT_PRIVATE, rung, NULL, NULL, 0);
+        rung = atomic_load(&d->bell);
+    }
+    atomic_store(&d->asleep, 0);
+}
+#endif
+
+typedef struct {
+    int index;
+    unsigned generation;
+} worker_start;
+
 static void *worker(void *arg) {
     /* The generation current when the pool was started, not when this thread first runs: a job posted in
        between must not be mistaken for one already done. */
-    unsigned seen = (unsigned)(uintptr_t)arg;
+    worker_start start = *(worker_start *)arg;
+    free(arg);
+    int w = start.index;
+    unsigned seen = start.generation;
     int spin_first = 1;  /* after a job: spin SPIN_NS before sleeping; after an early wake-up that found none: not */
     for (;;) {
         if (!(spin_first && spin_for_job(seen, now_ns() + SPIN_NS))) {
-            pthread_mutex_lock(&pool.mu);
             unsigned requests = atomic_load(&pool.wake_requests);
             atomic_fetch_add(&pool.sleepers, 1);
-            while (atomic_load(&pool.generation) == seen && atomic_load(&pool.wake_requests) == requests)
-                pthread_cond_wait(&pool.wake, &pool.mu);
+#if HAVE_TREE_WAKE
+            if (atomic_load(&pool.tree_wake))
+                sleep_on_bell(w, seen, requests);
+            else
+#endif
+                sleep_on_condvar(seen, requests);
             atomic_fetch_sub(&pool.sleepers, 1);
-            pthread_mutex_unlock(&pool.mu);
+            wake_children(w);
             /* woken ahead of a job (ft_pool_wake): spin for it until the waker's deadline, else sleep again */
             if (!spin_for_job(seen, atomic_load(&pool.spin_until))) {
                 spin_first = 0;
                 continue;
             }
+        } else {
+            wake_children(w);  /* found the job spinning: its children may be asleep */
         }
         spin_first = 1;
         seen = atomic_load(&pool.generation);
@@ -68,15 +148,31 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* Wakes whoever sleeps: the doorbells' tree from its root, and the condition variable's sleepers (those that
+   went to sleep before a switch of mode). Called after the generation or the wake requests moved on. */
+static void wake_sleepers(void) {
+    wake_children(-1);
+    if (atomic_load(&pool.cond_sleepers) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.mu);
+    }
+}
+
+/* The tree wake-up on (1) or off (0); returns whether it is on (never where it is not built: off Linux). Workers
+   asleep when it changes are still woken the way they went to sleep. */
+int ft_pool_set_tree_wake(int on) {
+    atomic_store(&pool.tree_wake, on && HAVE_TREE_WAKE);
+    return atomic_load(&pool.tree_wake);
+}
+
 /* Wakes sleeping workers to spin for up to `spin_ns` for a job the caller is about to post (a hint; nothing
    happens when none sleeps). */
 void ft_pool_wake(long spin_ns) {
     if (atomic_load(&pool.sleepers) == 0) return;
     atomic_store(&pool.spin_until, now_ns() + spin_ns);
-    pthread_mutex_lock(&pool.mu);
     atomic_fetch_add(&pool.wake_requests, 1);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.mu);
+    wake_sleepers();
 }
 
 /* Starts the pool once; the calling thread works too, so `threads` counts it. Returns the size in use. */
@@ -85,8 +181,13 @@ int ft_pool_start(int threads) {
     if (pool.nworkers == 0 && threads > 1) {
         if (threads > MAX_THREADS) threads = MAX_THREADS;
         for (int i = 0; i < threads - 1; i++) {
-            void *generation = (void *)(uintptr_t)atomic_load(&pool.generation);
-            if (pthread_create(&pool.threads[i], NULL, worker, generation) != 0) break;
+            worker_start *start = malloc(sizeof *start);
+            if (!start) break;
+            *start = (worker_start){i, atomic_load(&pool.generation)};
+            if (pthread_create(&pool.threads[i], NULL, worker, start) != 0) {
+                free(start);
+                break;
+            }
             pthread_detach(pool.threads[i]);
             pool.nworkers++;
         }
@@ -103,10 +204,8 @@ static void parallel_start(task_fn fn, void *ctx, int ntasks) {
     pool.ntasks = ntasks;
     atomic_store(&pool.next, 0);
     atomic_store(&pool.busy, pool.nworkers);
-    pthread_mutex_lock(&pool.mu);
     atomic_fetch_add(&pool.generation, 1);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.mu);
+    wake_sleepers();
 }
 
 static void parallel_wait(void) {

@@ -176,3 +176,22 @@ def test_the_resident_rows_experts_keep_their_form():
     moved = _on_device(lm.experts.host[0], torch.device("cpu"), torch.float32)
     assert moved.form is not None and moved.form.clamped
     torch.testing.assert_close(moved.form.down_bias, lm.experts.host[0].form.down_bias)
+
+
+def test_the_floor_counts_hits_a_prefetch_made_for_their_step_as_misses():
+    """A prefetched expert admitted to the cache is a hit when its layer runs, but its bytes crossed the link for
+    that step: the floor is physical only if it moves them too. The hit rate keeps them; the bracket leaves
+    them out."""
+    from types import SimpleNamespace
+
+    from freetoken.bench.decode import Ceilings, _format_row, _row
+    from freetoken.engine.offload.expert_cache import CacheCounters
+
+    before = CacheCounters()
+    after = CacheCounters(hits=40, misses=60, prefetch_hits=10, bytes_copied=30 * 10**6, cpu_experts=40)
+    ceilings = Ceilings(h2d=50.0, dram_read=100.0, cpu_experts=80.0)
+    row = _row("auto", "8GiB", 10.0, before, after, 2, ceilings, SimpleNamespace(expert_bytes=10**6))
+    assert row.miss_gb_per_token == pytest.approx((60 + 10) * 10**6 / 2 / 1e9)
+    assert row.floor_tok_s == pytest.approx(100e9 / (35 * 10**6))  # misses + prefetch hits over DRAM's 100 GB/s
+    assert row.hit_rate == pytest.approx(0.4) and row.hit_rate_cached == pytest.approx(0.3)
+    assert "| 40.0% (30.0%) |" in _format_row(row)

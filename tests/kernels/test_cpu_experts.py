@@ -242,6 +242,51 @@ def test_workers_woken_ahead_run_the_next_job_or_sleep_again(kernel):
         assert torch.allclose(kernel.moe_forward(x, gate, up, down, *routing), want, atol=1e-5, rtol=1e-5)
 
 
+_TREE_WAKE_SCRIPT = """
+import sys, time, torch
+from freetoken.kernels.cpu_experts import reference
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
+from freetoken.kernels.cpu_experts.reference import ExpertMatrix
+kernel = CpuExpertKernel.get(threads=9)
+assert kernel.threads == 9, kernel.threads
+gen = torch.Generator().manual_seed(7)
+gate, up = (ExpertMatrix.of((torch.randn(4, 32, 64, generator=gen) * 0.1).bfloat16()) for _ in range(2))
+down = ExpertMatrix.of((torch.randn(4, 64, 32, generator=gen) * 0.1).bfloat16())
+x = torch.randn(2, 64, generator=gen)
+routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32),
+           torch.tensor([0, 1, 1], dtype=torch.int32), torch.rand(3, generator=gen))
+want = kernel.moe_forward(x, gate, up, down, *routing)  # the same sums in the same order on any thread
+assert torch.allclose(want, reference.moe_forward(x, gate, up, down, *routing), atol=1e-5, rtol=1e-4)
+print("tree wake-up", kernel.set_tree_wake(True))
+for i in range(40):
+    tree = i % 10 < 7  # mostly tree, with switches while workers sleep either way
+    kernel.set_tree_wake(tree)
+    time.sleep((0.0, 0.0005, 0.003)[i % 3])  # spinning, just asleep, long asleep
+    if i % 4 == 1:
+        kernel.wake(1e-4)
+    got = kernel.moe_forward(x, gate, up, down, *routing)
+    assert torch.equal(got, want), i
+print("ok")
+"""
+
+
+def test_the_tree_wake_up_wakes_every_worker_for_every_job(tmp_path):
+    """Eight workers (a tree three deep) asleep, spinning or woken ahead, the wake-up switched between the tree
+    and the broadcast while they sleep: every job completes (a worker left asleep would hang it: the pool waits
+    for all of them) with the reference's result. Its own process: the pool's size is fixed at its start."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FREETOKEN_HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", _TREE_WAKE_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "ok"
+    assert lines[0] == f"tree wake-up {sys.platform.startswith('linux')}"
+
+
 @pytest.mark.parametrize("tokens", [2, 7, 16, 17, 40])
 def test_amx_tiles_match_the_reference(kernel, tokens):
     """Where the CPU has AMX (Sapphire Rapids and later), a bf16 model's experts from 2 tokens on run on tiles

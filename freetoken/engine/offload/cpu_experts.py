@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.experts import ExpertGroup, LayerExperts, run_groups
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, default_threads, kernel_form
@@ -89,6 +90,9 @@ class CpuExpertRunner:
         first = next(iter(self.matrices.values()))
         self._workspace = _Workspace(first[0].data.shape[0], 64, first[0].shape[0]) if self._kernel_layers else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
+        # the kernel's pool wakes its workers as a tree (GPU path "cpu-tree-wake"); set at the first launch (the
+        # kernel is the process's, another runner may have set it)
+        self._tree_wake: bool | None = None
 
     def wake(self, spin_s: float) -> None:
         """Before waiting for a layer's routing: the kernel's sleeping workers wake meanwhile (see its `wake`)."""
@@ -115,6 +119,9 @@ class CpuExpertRunner:
         `wait()`."""
         gate, up, down = self.matrices[layer]
         if self.kernel is not None and layer in self._kernel_layers:
+            if (tree := gpu_paths.enabled("cpu-tree-wake")) is not self._tree_wake:
+                self._tree_wake = tree
+                self.kernel.set_tree_wake(tree)
             pending = self._launch(layer, x, experts, pairs, weights, x_bf16, out)
             if pending is not None:
                 return _Started(lambda: (pending.wait(), pending.seconds))

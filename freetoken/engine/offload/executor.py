@@ -99,6 +99,10 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         self._deferred_prefetch: tuple | None = None  # (layer, experts, room, event): queued at the next boundary
         self._cpu_started_at: float | None = None  # when this layer-step's CPU share started (diagnostics)
         self._step_misses = 0  # experts this layer-step's cache lacked (prefetched ones too): the guard's unit
+        # GPU path "prefetch-lead": (layer, when) of the last prefetch queued, and the mean seconds from queueing a
+        # prefetch to its layer's routing on the host (the head start its copies have over that layer's CPU share)
+        self._prefetch_queued: tuple[int, float] | None = None
+        self.prefetch_lead_s: float | None = None
         self._forms: dict[int, ExpertForm | None] = {}  # per layer, on the device (form_of)
         # Prefill: while a long chunk's layer computes, the next layer's experts stream (prefill.py), so the link
         # works through that layer's attention. Off by default: within noise of plain streaming on the H200
@@ -251,6 +255,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
                     pairs_of[e] = [(t, k)]
         prefetched = self._prefetched
         ahead = self._take_staged_ahead(layer)
+        self._observe_prefetch_lead(layer)
         cached = self.cache.slot_of
         slot_of, misses, staged, prefetched_hits = {}, [], [], 0
         for e in pairs_of:
@@ -269,6 +274,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         # dearer per miss than the CPU way (H200, 16 GiB: 0.7 against 5.6 misses a step), and the guard kept the
         # CPU way at 0.86x the split's speed.
         self._step_misses = len(misses) + len(staged) + prefetched_hits
+        self.counters.prefetch_hits += prefetched_hits
         to_copy, to_cpu = self._plan(misses, lambda e: len(pairs_of[e]), self._copy_backlog())
         # GPU path "cpu-first" (on by default): the CPU share starts before the copies are queued (50-150 µs a
         # batch on the H200 host). Queued first, they delayed its start to 154-258 µs after the routing at 8-16 GiB
@@ -381,8 +387,13 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         event on the compute stream past the last reader of the slots (instead of all the compute queued)."""
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
         if self.miss_path == "auto":
-            missing = self.planner.split(missing, self.expert_bytes, observe=False,
-                                         copy_busy_s=self._copy_backlog()).copy
+            lead = gpu_paths.enabled("prefetch-lead")
+            # with "prefetch-lead" the copies are credited with their head start over the CPU share (which starts
+            # at the routing) and their queueing, done now, delays neither path
+            head_start = (self.prefetch_lead_s or 0.0) if lead else 0.0
+            busy = self._copy_backlog() - head_start
+            missing = self.planner.split(missing, self.expert_bytes, observe=False, copy_busy_s=busy,
+                                         cpu_first=lead).copy
             missing = missing[:len(missing) - self.planner.held_for_probe()]
         if not missing:
             return
@@ -414,10 +425,26 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             self._prefetch_done = [copier.mark_copies()]
         copier.end()
         if experts:
-            self._link.queued(time.perf_counter(), self.planner.copy.predict(len(experts) * self.expert_bytes))
+            now = time.perf_counter()
+            self._link.queued(now, self.planner.copy.predict(len(experts) * self.expert_bytes))
+            self._prefetch_queued = (layer, now)
         self._prefetched.update((layer, e) for e in experts)
         self.counters.prefetched += len(experts)
         self.counters.bytes_copied += len(experts) * self.expert_bytes
+
+    LEAD_DECAY = 0.8  # weight of the previous mean in `prefetch_lead_s`
+    MAX_LEAD_S = 2e-3  # a longer gap (a prefill, an idle server between steps) says nothing of decode's lead
+
+    def _observe_prefetch_lead(self, layer: int) -> None:
+        """At a layer's routing: how long ago its prefetch was queued, into the running mean (GPU path
+        "prefetch-lead")."""
+        queued, self._prefetch_queued = self._prefetch_queued, None
+        if queued is None or queued[0] != layer:
+            return
+        lead = time.perf_counter() - queued[1]
+        if lead <= self.MAX_LEAD_S:
+            mean = self.prefetch_lead_s
+            self.prefetch_lead_s = lead if mean is None else self.LEAD_DECAY * mean + (1 - self.LEAD_DECAY) * lead
 
     def _take_staged_ahead(self, layer: int) -> dict[int, int]:
         """expert → ring index of the staging slots prefetched for `layer`. Those of any other layer (a step cut

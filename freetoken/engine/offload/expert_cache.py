@@ -25,6 +25,9 @@ class CacheCounters:
     cpu_seconds: float = 0.0  # time the CPU expert kernel ran (wall, all its threads)
     prefetched: int = 0  # experts copied ahead of their layer on a prediction
     prefetch_used: int = 0  # of those, the ones their layer then routed to
+    # hits on experts a prefetch admitted to the cache for that very step: their bytes crossed the link for it,
+    # so a floor counts them with the misses (without cache slots a used prefetch is a miss already)
+    prefetch_hits: int = 0
     # where a decode layer-step's host thread spends its time (small batches; the step's critical path)
     layer_steps: int = 0
     gpu_wait_seconds: float = 0.0  # blocked until the layer's routing reached the host

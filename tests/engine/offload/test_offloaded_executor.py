@@ -120,13 +120,16 @@ class _EagerBoundaries:
 
 @pytest.mark.parametrize("slots", [0, 3])
 @pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
-@pytest.mark.parametrize("path", [None, "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first"],
-                         ids=["defaults", "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first"])
+@pytest.mark.parametrize("path", [None, "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first",
+                                  "prefetch-lead", "cpu-tree-wake"],
+                         ids=["defaults", "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first",
+                              "prefetch-lead", "cpu-tree-wake"])
 def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path, path, monkeypatch):
     """The calls CUDA-graph decode makes instead of `forward` (cuda_graphs.py), checked for numerics and
     bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used; the prefetch
     queued at the next boundary, at the end of the host work (GPU path "prefetch-early") or while the CPU share
-    runs ("prefetch-with-cpu"); the CPU kernel's workers woken before
+    runs ("prefetch-with-cpu"), sized with its head start over the CPU share ("prefetch-lead"); the CPU kernel's
+    workers woken as a tree ("cpu-tree-wake"), or before
     each routing wait (GPU path "cpu-prewake"); the CPU share started before the copies (GPU path "cpu-first", on
     by default; the "defaults" row turns every path off, so it queues the copies first)."""
     from freetoken.engine import gpu_paths
@@ -137,6 +140,7 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
     lm = load_model(path, progress=False, expert_cache=slots * per_expert)
     ex = lm.experts
     ex.miss_path, ex.planner, ex.prefetch = miss_path, EVEN_SPLIT(), True
+    ex.MAX_LEAD_S = 60.0  # a slow machine's layer may take longer than a GPU's gap between a prefetch and its use
     driver = _EagerBoundaries(ex)
     attach_experts(lm.model, driver)
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
@@ -148,6 +152,12 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
     assert copies + c.cpu_experts == c.misses + c.prefetched - staged
     assert (c.cpu_experts > 0) == (miss_path != "copy") and (copies > 0) == (miss_path != "cpu")
     assert (c.prefetch_used > 0) == (miss_path != "cpu")
+    if miss_path != "cpu":  # the lead is measured whenever a prefetch ran: from its queueing to its layer's routing
+        assert 0 < ex.prefetch_lead_s < ex.MAX_LEAD_S
+    if slots:  # a used prefetch into a cache slot is a hit whose copy was the step's own
+        assert c.prefetch_hits == c.prefetch_used
+    else:
+        assert c.prefetch_hits == 0
 
 
 class _PaddedEagerBoundaries(_EagerBoundaries):

@@ -99,6 +99,16 @@ def test_a_link_still_busy_with_prefetches_moves_misses_to_the_cpu():
     assert len(planner.split(list(range(8)), EXPERT, copy_busy_s=1.0).cpu) == 8  # nothing waits behind a jam
 
 
+def test_copies_with_a_head_start_take_more_of_the_misses():
+    """A prefetch queued before its layer's routing (GPU path "prefetch-lead") is sized with a negative backlog:
+    its copies run that long before the CPU share can start."""
+    planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0, learn=False)
+    ahead = planner.split(list(range(8)), EXPERT, copy_busy_s=-planner.copy.predict(2 * EXPERT), cpu_first=True)
+    assert len(ahead.copy) == 5 and len(ahead.cpu) == 3  # 5 copies, 2 of them before the routing, end with 3 on the CPU
+    everything = planner.split(list(range(8)), EXPERT, copy_busy_s=-1.0, cpu_first=True)
+    assert len(everything.copy) == 8  # copies that land before the routing leave the CPU nothing
+
+
 @pytest.mark.parametrize("seed_cpu_gb_s", [500.0, 0.5])
 def test_a_wrong_seed_is_corrected_online(seed_cpu_gb_s):
     """Seeded with a CPU bandwidth 25x off in either direction, the planner converges to within 10% of the
