@@ -131,15 +131,17 @@ static void *worker(void *arg) {
 #endif
                 sleep_on_condvar(seen, requests);
             atomic_fetch_sub(&pool.sleepers, 1);
-            wake_children(w);
+            wake_children(w);  /* a job or a wake request: pass it down the tree */
             /* woken ahead of a job (ft_pool_wake): spin for it until the waker's deadline, else sleep again */
             if (!spin_for_job(seen, atomic_load(&pool.spin_until))) {
                 spin_first = 0;
                 continue;
             }
-        } else {
-            wake_children(w);  /* found the job spinning: its children may be asleep */
         }
+        /* Found the job (spinning, or awake from a wake request or the job itself): its children may be asleep.
+           Again after a wake request, since a child woken by it may have given up spinning and slept again before
+           the job came: left asleep, it would hang the job (the pool waits for every worker). */
+        wake_children(w);
         spin_first = 1;
         seen = atomic_load(&pool.generation);
         run_tasks();
