@@ -427,8 +427,9 @@ def main(argv: list[str]) -> int:
     add_model_args(p)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=8,
-                   help="untimed decode tokens first (the planner's online fit and path guard settle)")
+    p.add_argument("--warmup", type=int, default=32,
+                   help="untimed decode tokens first (the planner's online fit settles, and the path guard measures "
+                        "the pure ways and searches the split's bias: about 20 tokens of a 48-layer model)")
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")
     p.add_argument("--strategies", default="resident,copy,cpu,auto",
                    help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto, auto-noprefetch, "

@@ -40,7 +40,12 @@ EXPERIMENTAL: dict[str, str] = {
                       "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
     "prefetch-lead": "offloaded decode sizes the next layer's prefetch crediting its copies with their head start "
                      "over that layer's CPU share (the measured time from queueing a prefetch to its layer's "
-                     "routing), so the prefetch copies more of what the CPU would otherwise compute",
+                     "routing), so the prefetch copies more of what the CPU would otherwise compute. Measured "
+                     "(profile-perf-h200.md, 0a16b66): within noise for Q8_0 at budget 0, 0.81-0.92x for bf16 at "
+                     "budget 0 (the planner then sent 7 of 8 misses to the CPU)",
+    "split-bias": "the path guard searches a bias for the miss planner's split (whole experts a step moved to the "
+                  "CPU, or to the copies, beyond the models' choice) by hill climbing on measured layer-steps "
+                  "(offload/path_guard.py)",
     "prefetch-with-cpu": "captured decode queues the next layer's prefetch right after a layer's expert replay, "
                          "while its CPU share runs, instead of after the next segment's launch. Measured slower "
                          "(evals/results/profile-perf-h200.md, fb990d8: auto 0.83-0.97x at budget 0, 0.80-0.88x at "
@@ -50,7 +55,10 @@ EXPERIMENTAL: dict[str, str] = {
                            "instead of splitting them between copies and the CPU (A1 on the H200, 9e8f4dc: a "
                            "600-token turn at a 16 GiB budget took 2.0 s, a whole 16k prompt 1.6 s)",
     "cpu-tree-wake": "the CPU kernel's sleeping workers are woken as a binary tree (each woken worker wakes two "
-                     "more) instead of all by the thread that posts the job (Linux; kernels/cpu_experts/pool.h)",
+                     "more) instead of all by the thread that posts the job (Linux; kernels/cpu_experts/pool.h). "
+                     "Measured (wake-bench and profile-perf-h200.md, 0a16b66): the poster returns ~10 µs sooner "
+                     "but the whole job ends 20-40 µs later (the tree's last workers start late); auto 0.91-0.98x "
+                     "where the rounds' splits were alike",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

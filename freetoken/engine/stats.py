@@ -45,6 +45,7 @@ class ExpertStats:
     layer_hit_rate: list[float] = field(default_factory=list)
     pinned_layers: list[int] = field(default_factory=list)  # layers whose experts are kept on the device
     grid_layers: list[int] = field(default_factory=list)  # the model layer of each grid row
+    guard_bias: int = 0  # experts a step the guard's search moves to the CPU beyond the planner's split (auto)
 
     @property
     def hit_rate(self) -> float:
@@ -112,7 +113,8 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
                               ex.miss_path,
                               guard.best if guard is not None and ex.miss_path == "auto" else "",
                               dict(guard.seconds_per_miss) if guard is not None else {}, *_grid(spec, ex.cache),
-                              sorted({key[0] for key in tuple(ex.cache.pinned)}), list(spec.moe_layers))
+                              sorted({key[0] for key in tuple(ex.cache.pinned)}), list(spec.moe_layers),
+                              guard_bias=guard.best_bias if guard is not None and ex.miss_path == "auto" else 0)
     else:
         total = spec.total_routed_experts
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype),

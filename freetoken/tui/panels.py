@@ -159,7 +159,9 @@ class TrafficPanel(Panel):
         ways = ways if isinstance(ways, dict) else {}
         measured = "  ".join(f"{w} {fmt(None if num(s) is None else num(s) * 1e6, '.0f', ' µs')}"
                              for w, s in ways.items())
-        return text.append(f"path {dig(ex, 'miss_path', default='—')} {dig(ex, 'guard_way', default='')}  "
+        bias = num(dig(ex, "guard_bias")) or 0
+        way = f"{dig(ex, 'guard_way', default='')}{f'{bias:+.0f}' if bias else ''}"
+        return text.append(f"path {dig(ex, 'miss_path', default='—')} {way}  "
                            f"{measured}", style="dim")
 
 

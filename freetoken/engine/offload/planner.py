@@ -8,9 +8,10 @@ needs a kernel launch; measured online too) delays whichever comes second: the c
 "cpu-first"), the CPU share in prefill chunks and with that path off. The planner picks the
 split that minimises the predicted step time, so with honest estimates it is never slower than either pure
 strategy; a path that goes unused is re-probed now and then (one miss) so a wrong seed cannot lock it out.
-Estimates can still be dishonest in ways no single path's samples show, so decode's splits are also checked end to
-end against the pure paths (`PathGuard`). `LinkQueue` tells a step how long the link still owes the copies queued
-before it. No torch here: the executor measures, this module only decides.
+Estimates can still be dishonest in ways no single path's samples show, so decode's splits are also checked end to end
+against the pure paths, and shifted by whole experts where a shift measures faster (`PathGuard`). `LinkQueue` tells a
+step how long the link still owes the copies queued before it. No torch here: the executor measures, this module only
+decides.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class LinkQueue:
 class Split:
     copy: list  # items to fetch into the GPU cache
     cpu: list  # items to compute where they live
-    predicted_seconds: float
+    predicted_seconds: float  # of the models' choice (before the guard's bias)
 
 
 class MissPlanner:
@@ -197,6 +198,8 @@ class MissPlanner:
             t = max(copy_t, cpu_delay + cpu.fixed + cpu.per_byte * cpu_bytes if on_cpu else 0.0)
             if t < best_t - 1e-12:
                 best_cpu, best_t = on_cpu, t
+        if self.guard is not None and self.guard.bias:  # the guard's correction of the models (its search)
+            best_cpu = min(max(best_cpu + self.guard.bias, 0), n - min(min_copy, n))
         best_cpu = self._probe(best_cpu, n) if min_copy == 0 and observe and self.learn else best_cpu
         return Split(ordered[:n - best_cpu], ordered[n - best_cpu:], best_t)
 

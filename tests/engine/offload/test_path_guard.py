@@ -140,8 +140,92 @@ def test_the_latest_windows_are_kept_for_diagnostics():
     guard = PathGuard(window=8)
     run(guard, {"split": 1e-3, "cpu": 2e-3, "copy": 3e-3}, 8 * 40, noise=0.0)
     assert len(guard.history) == guard.history.maxlen  # bounded
-    way, per_miss, steps, misses, median = guard.history[-1]
+    way, bias, per_miss, steps, misses, median = guard.history[-1]
     assert steps == 8 and misses == 8 * 4 and per_miss == pytest.approx({"split": 1e-3, "cpu": 2e-3,
                                                                           "copy": 3e-3}[way])
     assert median == pytest.approx(per_miss * 4)
     assert "(4.0/step, median" in guard.describe_history()
+
+
+def run_biased(guard: PathGuard, per_miss, steps: int, misses: int = 8, noise: float = 0.02, seed: int = 0):
+    """Feeds `steps` layer-steps costing `per_miss(way, bias)` seconds a miss (±noise); returns each step's arm."""
+    rng = random.Random(seed)
+    arms = []
+    for _ in range(steps):
+        arms.append((guard.way, guard.bias))
+        guard.observe(per_miss(guard.way, guard.bias) * misses * (1 + rng.uniform(-noise, noise)), misses)
+    return arms
+
+
+def valley(at: int, depth: float = 0.04):
+    """A split whose cost falls by `depth` per expert of bias towards `at` (the pure ways far dearer)."""
+    return lambda way, bias: {"cpu": 1.5e-3, "copy": 2.0e-3}.get(way, 1e-3 * (1 + depth * abs(bias - at)))
+
+
+def test_the_split_bias_is_searched_to_the_fastest_one():
+    """The H200's Q8_0 at budget 0: the models settled at one expert a step on the CPU where four ran 10% faster.
+    The guard walks the bias to the fastest split and then stays there but for rare neighbour windows."""
+    guard = PathGuard(window=48, search_bias=True)
+    arms = run_biased(guard, valley(3), 48 * 60)
+    assert guard.best == "split" and guard.best_bias == 3
+    late = arms[48 * 40:]
+    assert sum(arm == ("split", 3) for arm in late) / len(late) > 0.8
+    assert "(bias +3)" in guard.describe() and "split+2" in guard.describe_history()
+
+
+def test_the_bias_search_walks_both_ways_and_follows_a_change():
+    guard = PathGuard(window=16, search_bias=True)
+    run_biased(guard, valley(-2), 16 * 60)
+    assert guard.best_bias == -2
+    run_biased(guard, valley(1), 16 * 200, seed=1)
+    assert guard.best_bias == 1
+
+
+def test_a_flat_split_keeps_its_bias():
+    """Biases within the margin of each other (noise only) leave the models' split alone."""
+    guard = PathGuard(window=16, search_bias=True)
+    arms = run_biased(guard, valley(0, depth=0.0), 16 * 300, noise=0.01)
+    assert guard.best_bias == 0 and {b for _, b in arms} <= {-1, 0, 1}
+
+
+def test_no_bias_search_while_a_pure_way_is_best_or_when_off():
+    guard = PathGuard(window=16, search_bias=True)
+    costs = lambda way, bias: {"cpu": 0.5e-3, "copy": 2.0e-3}.get(way, 1e-3 * (1 + 0.04 * abs(bias - 3)))  # noqa: E731
+    arms = run_biased(guard, costs, 16 * 40)
+    assert guard.best == "cpu" and guard.best_bias == 0 and {b for _, b in arms} == {0}
+    off = PathGuard(window=16, search_bias=False)
+    run_biased(off, valley(3), 16 * 40)
+    assert off.best_bias == 0 and off.bias == 0
+
+
+def test_the_search_goes_no_further_than_a_step_has_misses():
+    guard = PathGuard(window=16, search_bias=True)
+    arms = run_biased(guard, valley(9), 16 * 120, misses=2)
+    assert max(b for _, b in arms) <= 2 and guard.best_bias == 2
+
+
+def test_the_bias_search_is_an_experimental_path_until_measured(monkeypatch):
+    from freetoken.engine import gpu_paths
+
+    assert PathGuard().search_bias == gpu_paths.enabled("split-bias")
+    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "split-bias")
+    gpu_paths.enabled.cache_clear()
+    gpu_paths._named.cache_clear()
+    try:
+        assert PathGuard().search_bias
+    finally:
+        monkeypatch.delenv("FREETOKEN_EXPERIMENTAL")
+        gpu_paths.enabled.cache_clear()
+        gpu_paths._named.cache_clear()
+
+
+def test_the_planner_moves_whole_experts_by_the_guards_bias():
+    planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0)
+    misses = list(range(6))
+    plain = len(planner.split(misses, 9 * MB, observe=False).cpu)
+    planner.guard.bias = 2
+    assert len(planner.split(misses, 9 * MB, observe=False).cpu) == plain + 2
+    planner.guard.bias = -10
+    assert planner.split(misses, 9 * MB, observe=False).cpu == []
+    planner.guard.bias = 10
+    assert len(planner.split(misses, 9 * MB, observe=False, min_copy=2).copy) == 2  # free slots are still filled
