@@ -150,13 +150,13 @@ for part in "$@"; do
                -- $on $args --strategies auto --commit "$commit (split-bias, again)" --out "$OUT/d1-$f-1k-bias2.md" 2>&1 \
                | grep -v Warning | tee -a "$OUT/d1-split-bias.log" | grep -E "^(\| (copy|cpu|auto|res)|===)"
            done ;;
-    d1-bias-long) for f in ${FORMATS:-Q8_0 dense}; do  # the same A/B/A/B at steady state: 96 tokens' warm-up, 32 timed
+    d1-bias-long) for f in ${FORMATS:-Q8_0 dense}; do  # an A/B/A/B at steady state: 96 tokens' warm-up, 32 timed
              args="decode --shape qwen3-30b-a3b --context 1024 --warmup 96 --tokens 32 --budgets 0,16GiB --expert-format $f"
-             on=FREETOKEN_EXPERIMENTAL=split-bias; md=/tmp/md; mkdir -p $md
+             on=${B_ENV:-FREETOKEN_DISABLE=split-bias}; md=/tmp/md; mkdir -p $md  # B: the variable set
              python3 "$PWD/evals/scripts/bench_one_model.py" $args --strategies resident-graphs,auto --commit "$commit" \
-               --out "$md/$f-a1.md" -- $on $args --strategies auto --commit "$commit (split-bias)" --out "$md/$f-b1.md" \
+               --out "$md/$f-a1.md" -- $on $args --strategies auto --commit "$commit ($on)" --out "$md/$f-b1.md" \
                -- $args --strategies auto --commit "$commit (again)" --out "$md/$f-a2.md" -- $on $args --strategies auto \
-               --commit "$commit (split-bias, again)" --out "$md/$f-b2.md" 2>&1 | grep -v Warning \
+               --commit "$commit ($on, again)" --out "$md/$f-b2.md" 2>&1 | grep -v Warning \
                | tee -a "$OUT/d1-bias-long.log" | grep -E "^(\| (auto|res)|===)"
            done; cat /tmp/md/*.md > "$OUT/d1-bias-long.md" ;;
     d1-1k) for f in ${FORMATS:-Q8_0 dense}; do  # the 1k rows of the matrix (each format its own build)

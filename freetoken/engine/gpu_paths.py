@@ -30,6 +30,11 @@ MEASURED = {
                      "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
     "prefill-ahead": ("offloaded long prefill chunks stream the next layer's experts while a layer computes",
                       "evals/results/p1-qwen3-30b-a3b-bf16-h200.md"),
+    "split-bias": ("the path guard searches a bias for the miss planner's split (whole experts a step moved to the "
+                   "CPU, or to the copies, beyond the models' choice) by hill climbing on measured layer-steps "
+                   "(auto at steady state: Q8_0 +9% at budget 0 and +7% at 16 GiB, bf16 +8% at 16 GiB, -4% at "
+                   "budget 0 before its far neighbour was measured less often)",
+                   "evals/results/d1-split-bias-h200.md"),
     "recurrent-graphs": ("decode of models with recurrent layers through CUDA graphs (state in static buffers)",
                          "evals/results/d1-qwen3.5-35b-a3b-8l-graphs-h200.md"),
 }
@@ -43,9 +48,6 @@ EXPERIMENTAL: dict[str, str] = {
                      "routing), so the prefetch copies more of what the CPU would otherwise compute. Measured "
                      "(profile-perf-h200.md, 0a16b66): within noise for Q8_0 at budget 0, 0.81-0.92x for bf16 at "
                      "budget 0 (the planner then sent 7 of 8 misses to the CPU)",
-    "split-bias": "the path guard searches a bias for the miss planner's split (whole experts a step moved to the "
-                  "CPU, or to the copies, beyond the models' choice) by hill climbing on measured layer-steps "
-                  "(offload/path_guard.py)",
     "prefetch-with-cpu": "captured decode queues the next layer's prefetch right after a layer's expert replay, "
                          "while its CPU share runs, instead of after the next segment's launch. Measured slower "
                          "(evals/results/profile-perf-h200.md, fb990d8: auto 0.83-0.97x at budget 0, 0.80-0.88x at "
