@@ -40,6 +40,11 @@ class PathGuard:
     MARGIN = 0.03  # another way must beat the current best by this much to replace it (no flapping on noise)
     RECENT = 3  # windows whose median is a way's estimate; a way measured fewer times is measured again soon
     STALL = 4.0  # a step this many times the window's median per miss is a stall, not the way's cost
+    # windows in which the planner's models are still settling: the split measured then is measured three times
+    # again after them (a pure way's cost does not depend on the models). Seen on the H200 (bf16, budget 0, a slow
+    # CPU): the split's first windows at 195 µs a miss lost to the copy way's 178, and measured again only every
+    # 24 windows it stayed lost, where a run that kept it measured 117-142.
+    LEARNING = 16
     BIAS_EVERY = 24  # windows between measurements of each neighbouring bias once the search has settled
     # a neighbouring bias must beat the best by this much: one expert of a step's eight moves its time a few per
     # cent, so the ways' margin would stop the search on a gentle slope; a flat one lets it wander harmlessly
@@ -63,6 +68,7 @@ class PathGuard:
         self._since: dict[tuple[str, int], int] = {}  # windows since each arm last ran
         self._samples: list[tuple[float, int]] = []  # this window's (seconds, misses)
         self._most_misses = 0  # in any step measured: the bias search goes no further out
+        self._windows = 0  # windows closed so far
         self._settle = window  # steps not to measure: the first window (one-off costs), a change's first steps
         # the latest windows: (way, bias, seconds per miss or None, steps, misses, median step seconds)
         self.history: deque[tuple[str, int, float | None, int, int, float]] = deque(maxlen=32)
@@ -110,6 +116,9 @@ class PathGuard:
                 self._update_bias(arm[1])
             self._update_best()
         self._samples = []
+        self._windows += 1
+        if self._windows == self.LEARNING:  # the split's early windows ran on unsettled models: measure it anew
+            self._measured = {arm: n for arm, n in self._measured.items() if arm[0] != "split"}
         following = self._next_arm()
         self.way, self.bias = following
         for key in self._since:

@@ -247,3 +247,21 @@ def test_a_neighbouring_bias_far_slower_is_measured_rarely():
     plain_late = run_biased(plain, cliff, 16 * 400)[16 * 100:]
     extra = sum(cliff(*arm) for arm in late) / sum(cliff(*arm) for arm in plain_late)
     assert extra < 1.01  # the search costs under 1% more than exploring the pure ways alone
+
+
+def test_a_split_measured_while_its_models_settled_is_measured_again(monkeypatch):
+    """The H200 at budget 0 on a slow CPU: the split's first windows (its models unsettled) lost to the copy way
+    and were then measured only every 24 windows (every 96 once far slower). Once the models have had LEARNING
+    windows, the split is measured again three times, so a split that has become the fastest way is used."""
+    late_split = {"split": 0.8e-3, "cpu": 1.4e-3, "copy": 1.0e-3}
+    learning = PathGuard.LEARNING
+
+    def best_after(guard: PathGuard) -> str:
+        run(guard, {**late_split, "split": 1.6e-3}, 8 * learning)  # the models still settling
+        assert guard.best == "copy"
+        run(guard, late_split, 8 * 12, seed=1)
+        return guard.best
+
+    assert best_after(PathGuard(window=8, search_bias=False)) == "split"
+    monkeypatch.setattr(PathGuard, "LEARNING", 10**9)  # without the second look
+    assert best_after(PathGuard(window=8, search_bias=False)) == "copy"
