@@ -279,8 +279,10 @@ def test_the_tree_wake_up_wakes_every_worker_for_every_job(tmp_path):
     import sys
 
     env = {**os.environ, "FREETOKEN_HOME": str(tmp_path)}
+    # run from tmp_path: from the repository's root `-c` would import the source tree, where kernels/ is not
+    # freetoken.kernels (the installed package maps it)
     run = subprocess.run([sys.executable, "-c", _TREE_WAKE_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env=env)
+                         env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert lines[-1] == "ok"
