@@ -76,12 +76,7 @@ class PathGuard:
     @property
     def seconds_per_miss(self) -> dict[str, float]:
         """Each way's estimate (the split's at its best bias), for ways measured so far."""
-        est = {}
-        for way in WAYS:
-            recent = self._recent.get(self._arm(way))
-            if recent:
-                est[way] = statistics.median(recent)
-        return est
+        return {way: est for way in WAYS if (est := self._estimate(self._arm(way))) is not None}
 
     def observe(self, seconds: float, misses: int) -> None:
         """One decode layer-step took `seconds` (host wall time, its waits included) with `misses` experts the
