@@ -126,7 +126,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--budget", default="0")
+    p.add_argument("--budget", default="0", help="expert budget; several comma-separated: profiled one after "
+                   "another on the same build")
     p.add_argument("--strategy", default="auto", choices=["auto", "auto-noprefetch", "copy", "cpu"])
     p.add_argument("--tokens", type=int, default=6)
     p.add_argument("--warmup", type=int, default=8)
@@ -144,17 +145,10 @@ def main() -> None:
     ceilings = measure_ceilings(device, a.expert_format, dtype, 512)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=0,
                          expert_format=a.expert_format)
-    miss_path = a.strategy.removesuffix("-noprefetch")
-    executor = build_executor(lm.experts.host, lm.moe_spec, dtype, device, parse_bytes(a.budget), "freq", miss_path)
-    executor.prefetch = a.strategy == "auto"
-    executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
-    attach_experts(lm.model, executor)
-    lm.experts = executor
     for label, (owner, name) in PHASES.items():
         _mark(owner, name, f"ft.{label}", scope)
-    _mark(executor.copier, "to_slots", "ft.copies", scope)
     _mark(fused, "dequantize_into", "ft.dequant_launch", scope)
-    _mark(type(executor.cpu), "start_pairs", "ft.cpu_start", scope)
+    _mark(cpu_experts.CpuExpertRunner, "start_pairs", "ft.cpu_start", scope)
     _mark(torch.cuda.CUDAGraph, "replay", "ft.graph_replay", scope)
     started = cpu_experts._Started.__init__
 
@@ -165,6 +159,24 @@ def main() -> None:
         started(self, wait)
 
     cpu_experts._Started.__init__ = marked_wait
+    host, runner = lm.experts.host, None
+    for budget in a.budget.split(","):
+        runner = _profile_budget(a, lm, host, ceilings, budget, clock, scope, runner)
+
+
+def _profile_budget(a, lm, host, ceilings, budget: str, clock, scope, runner):
+    """Decodes and reports with a fresh executor of expert budget `budget` on the model's host experts (and the
+    previous executor's CPU runner, so one pool of kernel threads serves every budget). Returns its runner."""
+    device = torch.device("cuda")
+    miss_path = a.strategy.removesuffix("-noprefetch")
+    executor = build_executor(host, lm.moe_spec, torch.bfloat16, device, parse_bytes(budget), "freq", miss_path)
+    executor.prefetch = a.strategy == "auto"
+    executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
+    executor._cpu = runner
+    attach_experts(lm.model, executor)
+    lm.experts = executor
+    _mark(executor.copier, "to_slots", "ft.copies", scope)
+    a.budget_now = budget
     # --ab PATHS (perf clock): the same model and sequence decoded in rounds with no experimental GPU path, then
     # with each of PATHS, twice over: an A/B on one build, each round with a fresh planner and its own warm-up
     # (use --warmup 16 or more: the path guard measures each way three times first)
@@ -206,11 +218,12 @@ def main() -> None:
             if clock is not None:
                 print(clock.summary(a.layers * a.tokens))
     if clock is not None:
-        return
+        return executor._cpu
     a.out.mkdir(parents=True, exist_ok=True)
-    trace_path = a.out / f"trace-{a.shape}-{a.strategy}-{a.budget}.json"
+    trace_path = a.out / f"trace-{a.shape}-{a.strategy}-{budget}.json"
     prof.export_chrome_trace(str(trace_path))
     print(summarize(json.loads(trace_path.read_text()), a.layers, a.tokens))
+    return executor._cpu
 
 
 def _report(a, executor, before, elapsed: float, label: str) -> None:
@@ -221,7 +234,7 @@ def _report(a, executor, before, elapsed: float, label: str) -> None:
         print(f"CPU share started {moved['cpu_start_delay_seconds'] / moved['cpu_starts'] * 1e6:.0f} µs after the "
               f"routing reached the host (mean of {moved['cpu_starts']})")
     steps = moved["layer_steps"] or 1
-    print(f"{a.shape} {a.strategy} budget {a.budget}{label}: {a.tokens / elapsed:.2f} tok/s under the {a.clock} "
+    print(f"{a.shape} {a.strategy} budget {a.budget_now}{label}: {a.tokens / elapsed:.2f} tok/s under the {a.clock} "
           f"clock, {elapsed / (a.tokens * a.layers) * 1e6:.0f} µs per layer-step; per layer-step: "
           f"{moved['misses'] / steps:.2f} misses, {moved['cpu_experts'] / steps:.2f} on the CPU, "
           f"{moved['prefetched'] / steps:.2f} prefetched ({moved['prefetch_used'] / steps:.2f} used), "

@@ -30,11 +30,6 @@ MEASURED = {
                      "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
     "prefill-ahead": ("offloaded long prefill chunks stream the next layer's experts while a layer computes",
                       "evals/results/p1-qwen3-30b-a3b-bf16-h200.md"),
-    "split-bias": ("the path guard searches a bias for the miss planner's split (whole experts a step moved to the "
-                   "CPU, or to the copies, beyond the models' choice) by hill climbing on measured layer-steps "
-                   "(auto at steady state: Q8_0 +9% at budget 0 and +7% at 16 GiB, bf16 +8% at 16 GiB, -4% at "
-                   "budget 0 before its far neighbour was measured less often)",
-                   "evals/results/d1-split-bias-h200.md"),
     "recurrent-graphs": ("decode of models with recurrent layers through CUDA graphs (state in static buffers)",
                          "evals/results/d1-qwen3.5-35b-a3b-8l-graphs-h200.md"),
 }
@@ -61,6 +56,12 @@ EXPERIMENTAL: dict[str, str] = {
                      "Measured (wake-bench and profile-perf-h200.md, 0a16b66): the poster returns ~10 µs sooner "
                      "but the whole job ends 20-40 µs later (the tree's last workers start late); auto 0.91-0.98x "
                      "where the rounds' splits were alike",
+    "split-bias": "the path guard searches a bias for the miss planner's split (whole experts a step moved to the "
+                  "CPU, or to the copies, beyond the models' choice) by hill climbing on measured layer-steps. "
+                  "Measured on three leases (d1-split-bias-h200.md): +7-9% in three of four configurations on one, "
+                  "0.84-0.98x for bf16 on the next, and 0.85x for Q8_0 at budget 0, 1.06x for bf16 at budget 0, "
+                  "~1.0x at 16 GiB on the third (e7f4a8b): the same arm's windows vary +-15% within a run, so a "
+                  "1.5% hill climb wanders, and a bias it settled on wrongly can lose the way-level choice",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

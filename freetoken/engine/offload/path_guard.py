@@ -19,7 +19,7 @@ carries a bias, whole experts moved to the CPU (negative: to the copies) beyond 
 hill climbing on the same windows: each neighbour of the best bias is measured twice, and one that beats it by the
 margin becomes the best; then both neighbours of the new best are measured at once, and once neither wins, each
 is measured again only every BIAS_EVERY windows, so a machine whose state changes is still followed (GPU path
-"split-bias"). No torch here.
+"split-bias", experimental: see gpu_paths). No torch here.
 """
 
 from __future__ import annotations

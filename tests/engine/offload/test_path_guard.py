@@ -204,22 +204,23 @@ def test_the_search_goes_no_further_than_a_step_has_misses():
     assert max(b for _, b in arms) <= 2 and guard.best_bias == 2
 
 
-def test_the_bias_search_is_on_unless_disabled(monkeypatch):
+def test_the_bias_search_is_off_unless_named(monkeypatch):
     from freetoken.engine import gpu_paths
 
-    monkeypatch.delenv("FREETOKEN_DISABLE", raising=False)
-    gpu_paths.enabled.cache_clear()
-    gpu_paths._named.cache_clear()
-    assert PathGuard().search_bias
-    monkeypatch.setenv("FREETOKEN_DISABLE", "split-bias")
-    gpu_paths.enabled.cache_clear()
-    gpu_paths._named.cache_clear()
-    try:
-        assert not PathGuard().search_bias
-    finally:
-        monkeypatch.delenv("FREETOKEN_DISABLE")
+    def fresh():
         gpu_paths.enabled.cache_clear()
         gpu_paths._named.cache_clear()
+
+    monkeypatch.delenv("FREETOKEN_EXPERIMENTAL", raising=False)
+    fresh()
+    assert not PathGuard().search_bias
+    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "split-bias")
+    fresh()
+    try:
+        assert PathGuard().search_bias
+    finally:
+        monkeypatch.delenv("FREETOKEN_EXPERIMENTAL")
+        fresh()
 
 
 def test_the_planner_moves_whole_experts_by_the_guards_bias():
