@@ -405,13 +405,12 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         experts, slots = [], []
         for e in missing:
             if self.cache.capacity:
-                admitted = self.cache.admit((layer, e))
+                # held: a fresh key is the frequency policy's coldest, so each prediction evicted the one before
+                # it (H200, D1 at 8-16 GiB: one prefetch a layer-step, against four with no cache)
+                admitted = self.cache.admit((layer, e), hold=True)
                 if admitted is None:
-                    break  # every slot holds this step's experts
+                    break  # every slot holds this step's experts or the predictions admitted so far
                 slot = admitted[0]
-                if slot in slots:  # it evicted a prediction admitted just now: the cache holds no more of them
-                    experts[slots.index(slot)] = e
-                    break
             elif len(self._staged_ahead) < room:
                 ring = copier.reserve_staging(set(self._staged_ahead.values()))
                 self._staged_ahead[(layer, e)] = ring

@@ -110,10 +110,12 @@ class ExpertCache:
     def unpin(self, keys: Iterable[Hashable]) -> None:
         self.pinned.difference_update(keys)
 
-    def admit(self, key: Hashable, force: bool = False) -> tuple[int, Hashable | None] | None:
+    def admit(self, key: Hashable, force: bool = False, hold: bool = False) -> tuple[int, Hashable | None] | None:
         """A slot for a missed key: a free one, or one taken from the policy's victim. Returns (slot, evicted
         key or None), or None when every slot holds a protected key or the policy declines to displace its
-        victim for this key (the caller then computes the key another way, without caching it)."""
+        victim for this key (the caller then computes the key another way, without caching it). `hold`: the
+        key is protected until the next step, like the step's own keys: a prefetch admits several in a row, and
+        a fresh key is the frequency policy's coldest, so each would evict the one admitted before it."""
         evicted = None
         if not self.free_slots:
             evicted = self.policy.victim(self._protected | self.pinned if self.pinned else self._protected)
@@ -127,6 +129,8 @@ class ExpertCache:
         slot = self.free_slots.pop()
         self.slot_of[key] = slot
         self.policy.admit(key)
+        if hold:
+            self._protected.add(key)
         return slot, evicted
 
     def _drop(self, key: Hashable) -> None:

@@ -199,3 +199,24 @@ def test_a_step_recorded_after_its_lookups_leaves_the_cache_as_lookups_do(policy
     a, b = caches
     assert a.counters == b.counters and a.counters.evictions > 0 and a.counters.hits > 0
     assert (a.slot_of, a.layer_counts, a.last_used) == (b.slot_of, b.layer_counts, b.last_used)
+
+
+@pytest.mark.parametrize("policy", ["freq", "lru"])
+def test_keys_admitted_with_hold_survive_the_same_steps_later_admissions(policy):
+    """A prefetch admits several predictions in a row. A fresh key is the frequency policy's coldest, so without
+    `hold` each admission evicted the one before it and a prefetch into a full cache copied one expert a layer
+    (H200, D1 at 8-16 GiB: 47 prefetches a token over 48 layers, against 190 with no cache)."""
+    cache = ExpertCache(6, make_policy(policy))
+    warm = [(0, e) for e in range(6)]
+    cache.begin_step(warm)
+    for key in warm:
+        cache.admit(key)
+    for _ in range(3):  # the cached keys are used: older and hotter than anything admitted next
+        cache.record_uses(0, warm)
+    cache.begin_step([(1, 0)])
+    slots = [cache.admit((2, e), hold=True)[0] for e in range(3)]
+    assert len(set(slots)) == 3 and all((2, e) in cache.slot_of for e in range(3))
+    assert all(cache.admit((2, e), hold=True) is not None for e in (3, 4, 5))
+    assert cache.admit((2, 6), hold=True) is None  # every slot held: the prediction is not copied
+    cache.begin_step([(3, 0)])  # the next step protects its own keys only: held keys may go again
+    assert cache.admit((3, 0))[1] in {(2, e) for e in range(6)}

@@ -456,3 +456,21 @@ def test_a_pinned_layer_stays_on_the_device_and_the_tokens_stay_the_residents(de
     lm.experts.resize(1)
     assert len(cache.slot_of) == 1
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+
+
+def test_a_prefetch_into_a_full_cache_admits_every_prediction_that_fits(tmp_path):
+    """The frequency policy (the default) ranks a freshly admitted expert coldest, so each prediction a prefetch
+    admitted used to evict the one admitted just before: one prefetched expert a layer-step whatever the
+    prediction (H200, D1 at 8-16 GiB: 47 prefetches a token over 48 layers, 190 with no cache)."""
+    write_hf_checkpoint(path=tmp_path, **PARITY_CASES["qwen3_moe"])
+    per_expert = load_model(tmp_path, progress=False).moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(tmp_path, progress=False, expert_cache=6 * per_expert, expert_policy="freq")
+    ex = lm.experts
+    ex.miss_path = "copy"
+    Generator(lm).generate_ids(prompt_ids(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(ex.cache.slot_of) == 6
+    layer = lm.moe_spec.moe_layers[0]
+    uncached = [e for e in range(8) if (layer, e) not in ex.cache.slot_of][:3]
+    before = ex.counters.prefetched
+    ex._prefetch(layer, set(uncached), room=0)
+    assert ex.counters.prefetched - before == 3 and all((layer, e) in ex.cache.slot_of for e in uncached)
