@@ -7,6 +7,8 @@ their own.
   python evals/scripts/bench_one_model.py decode ARGS... -- FREETOKEN_EXPERIMENTAL=cpu-prewake decode ARGS...
 
 A command may start with VARIABLE=value words, set for that command only (an A/B of a GPU path on one build).
+`PREFETCH_HOLD=off` is the script's own: the cache forgets `hold` (decode's prefetch before 4099866 let each
+prediction it admitted evict the previous one), for an A/B of that fix on one build.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from freetoken.bench import decode, prefill, synthetic
 from freetoken.engine import gpu_paths
 from freetoken.engine.loader import attach_experts
+from freetoken.engine.offload.expert_cache import ExpertCache
 
 BENCHES = {"decode": decode, "prefill": prefill}
 _built: dict[tuple, tuple] = {}
@@ -58,6 +61,7 @@ def main(argv: list[str]) -> int:
         os.environ.update(env)
         gpu_paths.enabled.cache_clear()
         gpu_paths._named.cache_clear()
+        ExpertCache.admit = _admit_without_hold if env.get("PREFETCH_HOLD") == "off" else _admit
         try:
             status = BENCHES[command[0]].main(command[1:]) or status
         finally:
@@ -69,6 +73,13 @@ def main(argv: list[str]) -> int:
             gpu_paths.enabled.cache_clear()
             gpu_paths._named.cache_clear()
     return status
+
+
+_admit = ExpertCache.admit
+
+
+def _admit_without_hold(cache, key, force=False, hold=False):
+    return _admit(cache, key, force)
 
 
 def _env_words(command: list[str]):
