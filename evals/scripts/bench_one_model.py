@@ -76,10 +76,23 @@ def main(argv: list[str]) -> int:
 
 
 _admit = ExpertCache.admit
+_held: list = []  # predictions admitted by the current prefetch (keys of one layer), for PREFETCH_HOLD=off
 
 
 def _admit_without_hold(cache, key, force=False, hold=False):
-    return _admit(cache, key, force)
+    """The prefetch's admissions before 4099866: not held, so the next one could evict one admitted just before;
+    that prefetch then put the later prediction in its place and stopped. Here it stops instead (as many copies,
+    the earlier prediction kept)."""
+    if not hold:
+        return _admit(cache, key, force)
+    if _held and _held[0][0] != key[0]:
+        _held.clear()  # another layer's prefetch
+    if not cache.free_slots and cache.policy.victim(cache._protected | cache.pinned) in _held:
+        return None
+    admitted = _admit(cache, key, force)
+    if admitted is not None:
+        _held.append(key)
+    return admitted
 
 
 def _env_words(command: list[str]):

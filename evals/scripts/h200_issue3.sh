@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -150,6 +150,18 @@ for part in "$@"; do
                --commit "$commit ($on, again)" --out "$md/$f-b2.md" 2>&1 | grep -v Warning \
                | tee -a "$OUT/$part.log" | grep -E "^(\| (auto|res)|===)"
            done; cat /tmp/md/*.md > "$OUT/$part.md" ;;
+    d1-final) for f in Q8_0 dense; do  # the 1k matrix per format; Q8_0's build also an A/B of the prefetch hold
+             m="decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB --expert-format $f \
+               --strategies resident-graphs,copy,cpu,auto --commit $commit --out $OUT/d1-$f-1k.md"
+             ab="decode --shape qwen3-30b-a3b --context 1024 --warmup 48 --tokens 24 --budgets 8GiB,16GiB \
+               --expert-format $f --strategies auto"
+             [ $f = Q8_0 ] && m="$m -- $ab --commit $commit --out $OUT/hold-a1.md -- PREFETCH_HOLD=off $ab \
+               --commit $commit(PREFETCH_HOLD=off) --out $OUT/hold-b1.md -- $ab --commit $commit(again) \
+               --out $OUT/hold-a2.md -- PREFETCH_HOLD=off $ab --commit $commit(PREFETCH_HOLD=off,again) \
+               --out $OUT/hold-b2.md"
+             python3 "$PWD/evals/scripts/bench_one_model.py" $m 2>&1 | grep -v Warning | tee -a "$OUT/d1-final.log" \
+               | grep -E "^(\| (copy|cpu|auto|res)|===)"
+           done ;;
     d1-1k) for f in ${FORMATS:-Q8_0 dense}; do  # the 1k rows of the matrix (each format its own build)
              ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,8GiB,16GiB --expert-format $f \
                --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-$f-1k.md" 2>&1 \
