@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -142,7 +142,7 @@ for part in "$@"; do
                  --budgets 0,16GiB --expert-format $f --strategies resident-graphs,copy,cpu,auto \
                  --commit "$commit" --out "$OUT/d1-$f-16k.md" 2>&1 | grep -E "^\| |ways measured"; done ;;
     d1-bias-long|d1-ab-long) for f in ${FORMATS:-Q8_0 dense}; do  # A/B/A/B at steady state: 96 tokens' warm-up, 32 timed
-             args="decode --shape qwen3-30b-a3b --context 1024 --warmup ${WARMUP:-96} --tokens 32 --budgets ${BUDGETS:-0,16GiB} --expert-format $f"
+             args="decode --shape qwen3-30b-a3b --context ${CONTEXT:-1024} --warmup ${WARMUP:-96} --tokens 32 --budgets ${BUDGETS:-0,16GiB} --expert-format $f"
              on=${B_ENV:-FREETOKEN_EXPERIMENTAL=split-bias}; md=/tmp/md; mkdir -p $md  # B: the variable set
              python3 "$PWD/evals/scripts/bench_one_model.py" $args --strategies resident-graphs,auto --commit "$commit" \
                --out "$md/$f-a1.md" -- $on $args --strategies auto --commit "$commit ($on)" --out "$md/$f-b1.md" \
