@@ -141,7 +141,7 @@ for part in "$@"; do
                for f in dense Q8_0; do ft bench decode --shape qwen3-30b-a3b --context 16384 --tokens 16 \
                  --budgets 0,16GiB --expert-format $f --strategies resident-graphs,copy,cpu,auto \
                  --commit "$commit" --out "$OUT/d1-$f-16k.md" 2>&1 | grep -E "^\| |ways measured"; done ;;
-    d1-bias-long|d1-ab-long) for f in ${FORMATS:-Q8_0 dense}; do  # A/B/A/B at steady state: 96 tokens' warm-up, 32 timed
+    d1-bias-long|d1-ab-long) rm -rf /tmp/md; for f in ${FORMATS:-Q8_0 dense}; do  # A/B/A/B at steady state: 96 tokens' warm-up, 32 timed
              args="decode --shape qwen3-30b-a3b --context ${CONTEXT:-1024} --warmup ${WARMUP:-96} --tokens 32 --budgets ${BUDGETS:-0,16GiB} --expert-format $f"
              on=${B_ENV:-FREETOKEN_EXPERIMENTAL=split-bias}; md=/tmp/md; mkdir -p $md  # B: the variable set
              python3 "$PWD/evals/scripts/bench_one_model.py" $args --strategies resident-graphs,auto --commit "$commit" \
