@@ -9,8 +9,9 @@ queued bf16 expert (3 × 3.1 MB) cost it ~34 µs and a Q8_0 one (3 × 1.7 MB) ~2
 with the bytes points at per-page work of the driver. Rows: memory pinned as the host expert store pins it
 (torch's pinned allocator, `cudaHostAlloc`), and anonymous memory advised to huge pages and registered with
 `cudaHostRegister`; each idle and under a DRAM load (the CPU expert kernel's threads reading a large buffer, as
-the CPU share does). Each copy is queued on an idle stream and timed on the host only. Prints a markdown table;
-a diagnostic, not a benchmark.
+the CPU share does). Each copy is queued on an idle stream and timed on the host only. Then twelve copies queued
+one call each against one batch call (GPU path "copy-batch"). Prints markdown tables; a diagnostic, not a
+benchmark.
 """
 
 from __future__ import annotations
@@ -87,6 +88,41 @@ def host_us(src: int, dst: int, nbytes: int, stream: torch.cuda.Stream, reps: in
     return statistics.median(samples[3:]) * 1e6
 
 
+def batch_host_us(src: int, dst: int, nbytes: int, copies: int, stream: torch.cuda.Stream, reps: int,
+                  batched: bool) -> float:
+    """Median host µs to queue `copies` copies of `nbytes` each (a layer-step's: four Q8_0 experts are twelve), one
+    `cudaMemcpyAsync` each or one `cudaMemcpyBatchAsync` (GPU path "copy-batch")."""
+    batch = [(dst + i * nbytes, src + i * nbytes, nbytes) for i in range(copies)]
+    samples = []
+    for _ in range(reps + 3):
+        stream.synchronize()
+        t0 = time.perf_counter()
+        if batched:
+            cudart.copy_batch_to_device(batch, stream.cuda_stream)
+        else:
+            for d, s, n in batch:
+                cudart.copy_to_device(d, s, n, stream.cuda_stream)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[3:]) * 1e6
+
+
+def batch_table(reps: int) -> None:
+    """Twelve copies of 1.7 MB (a Q8_0 layer-step of four experts) by single calls and by one batch call."""
+    nbytes, copies = 1_700_000, 12
+    dst = torch.empty(nbytes * copies, dtype=torch.uint8, device="cuda")
+    src = torch.ones(nbytes * copies, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream()
+    print(f"\n{copies} copies of {nbytes / 1e6} MB, host µs to queue them all (medians of {reps}):\n")
+    print("| DRAM load | one cudaMemcpyAsync each | one cudaMemcpyBatchAsync |")
+    print("| --- | ---: | ---: |")
+    for loaded in (False, True):
+        load = DramLoad() if loaded else None
+        with load or contextlib.nullcontext():
+            cells = [batch_host_us(src.data_ptr(), dst.data_ptr(), nbytes, copies, stream, reps, batched)
+                     for batched in (False, True)]
+        print(f"| {'15 threads reading' if loaded else 'idle'} | {cells[0]:.1f} µs | {cells[1]:.1f} µs |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=50)
@@ -111,6 +147,10 @@ def main() -> None:
         if load is not None:
             print(f"\n(the load read its {load.buf.numel() / 2**30:.0f} GiB buffer {load.reads} times)")
     unregister(huge)  # (the mapping stays until exit: a ctypes view of it is still alive)
+    if cudart.batch_available():
+        batch_table(a.reps)
+    else:
+        print("\n(no cudaMemcpyBatchAsync in this runtime: the batch table is skipped)")
 
 
 if __name__ == "__main__":

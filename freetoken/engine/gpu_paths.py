@@ -62,6 +62,9 @@ EXPERIMENTAL: dict[str, str] = {
                   "0.84-0.98x for bf16 on the next, and 0.85x for Q8_0 at budget 0, 1.06x for bf16 at budget 0, "
                   "~1.0x at 16 GiB on the third (e7f4a8b): the same arm's windows vary +-15% within a run, so a "
                   "1.5% hill climb wanders, and a bias it settled on wrongly can lose the way-level choice",
+    "copy-batch": "offloaded copies of pinned experts queued by one cudaMemcpyBatchAsync per batch (CUDA 12.8+) "
+                  "instead of one cudaMemcpyAsync per projection (a Q8_0 layer-step of four experts: twelve calls of "
+                  "~4.5 µs host time each on the H200 host, copier-host-cost-h200.md). Built, not yet measured",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

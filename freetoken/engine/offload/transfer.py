@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.offload import cudart
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
@@ -69,6 +70,8 @@ class ExpertCopier:
             t.is_contiguous() and t.is_pinned() and (self.quantized or t.dtype == dtype) for t in sources)
         # experts of a fused format in pinned memory: an expert's block bytes land in one row of a device buffer
         # through the runtime, and one launch dequantizes a batch of rows into their slots
+        # GPU path "copy-batch": a batch's copies queued by one runtime call instead of one call each
+        self._batch_copies = self._direct and gpu_paths.enabled("copy-batch") and cudart.batch_available()
         self.fused = self.quantized and self._direct and fused.available(device) and all(
             set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
             for le in host.values())
@@ -191,6 +194,9 @@ class ExpertCopier:
         if len(set(slots)) != len(slots):
             raise ValueError(f"one slot twice in a batch of copies: {slots}")
         if not self.quantized:
+            if self._batch_copies:
+                self._dense_batch(layer, experts, dest, slots)
+                return
             with self._on_copy_stream():
                 for e, slot in zip(experts, slots, strict=True):
                     self._copy(layer, e, dest, slot)
@@ -249,12 +255,34 @@ class ExpertCopier:
         n, stream = len(experts), self.stream.cuda_stream
         rows = self._raw_rows(n)
         at, sources = rows.data_ptr(), self._block_sources[layer]
+        copies = []
         for e in experts:
             for address, nbytes in sources:
-                cudart.copy_to_device(at, address + e * nbytes, nbytes, stream)
+                copies.append((at, address + e * nbytes, nbytes))
                 at += nbytes
+        self._queue_copies(copies, stream)
         self._dequantize_rows(n, dest, slots)
         self._finish_timing(n)
+
+    def _dense_batch(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
+        """Pinned dense experts into their slots, every projection of every expert in one batch (GPU path
+        "copy-batch")."""
+        self._start_timing()
+        copies = []
+        for d, s in zip(_stacks(dest), _stacks(self.host[layer]), strict=True):
+            n = d.stride(0) * d.element_size()  # one expert's projection: contiguous, same size on both sides
+            copies += [(d.data_ptr() + slot * n, s.data_ptr() + e * n, n) for e, slot in zip(experts, slots,
+                                                                                              strict=True)]
+        self._queue_copies(copies, self.stream.cuda_stream)
+        self._finish_timing(len(experts))
+
+    def _queue_copies(self, copies: list[tuple[int, int, int]], stream: int) -> None:
+        """(device address, pinned host address, bytes) copies, by one runtime call ("copy-batch") or one each."""
+        if self._batch_copies:
+            cudart.copy_batch_to_device(copies, stream)
+            return
+        for dst, src, nbytes in copies:
+            cudart.copy_to_device(dst, src, nbytes, stream)
 
     def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int]) -> None:
         """Rows [0, n) into their slots on the copy stream. Triton's launcher costs the host tens of µs per call,

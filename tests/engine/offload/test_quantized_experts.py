@@ -109,6 +109,40 @@ def test_on_cuda_q8_0_experts_cross_in_blocks_and_dequantize_in_one_launch(miss_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "F32"])
+def test_on_cuda_batched_copies_give_the_resident_tokens(tensor_type, tmp_path, monkeypatch):
+    """GPU path "copy-batch": a batch's copies (Q8_0 block bytes into the dequantizer's rows, dense projections
+    straight into their slots) queued by one cudaMemcpyBatchAsync."""
+    from freetoken.engine import gpu_paths
+    from freetoken.engine.offload import cudart
+
+    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "copy-batch")
+    gpu_paths.enabled.cache_clear()
+    gpu_paths._named.cache_clear()
+    try:
+        write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
+        gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type=tensor_type)
+        resident = load_model(gguf, device="cuda", dtype=torch.float32, progress=False)
+        expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
+        lm = load_model(gguf, device="cuda", dtype=torch.float32, progress=False,
+                        expert_cache=3 * resident.moe_spec.bytes_per_expert(torch.float32))
+        lm.experts.miss_path = "copy"
+        if not cudart.batch_available():
+            pytest.skip("this CUDA runtime has no cudaMemcpyBatchAsync (12.8+)")
+        assert lm.experts.copier._batch_copies and lm.experts.copier._direct
+        batches = []
+        call = cudart.copy_batch_to_device
+        monkeypatch.setattr(cudart, "copy_batch_to_device", lambda copies, stream: batches.append(len(copies))
+                            or call(copies, stream))
+        assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+        assert max(batches) >= 6  # two experts' three projections, or more, in one call
+    finally:
+        monkeypatch.delenv("FREETOKEN_EXPERIMENTAL")
+        gpu_paths.enabled.cache_clear()
+        gpu_paths._named.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_cuda_graphed_dequantization_writes_each_batch_into_its_own_slots(tmp_path):
     """From the second batch of a size on, the fused launch replays from a CUDA graph: the slot numbers and the
     block bytes of every later batch must still land where that batch says, also after the slots moved."""
