@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -238,6 +238,11 @@ for part in "$@"; do
              --out "$OUT/d1-q8-1k.md" ;;
     wake-bench) (cd /tmp && for f in Q8_0 BF16; do FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.wake_bench \
                --format $f --calls 300; done | tee "$OUT/wake-bench.md") ;;
+    copy-batch-check) (cd /tmp && nm -D $(python3 -c "import torch, glob, os; print(glob.glob(os.path.dirname(torch.__file__) + '/../nvidia/*/lib/libcudart.so*')[0])") 2>/dev/null | grep -i batch
+             python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -k batched -rs \
+               "$OLDPWD/tests/engine/offload/test_quantized_experts.py" 2>&1 | tail -3
+             python3 -c "import sys; sys.path.insert(0, '$OLDPWD/evals/scripts'); import torch, copy_size_cost as c; torch.cuda.init(); c.batch_table(30)" \
+               | tee "$OUT/copy-batch.md") ;;
     copy-size-cost) (cd /tmp && python3 "$OLDPWD/evals/scripts/copy_size_cost.py" | tee "$OUT/copy-size-cost.md") ;;
     copier-cost) (cd /tmp && python3 "$OLDPWD/evals/scripts/copier_host_cost.py" | tee "$OUT/copier-host-cost.md") ;;
     d1-q8-nographs) python3 -c "import sys; from freetoken.engine.offload import transfer; transfer.DEQUANT_GRAPHS = False
