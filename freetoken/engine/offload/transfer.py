@@ -68,10 +68,10 @@ class ExpertCopier:
                                                         (le.gate_proj, le.up_proj, le.down_proj))]
         self._direct = self.stream is not None and cudart.available() and all(
             t.is_contiguous() and t.is_pinned() and (self.quantized or t.dtype == dtype) for t in sources)
-        # experts of a fused format in pinned memory: an expert's block bytes land in one row of a device buffer
-        # through the runtime, and one launch dequantizes a batch of rows into their slots
         # GPU path "copy-batch": a batch's copies queued by one runtime call instead of one call each
         self._batch_copies = self._direct and gpu_paths.enabled("copy-batch") and cudart.batch_available()
+        # experts of a fused format in pinned memory: an expert's block bytes land in one row of a device buffer
+        # through the runtime, and one launch dequantizes a batch of rows into their slots
         self.fused = self.quantized and self._direct and fused.available(device) and all(
             set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
             for le in host.values())
@@ -268,13 +268,18 @@ class ExpertCopier:
         """Pinned dense experts into their slots, every projection of every expert in one batch (GPU path
         "copy-batch")."""
         self._start_timing()
+        self._queue_copies(self._dense_copies(layer, experts, dest, slots), self.stream.cuda_stream)
+        self._finish_timing(len(experts))
+
+    def _dense_copies(self, layer: int, experts: list[int], dest: LayerExperts,
+                      slots: list[int]) -> list[tuple[int, int, int]]:
+        """(device address, host address, bytes) of each projection of each pinned dense expert into its slot."""
         copies = []
         for d, s in zip(_stacks(dest), _stacks(self.host[layer]), strict=True):
             n = d.stride(0) * d.element_size()  # one expert's projection: contiguous, same size on both sides
             copies += [(d.data_ptr() + slot * n, s.data_ptr() + e * n, n) for e, slot in zip(experts, slots,
                                                                                               strict=True)]
-        self._queue_copies(copies, self.stream.cuda_stream)
-        self._finish_timing(len(experts))
+        return copies
 
     def _queue_copies(self, copies: list[tuple[int, int, int]], stream: int) -> None:
         """(device address, pinned host address, bytes) copies, by one runtime call ("copy-batch") or one each."""
@@ -457,10 +462,7 @@ class ExpertCopier:
                 raw.copy_(src.raw[p][expert], non_blocking=True)  # only the block-format bytes cross the link
                 d.copy_(src.dequantized(expert, p, self.dtype, raw))
         elif self._direct:
-            stream = self.stream.cuda_stream
-            for d, s in zip(_stacks(dest), _stacks(src), strict=True):
-                n = d.stride(0) * d.element_size()  # one expert's projection: contiguous, same size on both sides
-                cudart.copy_to_device(d.data_ptr() + slot * n, s.data_ptr() + expert * n, n, stream)
+            self._queue_copies(self._dense_copies(layer, [expert], dest, [slot]), self.stream.cuda_stream)
         else:
             for d, s in zip(dest.weights_of(slot), src.weights_of(expert), strict=True):
                 d.copy_(s, non_blocking=True)  # pinned host memory → asynchronous DMA
