@@ -28,6 +28,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     DeepseekV3Config,
+    DeepseekV4Config,
     GenerationConfig,
     Glm4MoeConfig,
     GlmMoeDsaConfig,
@@ -175,6 +176,24 @@ def tiny_config(family: str, *, rope: str = "default", tie_word_embeddings: bool
                                v_head_dim=12, index_topk=8, index_head_dim=16, index_n_heads=8,
                                indexer_types=["full", "full", "shared"],
                                rope_parameters=_rope_parameters("default", 10000.0))
+    if family == "deepseek_v4":
+        # One layer of each attention kind and one more CSA: windows of 8 keys, CSA every 4 tokens (its indexer
+        # keeps 3 entries of the prompt's 10), HCA every 8; 4 hyper-connection streams; two hash-routed layers,
+        # then top-k ones; YaRN on the compress RoPE as the real configs have it. 8 indexer heads: an entry all of
+        # whose heads' relu gives 0 (a tie, which transformers' topk breaks arbitrarily) is rare.
+        common = {**_COMMON, "num_key_value_heads": 1}
+        return DeepseekV4Config(**common, num_hidden_layers=4, head_dim=32, partial_rotary_factor=0.25,
+                                q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+                                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                                index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=4,
+                                layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                             "sliding_attention", "compressed_sparse_attention"],
+                                mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], n_routed_experts=8,
+                                num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                                rope_theta=10000.0, compress_rope_theta=160000.0,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 64, "beta_fast": 32,
+                                                 "beta_slow": 1})
     if family == "gpt_oss":
         # Sliding (window 8, shorter than the test prompt) and full attention alternating, sinks, biases, YaRN
         # without truncation; a SwiGLU limit low enough that both clamps bite.
@@ -256,6 +275,9 @@ def _randomize(model: PreTrainedModel, seed: int) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a selection bias (sigmoid routers) that must count
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.5)
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: distinct experts per token id
+                picks = torch.rand(b.shape[0], model.config.n_routed_experts, generator=gen)
+                b.copy_(picks.argsort(dim=-1)[:, :b.shape[1]])
 
 
 def write_hf_checkpoint(family: str, path: Path, *, seed: int = 0, rope: str = "default",

@@ -6,6 +6,7 @@ from types import ModuleType
 
 from freetoken.engine.models import (
     deepseek_v3,
+    deepseek_v4,
     glm4_moe,
     glm_moe_dsa,
     gpt_oss,
@@ -21,7 +22,7 @@ from freetoken.errors import UnsupportedArchitectureError
 FAMILIES: dict[str, ModuleType] = {
     model_type: m
     for m in (llama, qwen3_moe, qwen2_moe, mixtral, qwen3_next, qwen3_5_moe, glm4_moe, glm_moe_dsa, deepseek_v3,
-              gpt_oss)
+              deepseek_v4, gpt_oss)
     for model_type in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))  # a family may answer to several names
 }
 
