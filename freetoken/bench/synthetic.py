@@ -66,6 +66,21 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=202752, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    # DeepSeek-V4-Flash (transformers' DeepseekV4Config defaults, which its docs tie to V4-Flash-Base): 43 layers
+    # of compressed attention (two HCA, then CSA and HCA alternating; one 512-wide KV head, windows of 128), 4
+    # hyper-connection streams, 256 experts of 4096×2048, top-6, one shared expert, the first 3 layers hash-routed.
+    # 554 GB of bf16 experts: --layers (and Q8_0) on any one host. The compress RoPE's YaRN (factor 16) is as
+    # transformers' config describes the release's.
+    "deepseek-v4-flash": dict(
+        model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+        num_key_value_heads=1, head_dim=512, partial_rotary_factor=64 / 512, q_lora_rank=1024, o_groups=8,
+        o_lora_rank=1024, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=6,
+        n_shared_experts=1, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, swiglu_limit=10.0,
+        sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4, hc_sinkhorn_iters=20,
+        max_position_embeddings=1048576, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+    ),
     # GLM-4.5-Air (transformers' Glm4MoeConfig defaults): 46 layers, the first dense, 128 experts of 4096×1408,
     # top-8, one shared expert, partial RoPE. 199 GB of bf16 experts: Q8_0 or --layers on a 128 GB host.
     "glm-4.5-air": dict(
@@ -115,6 +130,18 @@ SHAPES: dict[str, dict] = {
         qk_rope_head_dim=16, v_head_dim=32, index_topk=16, index_head_dim=32, index_n_heads=8,
         indexer_types=["full", "full", "full", "shared"], max_position_embeddings=4096, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    # DeepSeek-V4's layers small enough for a CPU test run: HCA every 16 tokens, CSA every 4 (its indexer keeps 4
+    # entries of a 40-token context's 10), a sliding layer, windows of 16 keys, one hash-routed layer.
+    "tiny-v4": dict(
+        model_type="deepseek_v4", vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, partial_rotary_factor=0.25, q_lora_rank=64, o_groups=2, o_lora_rank=32,
+        moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+        sliding_window=16, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                     "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        index_n_heads=8, index_head_dim=32, index_topk=4, hc_mult=4, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
     ),
     # qwen3-30b-a3b's routing structure (48 layers of 128 experts, top-8) on a small hidden size: routing traces
     # for cache-policy studies on a CPU.
@@ -187,7 +214,7 @@ def _writes_residual(name: str) -> bool:
     """Projections that add into the residual stream. Scaling them down (as GPT-2's init does) keeps each
     token's identity in the stream through every layer: at full scale a deep random network collapses all
     tokens onto one direction, and the router then sends every token to the same few experts."""
-    return name.endswith(("o_proj.weight", "down_proj.weight"))
+    return name.endswith(("o_proj.weight", "down_proj.weight", "attn.wo_b.weight", "shared_experts.w2.weight"))
 
 
 def _skew_router_(model, exponent: float, gen: torch.Generator) -> None:
@@ -221,7 +248,11 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
     with torch.no_grad():
         for index, (name, p) in enumerate(model.named_parameters()):
             tensor_seed = seed * 1_000_003 + index
-            if "norm" in name:
+            if not p.is_floating_point():  # a token → experts table (DeepSeek-V4's hash routing): distinct ids
+                offsets = torch.arange(p.shape[1], device=p.device)
+                p.copy_((torch.randint(spec.num_experts, (p.shape[0], 1), generator=gen, device=gen.device)
+                         .to(p.device) + offsets) % spec.num_experts)
+            elif "norm" in name:
                 p.fill_(0.0 if _centred_norm(model, name) else 1.0)
             elif name.endswith("embed_tokens.weight"):  # token identity must dominate what layers add to all
                 _fill_(p, 1.0, gen, tensor_seed)
