@@ -205,11 +205,13 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
     host, spec = lm.experts.host, lm.moe_spec
-    # recurrent layers are captured with GPU path recurrent-graphs (on unless disabled): else every row is eager
-    a.eager_only = lm.has_recurrent_state and not gpu_paths.enabled("recurrent-graphs")
+    # recurrent layers are captured with GPU path recurrent-graphs (on unless disabled): else every row is eager;
+    # so is every row of a model some layer of which cannot be captured at all
+    a.eager_only = lm.decodes_eagerly or (lm.has_recurrent_state and not gpu_paths.enabled("recurrent-graphs"))
     if a.eager_only and "resident-graphs" in a.strategies:
-        raise SystemExit(f"ft bench decode: {a.shape} has recurrent layers, which decode without CUDA graphs while "
-                         "FREETOKEN_DISABLE names recurrent-graphs; use the resident strategy as the upper bound "
+        why = "layers that cannot be captured" if lm.decodes_eagerly else \
+            "recurrent layers, which decode without CUDA graphs while FREETOKEN_DISABLE names recurrent-graphs"
+        raise SystemExit(f"ft bench decode: {a.shape} has {why}; use the resident strategy as the upper bound "
                          "instead of resident-graphs")
     rows, reference, reference_margins = [], None, []
     for strategy in a.strategies:

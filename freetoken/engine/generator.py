@@ -164,7 +164,8 @@ def run_settings(lm: LoadedModel, prefill_chunk: int | None, max_seq_len: int | 
     traffic); graphs on CUDA; the model's context, at most DEFAULT_GRAPH_CAPACITY with graphs (their KV pool is
     allocated at full size up front)."""
     offloaded = not getattr(lm.experts, "capturable", True)
-    default_graphs = lm.device.type == "cuda" and (not lm.has_recurrent_state or gpu_paths.enabled("recurrent-graphs"))
+    default_graphs = lm.device.type == "cuda" and not lm.decodes_eagerly and \
+        (not lm.has_recurrent_state or gpu_paths.enabled("recurrent-graphs"))
     use_graphs = default_graphs if cuda_graphs is None else cuda_graphs
     default = min(lm.context_length, Generator.DEFAULT_GRAPH_CAPACITY) if use_graphs else lm.context_length
     return prefill_chunk or (8192 if offloaded else 2048), use_graphs, min(max_seq_len or default, lm.context_length)

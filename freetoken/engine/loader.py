@@ -60,6 +60,12 @@ class LoadedModel:
         captured in CUDA graphs or batched yet)."""
         return any(getattr(m, "recurrent", False) for m in self.model.modules())
 
+    @property
+    def decodes_eagerly(self) -> bool:
+        """Some layer cannot run in a captured decode step (DeepSeek-V4's compressed attention: its state changes
+        shape as windows close), so decode never goes through CUDA graphs."""
+        return any(getattr(m, "eager_only", False) for m in self.model.modules())
+
     def new_cache(self, page_size: int = 16, initial_tokens: int = 1024,
                   max_tokens: int | None = None) -> PagedKVCache:
         a = self.model.args.attention

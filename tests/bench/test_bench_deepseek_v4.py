@@ -38,3 +38,13 @@ def test_tiny_v4_decodes_under_every_strategy(tmp_path):
     assert main(argv) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 4 and all(r.split("|")[12].strip() == "yes" for r in rows)
+
+
+def test_the_graph_row_is_refused_for_v4(tmp_path):
+    """No captured decode for V4: asking for the resident-graphs row says so instead of failing mid-run."""
+    import pytest
+
+    argv = ["--shape", "tiny-v4", "--device", "cpu", "--dtype", "float32", "--context", "40", "--tokens", "2",
+            "--strategies", "resident-graphs", "--probe-mib", "64", "--out", str(tmp_path / "g.md")]
+    with pytest.raises(SystemExit, match="cannot be captured"):
+        main(argv)

@@ -261,6 +261,7 @@ class Indexer(nn.Module):
 
 class Attention(nn.Module):
     recurrent = True  # its state lives in the sequence's recurrent state (see the module doc)
+    eager_only = True  # its state grows as windows close, and whether one closes is decided on the host
 
     def __init__(self, hidden_size: int, a: AttentionArgs, layer_idx: int):
         super().__init__()

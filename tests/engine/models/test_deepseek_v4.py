@@ -180,3 +180,15 @@ def write_config() -> dict:
     from support.checkpoints import tiny_config
 
     return tiny_config("deepseek_v4").to_dict()
+
+
+def test_decode_never_takes_cuda_graphs(lm):
+    """Its attention cannot be captured (the state grows as windows close), so even on a CUDA device the
+    generator and the batch scheduler default to eager decode."""
+    import dataclasses
+
+    from freetoken.engine.generator import run_settings
+
+    assert lm.decodes_eagerly
+    on_cuda = dataclasses.replace(lm, device=torch.device("cuda"))
+    assert run_settings(on_cuda, None, None, None)[1] is False
