@@ -34,7 +34,9 @@ def describe(source: str | None) -> str:
         f"vocabulary     {dec.vocab_size}",
         f"context        {dec.max_position_embeddings}",
     ]
-    if (full := getattr(args, "full_attention_layers", None)) is not None:
+    if hasattr(args, "token_mixers"):  # a family that says itself what its layers keep (deepseek_v4)
+        lines.append(f"token mixers   {args.token_mixers()}")
+    elif (full := getattr(args, "full_attention_layers", None)) is not None:
         lines.append(f"token mixers   {len(full)} full-attention layers, {dec.n_layers - len(full)} Gated DeltaNet "
                      "(recurrent state)")
     lines.append(f"KV per token   {_size(kv_bytes_per_token(args, torch.bfloat16))} in bf16")

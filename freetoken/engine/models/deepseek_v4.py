@@ -132,6 +132,17 @@ class ModelArgs:
         return cls(dec, attention, routing, int(cfg.get("hc_mult") or 4),
                    int(cfg.get("hc_sinkhorn_iters") or 20), float(cfg.get("hc_eps") or 1e-6))
 
+    def token_mixers(self) -> str:
+        """What `ft info` says of the attention layers and the per-sequence state they keep."""
+        a = self.attention
+        count = {k: a.kinds.count(k) for k in (HCA, CSA, SLIDING)}
+        # compressed entries a token adds, in bf16: D per m tokens (CSA: and the indexer's Di per m)
+        per_token = 2 * sum(a.head_dim / a.rates[k] + (a.index_dim / a.rates[k] if k == CSA else 0)
+                            for k in a.kinds if k != SLIDING)
+        return (f"{count[HCA]} HCA (1 entry per {a.rates[HCA]} tokens), {count[CSA]} CSA (1 per {a.rates[CSA]}, "
+                f"top-{a.index_topk} entries), {count[SLIDING]} sliding only; windows of {a.window} keys; state per "
+                f"sequence, not paged: {per_token:.0f} B of compressed history per token in bf16")
+
     def moe_spec(self) -> MoESpec:
         r = self.routing
         return MoESpec(tuple(range(self.decoder.n_layers)), r.num_experts, r.top_k, self.decoder.hidden_size,

@@ -192,3 +192,29 @@ def test_decode_never_takes_cuda_graphs(lm):
     assert lm.decodes_eagerly
     on_cuda = dataclasses.replace(lm, device=torch.device("cuda"))
     assert run_settings(on_cuda, None, None, None)[1] is False
+
+
+def test_ft_info_names_the_attention_kinds(checkpoint):
+    from freetoken.engine.model_info import describe
+
+    text = describe(str(checkpoint[0]))
+    assert "1 HCA (1 entry per 8 tokens), 2 CSA (1 per 4, top-3 entries), 1 sliding only" in text
+    assert "56 B of compressed history per token" in text and "DeltaNet" not in text
+
+
+def test_the_batch_scheduler_serves_two_requests_as_each_alone(checkpoint, lm):
+    """The server's path: per-sequence state, so one sequence at a time (the scheduler has room for one), each
+    with its own tokens; the second starts from no snapshot of the first."""
+    from freetoken.engine.batching import BatchRequest, BatchScheduler
+
+    scheduler = BatchScheduler(lm)
+    out: dict[int, list[int]] = {0: [], 1: []}
+    other = prompt_ids("A second prompt beside the first")
+    waiting = [BatchRequest(ids, GREEDY_32, emit=lambda ev, i=i: out[i].extend(ev.token_ids))
+               for i, ids in enumerate((prompt_ids(), other))]
+    while waiting or scheduler.active:
+        if waiting and scheduler.has_room():
+            scheduler.add(waiting.pop(0))
+        scheduler.step()
+    assert scheduler.max_batch == 1
+    assert out[0] == checkpoint[2] and out[1] == Generator(lm).generate_ids(other, GREEDY_32)
