@@ -98,19 +98,21 @@ typedef struct {
     float *actqs;
     int gate_rows;                        /* rows of gate/up per phase-1 task (whole blocks of act with actq) */
     /* the expert function where it is not plain SwiGLU: fp32 biases by expert id (gate/up [E, I], down [E, H],
-       or NULL) and gpt-oss's clamped SwiGLU, (clamp(u, ±limit) + 1) * g * sigmoid(alpha * g), g = min(g, limit) */
+       or NULL) and the activation: 0 SwiGLU, 1 gpt-oss's clamped form, (clamp(u, ±limit) + 1) * g *
+       sigmoid(alpha * g) with g = min(g, limit), 2 DeepSeek-V4's, silu(min(g, limit)) * clamp(u, ±limit) */
     const float *gate_bias, *up_bias, *down_bias;
-    int clamped;
+    int activation;
     float alpha, limit;
 } moe_job;
 
 /* act of one (row, pair) from its gate and up dots: silu(g) * u, or the job's form (biases, clamped SwiGLU).
    With bf16 rounding it rounds where a bf16 GPU expert rounds: the dots, (then the biased values,) the result. */
 INLINE float expert_act(const moe_job *j, int expert, int row, float g, float u) {
-    if (!j->gate_bias && !j->clamped) {
+    if (!j->gate_bias && j->activation != 1) {  /* SwiGLU, V4's with its clamps first: rounded as a plain expert */
+        if (j->bf16_rounding) g = round_bf16(g), u = round_bf16(u);
+        if (j->activation == 2) g = fminf(g, j->limit), u = fmaxf(fminf(u, j->limit), -j->limit);
         if (!j->bf16_rounding) return g / (1.0f + expf(-g)) * u;
-        g = round_bf16(g);
-        return round_bf16(round_bf16(g / (1.0f + expf(-g))) * round_bf16(u));
+        return round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
     }
     if (j->bf16_rounding) g = round_bf16(g), u = round_bf16(u);
     if (j->gate_bias) {
@@ -119,7 +121,11 @@ INLINE float expert_act(const moe_job *j, int expert, int row, float g, float u)
         if (j->bf16_rounding) g = round_bf16(g), u = round_bf16(u);
     }
     float a;
-    if (j->clamped) {
+    if (j->activation == 2) {
+        g = fminf(g, j->limit);
+        u = fmaxf(fminf(u, j->limit), -j->limit);
+        a = g / (1.0f + expf(-g)) * u;
+    } else if (j->activation) {
         g = fminf(g, j->limit);
         u = fmaxf(fminf(u, j->limit), -j->limit);
         a = (u + 1.0f) * (g / (1.0f + expf(-j->alpha * g)));
@@ -367,7 +373,7 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
                  const int32_t *pair_tokens, const float *pair_weights,
                  const float *x, float *act, float *y, int tokens, int hidden, int inter, int bf16_rounding,
                  const uint16_t *xb, uint16_t *actb, const float *gate_bias, const float *up_bias,
-                 const float *down_bias, int clamped, float alpha, float limit) {
+                 const float *down_bias, int activation, float alpha, float limit) {
     if (!gate_bias != !up_bias) return -1;
     for (int i = 0; i < 3; i++) {
         int type = (int[]){gate_type, up_type, down_type}[i], k = i < 2 ? hidden : inter;
@@ -376,7 +382,7 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     current.job = (moe_job){gate, up, down, gate_stride, up_stride, down_stride, gate_type, up_type, down_type,
                             experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden,
                             inter, bf16_rounding, NULL, NULL, NULL, NULL, NULL, NULL, ROW_BLOCK,
-                            gate_bias, up_bias, down_bias, clamped, alpha, limit};
+                            gate_bias, up_bias, down_bias, activation, alpha, limit};
     /* the bf16 dot path: bf16 weights, bf16 rounding on (so act is bf16-exact), and the caller's bf16 x */
     if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type == FT_BF16 && up_type == FT_BF16 &&
         down_type == FT_BF16) {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -31,7 +32,7 @@ def default_threads() -> int:
 def kernel_form(form: ExpertForm | None) -> ExpertForm | None:
     """`form` with its biases as the kernel reads them (contiguous fp32 on the CPU), None for plain SwiGLU.
     Callers that launch often convert once and pass the result to `launch`."""
-    if form is None or (form.gate_bias is None and form.down_bias is None and not form.clamped):
+    if form is None or form.is_plain:
         return None
     if (form.gate_bias is None) != (form.up_bias is None):
         raise ValueError("the CPU expert kernel takes gate and up biases together")
@@ -39,15 +40,18 @@ def kernel_form(form: ExpertForm | None) -> ExpertForm | None:
     if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()) for t in biases):
         return form
     host = form.to("cpu", torch.float32)
-    return ExpertForm(*(None if t is None else t.contiguous() for t in (host.gate_bias, host.up_bias, host.down_bias)),
-                      form.clamped, form.alpha, form.limit)
+    return replace(host, **{name: None if t is None else t.contiguous()
+                            for name, t in (("gate_bias", host.gate_bias), ("up_bias", host.up_bias),
+                                            ("down_bias", host.down_bias))})
 
 
 def _form_args(form: ExpertForm | None) -> tuple:
     if form is None:
         return None, None, None, 0, 1.0, 0.0
     ptr = [None if t is None else t.data_ptr() for t in (form.gate_bias, form.up_bias, form.down_bias)]
-    return (*ptr, int(form.clamped), float(form.alpha), float(form.limit))
+    # the activation as the kernel numbers it: 0 SwiGLU, 1 gpt-oss's clamped form, 2 V4's clamped SwiGLU
+    activation = 1 if form.clamped else 2 if form.clamp_silu else 0
+    return (*ptr, activation, float(form.alpha), float(form.limit))
 
 
 def _default_build_dir():

@@ -11,7 +11,7 @@ grouped by expert: pair_offsets[e]..pair_offsets[e+1] are the pairs of experts[e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +48,9 @@ class ExpertMatrix:
 class ExpertForm:
     """What an expert computes besides its three matmuls, where a family differs from plain SwiGLU
     (silu(x Wg) * (x Wu), then W_down): per-expert biases on the projections (gate/up [E, I], down [E, H], by
-    expert id, never by cache slot) and gpt-oss's clamped SwiGLU, (clamp(u, ±limit) + 1) · g · σ(αg) with
-    g = min(g, limit). The engine's GPU paths, this reference and the fast kernel all read it."""
+    expert id, never by cache slot), gpt-oss's clamped SwiGLU, (clamp(u, ±limit) + 1) · g · σ(αg) with
+    g = min(g, limit) (`clamped`), or DeepSeek-V4's, silu(min(g, limit)) · clamp(u, ±limit) (`clamp_silu`). The
+    engine's GPU paths, this reference and the fast kernel all read it."""
 
     gate_bias: torch.Tensor | None = None
     up_bias: torch.Tensor | None = None
@@ -57,9 +58,21 @@ class ExpertForm:
     clamped: bool = False
     alpha: float = 1.702
     limit: float = 7.0
+    clamp_silu: bool = False
+
+    @property
+    def is_plain(self) -> bool:
+        return self.gate_bias is None and self.down_bias is None and not self.clamped and not self.clamp_silu
+
+    def clamp_inputs(self, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4's clamps on the gate and up values (identity for every other form)."""
+        if not self.clamp_silu:
+            return g, u
+        return g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
 
     def activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         if not self.clamped:
+            g, u = self.clamp_inputs(g, u)
             return F.silu(g) * u
         g = g.clamp(max=self.limit)
         return (u.clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
@@ -68,8 +81,8 @@ class ExpertForm:
         def move(t):
             return None if t is None else t.to(device, dtype or t.dtype)
 
-        return ExpertForm(move(self.gate_bias), move(self.up_bias), move(self.down_bias), self.clamped, self.alpha,
-                          self.limit)
+        return replace(self, gate_bias=move(self.gate_bias), up_bias=move(self.up_bias),
+                       down_bias=move(self.down_bias))
 
 
 def moe_forward(x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
@@ -89,7 +102,9 @@ def moe_forward(x: torch.Tensor, gate: ExpertMatrix, up: ExpertMatrix, down: Exp
         tokens = pair_tokens[lo:hi].long()
         h = x[tokens].float()
         g, u = r(F.linear(h, gate.expert(e))), r(F.linear(h, up.expert(e)))
-        if f is None or (f.gate_bias is None and not f.clamped):
+        if f is None or (f.gate_bias is None and not f.clamped):  # plain SwiGLU, or V4's with its clamps first
+            if f is not None:
+                g, u = f.clamp_inputs(g, u)
             act = r(r(F.silu(g)) * u)
         else:
             if f.gate_bias is not None:

@@ -94,11 +94,13 @@ def test_bf16_activations_take_the_bf16_dot_path_and_match(kernel, tokens, hidde
 @pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("MXFP4",) * 3])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("clamped", [False, True])
-def test_biases_and_the_clamped_swiglu_match_the_reference(kernel, formats, tokens, round_to, clamped):
+@pytest.mark.parametrize("activation", ["swiglu", "gpt-oss", "v4"])
+def test_biases_and_the_clamped_swiglu_match_the_reference(kernel, formats, tokens, round_to, activation):
     """gpt-oss's experts: biases on all three projections and (u.clamp(±limit) + 1) · g · σ(αg) with g clamped
-    above; the limit is low enough here that both clamps bite. Vector path, int16 Q8_0 path and tiles alike."""
-    gen = torch.Generator().manual_seed(tokens + 3 * clamped + len(formats[0]))
+    above; or V4's silu(min(g, limit)) · clamp(u, ±limit); the limit is low enough here that the clamps bite.
+    Vector path, int16 Q8_0 path and tiles alike."""
+    clamped = activation == "gpt-oss"
+    gen = torch.Generator().manual_seed(tokens + 3 * clamped + len(formats[0]) + 7 * (activation == "v4"))
     hidden, inter, experts = 96, 64, 6
     gate, up = (_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
     down = _matrix(formats[2], experts, hidden, inter, gen)
@@ -108,13 +110,37 @@ def test_biases_and_the_clamped_swiglu_match_the_reference(kernel, formats, toke
     routing = _routing(tokens, experts, 2, gen)
     form = reference.ExpertForm(torch.randn(experts, inter, generator=gen),
                               torch.randn(experts, inter, generator=gen),
-                              torch.randn(experts, hidden, generator=gen), clamped, 1.702, 0.8)
+                              torch.randn(experts, hidden, generator=gen), clamped, 1.702, 0.8,
+                              clamp_silu=activation == "v4")
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to, form=form)
     plain = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to)
     got = kernel.moe_forward(x, gate, up, down, *routing, round_to=round_to, form=form)
     tol = 1e-5 if round_to == torch.float32 else 2e-2
     assert (got - want).norm() / want.norm() < tol
     assert (plain - want).norm() / want.norm() > 0.1  # the form changes the result: the check has teeth
+
+
+@pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
+def test_v4_clamped_swiglu_without_biases_matches_the_reference(kernel, formats, tokens, round_to):
+    """DeepSeek-V4's experts carry no biases: the clamps ride the plain SwiGLU path (rounded where a plain bf16
+    expert rounds), and the limit bites at this scale."""
+    gen = torch.Generator().manual_seed(31 + tokens + len(formats[0]))
+    hidden, inter, experts = 96, 64, 6
+    gate, up = (_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
+    down = _matrix(formats[2], experts, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen) * 3
+    if round_to == torch.bfloat16:
+        x = x.bfloat16().float()
+    routing = _routing(tokens, experts, 2, gen)
+    form = reference.ExpertForm(limit=0.8, clamp_silu=True)
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to, form=form)
+    plain = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to)
+    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=round_to, form=form)
+    tol = 1e-5 if round_to == torch.float32 else 2e-2
+    assert (got - want).norm() / want.norm() < tol
+    assert (plain - want).norm() / want.norm() > 0.1
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 5])

@@ -380,17 +380,9 @@ class HyperHead(nn.Module):
 # ------------------------------------------------------------------------------------------------------- MoE
 
 
-class ClampedSwiGLU(ExpertForm):
-    """silu(min(g, limit)) · clamp(u, ±limit): V4's experts. Read by the engine's torch expert paths; the native
-    CPU kernel knows only plain and gpt-oss SwiGLU and computes this unclamped (exact while |g|, |u| ≤ limit)."""
-
-    __slots__ = ()
-
-    def activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return F.silu(g.clamp(max=self.limit)) * u.clamp(-self.limit, self.limit)
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ClampedSwiGLU:
-        return self
+def clamped_swiglu(limit: float) -> ExpertForm:
+    """silu(min(g, limit)) · clamp(u, ±limit): V4's experts, on every expert path (GPU, CPU kernel, torch)."""
+    return ExpertForm(limit=limit, clamp_silu=True)
 
 
 class SharedExpert(nn.Module):
@@ -399,7 +391,7 @@ class SharedExpert(nn.Module):
         self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)  # gate
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)  # down
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)  # up
-        self.form = ClampedSwiGLU(limit=limit)
+        self.form = clamped_swiglu(limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.form.activate(self.w1(x), self.w3(x)))
@@ -491,7 +483,7 @@ class Model(DecoderModel):
     def expert_forms(self) -> dict[int, ExpertForm]:
         """Every layer's experts clamp their SwiGLU."""
         limit = self.v4.routing.swiglu_limit
-        return {i: ClampedSwiGLU(limit=limit) for i in range(self.v4.decoder.n_layers)} if limit else {}
+        return {i: clamped_swiglu(limit) for i in range(self.v4.decoder.n_layers)} if limit else {}
 
     def forward(self, tokens: torch.Tensor, ctx: SequenceAttention,
                 logits_for: str | torch.Tensor = "all") -> torch.Tensor:

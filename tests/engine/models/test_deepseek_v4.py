@@ -116,7 +116,7 @@ def test_the_clamped_swiglu_matches_transformers(checkpoint, tmp_path):
     lm = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
     g, u = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(2)) * 3
     experts = reference.model.layers[0].mlp.experts
-    torch.testing.assert_close(deepseek_v4.ClampedSwiGLU(limit=0.5).activate(g, u),
+    torch.testing.assert_close(deepseek_v4.clamped_swiglu(0.5).activate(g, u),
                                experts._apply_gate(torch.cat((g, u), dim=-1)))
     ids = prompt_ids()
     ours, want = lm.prefill_logits(ids), hf_logits(reference, ids)
@@ -132,6 +132,24 @@ def test_offloaded_greedy_tokens_are_the_same(checkpoint, lm):
                            expert_cache=3 * lm.moe_spec.bytes_per_expert(torch.float32))
     assert Generator(offloaded).generate_ids(prompt_ids(), GREEDY_32) == expected
     assert offloaded.experts.counters.evictions > 0
+
+
+def test_offloaded_misses_clamp_like_the_resident_model(tmp_path):
+    """With a swiglu_limit that bites, misses copied to the device and misses computed on the CPU (the native
+    kernel's V4 activation, or its torch reference) give the resident model's greedy tokens."""
+    write_hf_checkpoint("deepseek_v4", tmp_path, swiglu_limit=0.5)
+    resident = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    expected = Generator(resident).generate_ids(prompt_ids(), GREEDY_32)
+    unclamped = deepseek_v4.clamped_swiglu(1e9)
+    for miss_path in ("copy", "cpu"):
+        lm = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False,
+                        expert_cache=3 * resident.moe_spec.bytes_per_expert(torch.float32))
+        lm.experts.miss_path = miss_path
+        assert Generator(lm).generate_ids(prompt_ids(), GREEDY_32) == expected, miss_path
+        assert lm.experts.counters.misses > 0
+    # the limit changes the routed experts' outputs here, so the equality above has teeth
+    g, u = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)) * 3
+    assert not torch.allclose(deepseek_v4.clamped_swiglu(0.5).activate(g, u), unclamped.activate(g, u))
 
 
 def test_the_state_is_per_sequence_not_paged(lm):
