@@ -18,6 +18,10 @@ MEASURED = {
                            "evals/results/decode-attention-h200.md"),
     "batch-graphs": ("continuous-batching decode steps of several sequences replay CUDA graphs per batch size",
                      "evals/results/serve-q3-8l-h200.md"),
+    "copy-batch": ("offloaded copies of pinned dense (bf16) experts queued by one cudaMemcpyBatchAsync per batch "
+                   "(CUDA 12.8+) instead of one cudaMemcpyAsync per projection: bf16 D1 auto 1.02-1.12x in seven of "
+                   "eight A/B pairs over two leases (0.96x in one), medians 1.05x at budget 0 and 1.04x at 16 GiB; "
+                   "block-format experts: copy-batch-blocks", "evals/results/d1-copy-batch-h200.md"),
     "cpu-first": ("offloaded decode starts a layer's CPU share before queueing its copies (start 154-258 -> 68-80 "
                   "µs after the routing at 8-16 GiB; auto +6% at 8 GiB, +17% at 16 GiB, equal at budget 0)",
                   "evals/results/d1-qwen3-30b-a3b-bf16-1k-h200.md"),
@@ -62,11 +66,8 @@ EXPERIMENTAL: dict[str, str] = {
                   "0.84-0.98x for bf16 on the next, and 0.85x for Q8_0 at budget 0, 1.06x for bf16 at budget 0, "
                   "~1.0x at 16 GiB on the third (e7f4a8b): the same arm's windows vary +-15% within a run, so a "
                   "1.5% hill climb wanders, and a bias it settled on wrongly can lose the way-level choice",
-    "copy-batch": "offloaded copies of pinned experts queued by one cudaMemcpyBatchAsync per batch (CUDA 12.8+) "
-                  "instead of one cudaMemcpyAsync per projection (a Q8_0 layer-step of four experts: twelve calls of "
-                  "~4.5 µs host time each on the H200 host). Measured (copier-host-cost-h200.md, e88b4f0): twelve "
-                  "copies queued in 15.7 instead of 41.0 µs idle, 35.1 instead of 70.2 under a DRAM load; decode not "
-                  "yet measured",
+    "copy-batch-blocks": "GPU path copy-batch for block-format (Q8_0) experts too. Measured on two leases "
+                         "(d1-copy-batch-h200.md): Q8_0 auto 0.98x and 1.17x at budget 0, 0.88x and 0.96x at 16 GiB",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

@@ -68,8 +68,10 @@ class ExpertCopier:
                                                         (le.gate_proj, le.up_proj, le.down_proj))]
         self._direct = self.stream is not None and cudart.available() and all(
             t.is_contiguous() and t.is_pinned() and (self.quantized or t.dtype == dtype) for t in sources)
-        # GPU path "copy-batch": a batch's copies queued by one runtime call instead of one call each
-        self._batch_copies = self._direct and gpu_paths.enabled("copy-batch") and cudart.batch_available()
+        # GPU path "copy-batch" (dense experts; "copy-batch-blocks" for block formats, not faster there): a
+        # batch's copies queued by one runtime call instead of one call each
+        self._batch_copies = self._direct and cudart.batch_available() and gpu_paths.enabled(
+            "copy-batch-blocks" if self.quantized else "copy-batch")
         # experts of a fused format in pinned memory: an expert's block bytes land in one row of a device buffer
         # through the runtime, and one launch dequantizes a batch of rows into their slots
         self.fused = self.quantized and self._direct and fused.available(device) and all(

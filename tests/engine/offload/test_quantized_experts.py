@@ -111,12 +111,13 @@ def test_on_cuda_q8_0_experts_cross_in_blocks_and_dequantize_in_one_launch(miss_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("tensor_type", ["Q8_0", "F32"])
 def test_on_cuda_batched_copies_give_the_resident_tokens(tensor_type, tmp_path, monkeypatch):
-    """GPU path "copy-batch": a batch's copies (Q8_0 block bytes into the dequantizer's rows, dense projections
-    straight into their slots) queued by one cudaMemcpyBatchAsync."""
+    """GPU paths "copy-batch" (dense projections straight into their slots, on by default) and
+    "copy-batch-blocks" (Q8_0 block bytes into the dequantizer's rows, experimental): a batch's copies queued by one
+    cudaMemcpyBatchAsync."""
     from freetoken.engine import gpu_paths
     from freetoken.engine.offload import cudart
 
-    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "copy-batch")
+    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "copy-batch-blocks" if tensor_type == "Q8_0" else "")
     gpu_paths.enabled.cache_clear()
     gpu_paths._named.cache_clear()
     try:
