@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -80,6 +80,21 @@ for part in "$@"; do
              2>&1 | tail -3) ;;
     # issue 6: each new family at its real shape (truncated where the host cannot hold its experts), budget 0
     # and 16 GiB, 1k context; the hybrids decode through CUDA graphs (recurrent-graphs, measured)
+    # DeepSeek-V4's eager decode with and without the hyper-connection kernel (A, B, A, B on one build, budget 0),
+    # then a longer 16 GiB run of copy against auto (does the path guard settle?); the kernel's bench and CUDA tests
+    v4-ab) (cd /tmp && python3 -m freetoken.kernels.hyper_sinkhorn.bench | tee "$OUT/hyper-sinkhorn-bench.md"
+             python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -k cuda \
+               "$OLDPWD/tests/kernels/test_hyper_sinkhorn.py" "$OLDPWD/tests/engine/models/test_deepseek_v4.py" \
+               2>&1 | tail -3 | tee -a "$OUT/tests.txt")
+             args="decode --shape deepseek-v4-flash --layers 8 --expert-format Q8_0 --context 1024 --tokens 16"
+             on=FREETOKEN_EXPERIMENTAL=hyper-sinkhorn; rows="--budgets 0 --strategies resident,copy,cpu,auto"
+             python3 "$PWD/evals/scripts/bench_one_model.py" $args $rows --commit "$commit" --out "$OUT/v4-a1.md" \
+               -- $on $args $rows --commit "$commit ($on)" --out "$OUT/v4-b1.md" \
+               -- $args $rows --commit "$commit (again)" --out "$OUT/v4-a2.md" \
+               -- $on $args $rows --commit "$commit ($on, again)" --out "$OUT/v4-b2.md" \
+               -- $on $args --budgets 16GiB --warmup 160 --strategies copy,auto,auto-noguard \
+               --commit "$commit ($on, 160 warm-up tokens)" --out "$OUT/v4-16gib-long.md" 2>&1 \
+               | grep -E "^\| (resident|copy|cpu|auto)" ;;
     # one row set per family, each under FAMILY_S seconds: "shape layers format context strategies" (V4 decodes
     # eagerly: no resident-graphs row); expert bytes held to 40-85 GB so one family's host store fits at a time
     d1-families) while read -r shape layers fmt ctx strategies; do [ -z "$shape" ] && continue

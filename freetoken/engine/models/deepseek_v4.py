@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.engine import gpu_paths
 from freetoken.engine.attention import SequenceAttention, sink_attention
 from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import ExpertExecutor, ExpertForm
@@ -345,15 +346,28 @@ class Attention(nn.Module):
 def hyper_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
                   eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, Hd] → (pre [T, N], post [T, N], comb [T, N, N]), in fp32: one projection of the normed,
-    flattened streams; comb made doubly stochastic by Sinkhorn-Knopp (it mixes streams without growing them)."""
-    n = streams.shape[1]
+    flattened streams, then `hyper_mix` (on CUDA with the GPU path "hyper-sinkhorn", one Triton launch instead
+    of ~120 small ones: kernels/hyper_sinkhorn)."""
     mixes = F.linear(rms(streams.flatten(1).float(), norm_eps), fn.float())
+    mix = hyper_mix
+    if mixes.is_cuda and gpu_paths.enabled("hyper-sinkhorn"):
+        from freetoken.kernels.hyper_sinkhorn import kernel
+
+        if kernel.available(mixes.device):
+            mix = kernel.hyper_mix
+    return mix(mixes, base.float(), scale.float(), streams.shape[1], iters, eps)
+
+
+def hyper_mix(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes [T, (2 + N) N], base [(2 + N) N], scale [3] (fp32) → pre, post [T, N] and comb [T, N, N]: the
+    streams' weights into a block, the block's output into each stream, and the streams' mixing, made doubly
+    stochastic by `iters` rounds of Sinkhorn-Knopp (it mixes streams without growing them)."""
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    s = scale.float()
-    pre = torch.sigmoid(pre_w * s[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * s[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + eps
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)

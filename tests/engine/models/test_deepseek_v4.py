@@ -236,3 +236,23 @@ def test_the_batch_scheduler_serves_two_requests_as_each_alone(checkpoint, lm):
         scheduler.step()
     assert scheduler.max_batch == 1
     assert out[0] == checkpoint[2] and out[1] == Generator(lm).generate_ids(other, GREEDY_32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_the_hyper_sinkhorn_kernel_gives_the_same_model(checkpoint, monkeypatch):
+    """GPU path "hyper-sinkhorn": the model's logits and greedy tokens with the Triton hyper-connection weights
+    equal the plain-torch ones (fp32)."""
+    from freetoken.engine import gpu_paths
+
+    path, _, expected = checkpoint
+    runs = []
+    for named in ("", "hyper-sinkhorn"):
+        monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", named)
+        gpu_paths.enabled.cache_clear()
+        gpu_paths._named.cache_clear()
+        lm = load_model(path, device="cuda", dtype=torch.float32, progress=False)
+        runs.append((lm.prefill_logits(prompt_ids()).cpu(), Generator(lm).generate_ids(prompt_ids(), GREEDY_32)))
+    gpu_paths.enabled.cache_clear()
+    gpu_paths._named.cache_clear()
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-4, rtol=0)
+    assert runs[0][1] == runs[1][1] == expected
