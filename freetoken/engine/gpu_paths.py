@@ -22,6 +22,10 @@ MEASURED = {
                    "(CUDA 12.8+) instead of one cudaMemcpyAsync per projection: bf16 D1 auto 1.02-1.12x in seven of "
                    "eight A/B pairs over two leases (0.96x in one), medians 1.05x at budget 0 and 1.04x at 16 GiB; "
                    "block-format experts: copy-batch-blocks", "evals/results/d1-copy-batch-h200.md"),
+    "hyper-sinkhorn": ("DeepSeek-V4's hyper-connection weights (sigmoids, softmax, 20 Sinkhorn rounds on a 4x4 "
+                       "matrix) as one Triton launch per block instead of ~130 (kernels/hyper_sinkhorn; 56 instead "
+                       "of 1,582 µs a call): V4's eager decode 1.55-1.88x resident, 1.38-1.54x offloaded",
+                       "evals/results/d1-deepseek-v4-hyper-sinkhorn-h200.md"),
     "cpu-first": ("offloaded decode starts a layer's CPU share before queueing its copies (start 154-258 -> 68-80 "
                   "µs after the routing at 8-16 GiB; auto +6% at 8 GiB, +17% at 16 GiB, equal at budget 0)",
                   "evals/results/d1-qwen3-30b-a3b-bf16-1k-h200.md"),
@@ -68,9 +72,6 @@ EXPERIMENTAL: dict[str, str] = {
                   "1.5% hill climb wanders, and a bias it settled on wrongly can lose the way-level choice",
     "copy-batch-blocks": "GPU path copy-batch for block-format (Q8_0) experts too. Measured on two leases "
                          "(d1-copy-batch-h200.md): Q8_0 auto 0.98x and 1.17x at budget 0, 0.88x and 0.96x at 16 GiB",
-    "hyper-sinkhorn": "DeepSeek-V4's hyper-connection weights (sigmoids, softmax and 20 Sinkhorn rounds on a 4x4 "
-                      "matrix) as one Triton launch per block instead of ~120 (kernels/hyper_sinkhorn): V4 decodes "
-                      "eagerly, so its launches are the step's cost",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

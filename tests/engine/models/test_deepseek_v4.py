@@ -246,8 +246,8 @@ def test_on_cuda_the_hyper_sinkhorn_kernel_gives_the_same_model(checkpoint, monk
 
     path, _, expected = checkpoint
     runs = []
-    for named in ("", "hyper-sinkhorn"):
-        monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", named)
+    for named in ("hyper-sinkhorn", ""):
+        monkeypatch.setenv("FREETOKEN_DISABLE", named)
         gpu_paths.enabled.cache_clear()
         gpu_paths._named.cache_clear()
         lm = load_model(path, device="cuda", dtype=torch.float32, progress=False)
