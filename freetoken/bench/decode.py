@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from freetoken.bench.synthetic import SHAPES, build_synthetic
+from freetoken.bench.synthetic import SHAPES, build_synthetic, synthetic_config
 from freetoken.engine import gpu_paths
 from freetoken.engine.experts import LayerExperts, ResidentExpertExecutor
 from freetoken.engine.loader import attach_experts, build_executor
+from freetoken.engine.models import family_for
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
@@ -200,6 +201,8 @@ def _graph_step(lm, cache):
 
 def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    if device.type == "cuda" and (refusal := resident_rows_refusal(a, dtype, torch.cuda.mem_get_info(device)[0])):
+        raise SystemExit(refusal)
     ceilings = measure_ceilings(device, a.expert_format, dtype, a.probe_mib)
     print(f"ceilings: {ceilings}", file=sys.stderr, flush=True)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
@@ -267,6 +270,22 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
                 torch.cuda.empty_cache()
     _add_resident_work(rows, ceilings, _upper_bound(a))
     return rows, ceilings
+
+
+def resident_rows_refusal(a: argparse.Namespace, dtype: torch.dtype, free_bytes: int) -> str | None:
+    """Why the resident rows cannot run, or None: they hold every routed expert dense on the device (block formats
+    dequantized), so a shape whose experts outgrow the device's free memory is refused before it is built."""
+    if not any(s.startswith("resident") for s in a.strategies):
+        return None
+    cfg = synthetic_config(a.shape, a.layers, None)
+    spec = family_for(cfg["model_type"]).ModelArgs.from_config(cfg).moe_spec()
+    need = spec.total_routed_experts * spec.bytes_per_expert(dtype)
+    if need <= 0.85 * free_bytes:  # the dense weights, the KV cache and the graphs take the rest
+        return None
+    return (f"ft bench decode: the resident rows need {need / 1e9:.0f} GB of {str(dtype).removeprefix('torch.')} "
+            f"experts on the device, which has {free_bytes / 1e9:.0f} GB free; leave resident and resident-graphs "
+            "out of --strategies (the floor then leaves out the work every token needs besides its misses) or "
+            "bench fewer --layers")
 
 
 def _upper_bound(a: argparse.Namespace) -> str:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
-from freetoken.bench.decode import main
+from freetoken.bench.decode import main, resident_rows_refusal
 from freetoken.bench.synthetic import build_synthetic, synthetic_config
 from freetoken.engine.models import family_for
 
@@ -195,3 +197,16 @@ def test_the_floor_counts_hits_a_prefetch_made_for_their_step_as_misses():
     assert row.floor_tok_s == pytest.approx(100e9 / (35 * 10**6))  # misses + prefetch hits over DRAM's 100 GB/s
     assert row.hit_rate == pytest.approx(0.4) and row.hit_rate_cached == pytest.approx(0.3)
     assert "| 40.0% (30.0%) |" in _format_row(row)
+
+
+def test_resident_rows_that_cannot_fit_the_device_are_refused_before_the_build():
+    """gpt-oss-120b's MXFP4 experts are 230 GB dequantized to bf16: the resident rows are refused with the fix
+    named, whatever fits; without them, or with fewer layers, nothing is refused."""
+    a = argparse.Namespace(shape="gpt-oss-120b", layers=None, strategies=["resident-graphs", "copy"])
+    why = resident_rows_refusal(a, torch.bfloat16, 140 * 10**9)
+    assert why and "resident rows need 229 GB of bfloat16 experts" in why and "140 GB free" in why
+    assert "--layers" in why
+    assert resident_rows_refusal(argparse.Namespace(shape="gpt-oss-120b", layers=None, strategies=["copy", "auto"]),
+                                 torch.bfloat16, 140 * 10**9) is None
+    assert resident_rows_refusal(argparse.Namespace(shape="gpt-oss-120b", layers=12, strategies=["resident"]),
+                                 torch.bfloat16, 140 * 10**9) is None
