@@ -20,6 +20,7 @@ from freetoken.engine.formats.safetensors_file import SafetensorsFile
 from freetoken.engine.models import family_for
 from freetoken.errors import ModelLoadError
 from freetoken.kernels.fp8_block.reference import ROW_BLOCK, dequantize_fp8_blocks, to_row_blocks
+from freetoken.kernels.mxfp4.reference import dequantize_mxfp4, to_gguf_blocks
 
 # (HF name, load): `load(into)` returns the tensor, read straight into `into` where the format allows.
 TensorItems = Iterator[tuple[str, Callable[..., "torch.Tensor | RawTensor"]]]
@@ -73,9 +74,11 @@ class HFCheckpoint:
 
     def tensors(self, model_type: str, dtype: torch.dtype, device: torch.device,
                 raw_experts: bool = False) -> TensorItems:
-        """Tensors in the checkpoint's own dtype, but block-scaled FP8 weights, which come dequantized
-        (`weight_scale_inv` beside them is consumed) — routed experts' excepted with `raw_experts`: they come as
-        `RawTensor`s in the FP8_B32 layout (kept in host memory as they ship, half bf16's bytes)."""
+        """Tensors in the checkpoint's own dtype, but block-scaled ones, which come dequantized (the scales
+        beside them are consumed): FP8 weights (DeepSeek-V3's `weight_scale_inv`, V4's `scale`) and FP4 ones
+        (int8, two e2m1 values a byte with a power-of-two scale per 32: DeepSeek-V4's routed experts). With
+        `raw_experts` routed experts come as `RawTensor`s instead, kept in host memory as they ship: FP8 in the
+        FP8_B32 layout (half bf16's bytes), FP4 as MXFP4 blocks (a quarter and a bit)."""
         block = self._fp8_block()
         by_file: dict[Path, list[str]] = {}
         for name, f in self.shards.items():
@@ -90,17 +93,30 @@ class HFCheckpoint:
         for f, names in by_file.items():
             reader = reader_of(f)
             for name in names:
-                scale = name + "_scale_inv"
-                if block is not None and name.endswith("_scale_inv"):
+                if block is not None and self._is_scale(name):
                     continue  # read with its weight
-                if block is not None and scale in self.shards:
-                    scales = reader_of(self.shards[scale])
-                    if raw_experts and ROUTED_EXPERT.search(name) and block[1] % ROW_BLOCK == 0:
-                        yield name, _fp8_raw(reader, name, scales, scale, block)
-                    else:
-                        yield name, _fp8_load(reader, name, scales, scale, block, dtype)
-                else:
+                scale = self._scale_of(name) if block is not None else None
+                if scale is None:
                     yield name, lambda into=None, r=reader, n=name: r.read(n, into)
+                    continue
+                scales, routed = reader_of(self.shards[scale]), raw_experts and ROUTED_EXPERT.search(name)
+                if reader.entries[name].dtype == torch.int8:  # FP4 pairs, a scale per 32 values of a row
+                    yield name, (_fp4_raw if routed else _fp4_load)(reader, name, scales, scale, dtype)
+                elif routed and block[1] % ROW_BLOCK == 0:
+                    yield name, _fp8_raw(reader, name, scales, scale, block)
+                else:
+                    yield name, _fp8_load(reader, name, scales, scale, block, dtype)
+
+    def _scale_of(self, name: str) -> str | None:
+        """The block scales of weight `name`: DeepSeek-V3's `X.weight_scale_inv` or V4's `X.scale`."""
+        for scale in (name + "_scale_inv", name.removesuffix(".weight") + ".scale"):
+            if name.endswith(".weight") and scale in self.shards:
+                return scale
+        return None
+
+    def _is_scale(self, name: str) -> bool:
+        return name.endswith("_scale_inv") or (name.endswith(".scale")
+                                               and name.removesuffix(".scale") + ".weight" in self.shards)
 
     def _fp8_block(self) -> tuple[int, int] | None:
         """The scale block of a block-wise FP8 checkpoint (`quantization_config.quant_method: fp8`), else None."""
@@ -144,6 +160,51 @@ def _fp8_load(reader: SafetensorsFile, name: str, scales: SafetensorsFile, scale
               dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     def load(into=None) -> torch.Tensor:
         return dequantize_fp8_blocks(reader.read(name), scales.read(scale_name), block, dtype)
+
+    return load
+
+
+def _fp4_parts(reader: SafetensorsFile, name: str, scales: SafetensorsFile,
+               scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP4 weight [N, K/2] (int8, value 2j in the low nibble of byte j) and its scales [N, K/32] (E8M0 bytes, or
+    fp32 powers of two) as MXFP4 blocks [N, K/32, 16] and exponent bytes [N, K/32]: gpt-oss's layout."""
+    packed = reader.read(name).view(torch.uint8)
+    n, half = packed.shape
+    s = scales.read(scale_name)
+    if s.dtype == torch.float8_e8m0fnu:
+        s = s.view(torch.uint8)
+    elif s.dtype == torch.float32:  # a power of two is its exponent byte exactly; anything else has no E8M0 form
+        mantissa, exponent = torch.frexp(s)
+        if not bool((mantissa == 0.5).all()):
+            raise ModelLoadError(f"{scale_name}: FP4 scales that are not powers of two are not supported")
+        s = (exponent - 1 + 127).to(torch.uint8)
+    if s.dtype != torch.uint8 or tuple(s.shape) != (n, half // 16) or half % 16:
+        raise ModelLoadError(f"{scale_name}: {tuple(s.shape)} {s.dtype} scales do not fit the FP4 weight {name} "
+                             f"[{n}, {2 * half}] (one per 32 values)")
+    return packed.view(n, half // 16, 16), s
+
+
+def _fp4_raw(reader: SafetensorsFile, name: str, scales: SafetensorsFile, scale_name: str, dtype: torch.dtype):
+    """A loader of one FP4 expert projection as a `RawTensor` of MXFP4 blocks (ggml's layout, as gpt-oss's experts
+    are kept). Marked `raw` so the weight placer keeps it in that format."""
+    def load(into=None) -> RawTensor:
+        blocks, exponents = _fp4_parts(reader, name, scales, scale_name)
+        packed = to_gguf_blocks(blocks, exponents)  # [N, K/32, 17]
+
+        def read_into(dest):
+            dest.reshape(-1)[:] = packed.reshape(-1).numpy()
+            return dest
+
+        return RawTensor("MXFP4", (blocks.shape[0], blocks.shape[1] * 32), packed.numel(), read_into)
+
+    load.raw = True
+    return load
+
+
+def _fp4_load(reader: SafetensorsFile, name: str, scales: SafetensorsFile, scale_name: str,
+              dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    def load(into=None) -> torch.Tensor:
+        return dequantize_mxfp4(*_fp4_parts(reader, name, scales, scale_name), dtype)
 
     return load
 

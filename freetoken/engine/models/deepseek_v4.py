@@ -526,9 +526,9 @@ def checkpoint_name(name: str, args: ModelArgs) -> str | None:
     multi-token-prediction layers (`mtp.*`, or layers past the model's) are left out."""
     if name.startswith("mtp."):
         return None
-    if name.endswith((".scale", "_scale_inv")):
-        raise ModelLoadError(f"{name}: DeepSeek-V4's FP8 / FP4 quantized weights are not supported yet; load a "
-                             "bf16 or fp32 checkpoint")
+    if name.endswith((".scale", "_scale_inv")):  # the checkpoint reader consumes them under an fp8 config
+        raise ModelLoadError(f"{name}: block scales, but config.json has no quantization_config with quant_method "
+                             "fp8 and a weight_block_size; the checkpoint's config is incomplete")
     if (m := _LAYER.fullmatch(name)) is not None:
         return None if int(m.group(1)) >= args.decoder.n_layers else f"model.layers.{m.group(1)}.{m.group(2)}"
     return _TOP_LEVEL.get(name.removeprefix("model."), name)
