@@ -91,6 +91,18 @@ def test_bf16_activations_take_the_bf16_dot_path_and_match(kernel, tokens, hidde
     assert uses_bf16_dot == kernel.bf16_dot
 
 
+def _form_case(formats, tokens: int, round_to: torch.dtype, gen: torch.Generator):
+    """6 experts (hidden 96, intermediate 64) in `formats`, `tokens` tokens large enough that a low clamp bites
+    (bf16-exact for a bf16 model), each routed to 2 experts."""
+    hidden, inter, experts = 96, 64, 6
+    gate, up = (_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
+    down = _matrix(formats[2], experts, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen) * 3
+    if round_to == torch.bfloat16:
+        x = x.bfloat16().float()
+    return gate, up, down, x, _routing(tokens, experts, 2, gen)
+
+
 @pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("MXFP4",) * 3])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
@@ -102,12 +114,7 @@ def test_biases_and_the_clamped_swiglu_match_the_reference(kernel, formats, toke
     clamped = activation == "gpt-oss"
     gen = torch.Generator().manual_seed(tokens + 3 * clamped + len(formats[0]) + 7 * (activation == "v4"))
     hidden, inter, experts = 96, 64, 6
-    gate, up = (_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
-    down = _matrix(formats[2], experts, hidden, inter, gen)
-    x = torch.randn(tokens, hidden, generator=gen) * 3
-    if round_to == torch.bfloat16:
-        x = x.bfloat16().float()
-    routing = _routing(tokens, experts, 2, gen)
+    gate, up, down, x, routing = _form_case(formats, tokens, round_to, gen)
     form = reference.ExpertForm(torch.randn(experts, inter, generator=gen),
                               torch.randn(experts, inter, generator=gen),
                               torch.randn(experts, hidden, generator=gen), clamped, 1.702, 0.8,
@@ -126,14 +133,8 @@ def test_biases_and_the_clamped_swiglu_match_the_reference(kernel, formats, toke
 def test_v4_clamped_swiglu_without_biases_matches_the_reference(kernel, formats, tokens, round_to):
     """DeepSeek-V4's experts carry no biases: the clamps ride the plain SwiGLU path (rounded where a plain bf16
     expert rounds), and the limit bites at this scale."""
-    gen = torch.Generator().manual_seed(31 + tokens + len(formats[0]))
-    hidden, inter, experts = 96, 64, 6
-    gate, up = (_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
-    down = _matrix(formats[2], experts, hidden, inter, gen)
-    x = torch.randn(tokens, hidden, generator=gen) * 3
-    if round_to == torch.bfloat16:
-        x = x.bfloat16().float()
-    routing = _routing(tokens, experts, 2, gen)
+    gate, up, down, x, routing = _form_case(formats, tokens, round_to,
+                                            torch.Generator().manual_seed(31 + tokens + len(formats[0])))
     form = reference.ExpertForm(limit=0.8, clamp_silu=True)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to, form=form)
     plain = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to)
