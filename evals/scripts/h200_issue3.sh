@@ -99,7 +99,7 @@ for part in "$@"; do
     # eagerly: no resident-graphs row); expert bytes held to 40-85 GB so one family's host store fits at a time
     d1-families) while read -r shape layers fmt ctx strategies; do [ -z "$shape" ] && continue
              timeout ${FAMILY_S:-170} ft bench decode --shape $shape --layers $layers --expert-format $fmt \
-               --context $ctx --warmup ${WARMUP:-32} --tokens ${TOKENS:-16} --budgets ${BUDGETS:-0,16GiB} \
+               --context $ctx ${WARMUP:+--warmup $WARMUP} --tokens ${TOKENS:-16} --budgets ${BUDGETS:-0,16GiB} \
                --strategies $strategies --commit "$commit" \
                --out "$OUT/d1-$shape-${layers}l-$fmt-$ctx.md" 2>&1 | grep -vE "Warning|^\s*$" \
                > "$OUT/d1-$shape.log"; tail -9 "$OUT/d1-$shape.log"

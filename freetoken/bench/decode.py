@@ -208,6 +208,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
     host, spec = lm.experts.host, lm.moe_spec
+    if a.warmup is None:  # (CPU runs are functional checks of tiny shapes: 32 tokens)
+        a.warmup = default_warmup(len(spec.moe_layers)) if device.type == "cuda" else 32
     # recurrent layers are captured with GPU path recurrent-graphs (on unless disabled): else every row is eager;
     # so is every row of a model some layer of which cannot be captured at all
     a.eager_only = lm.decodes_eagerly or (lm.has_recurrent_state and not gpu_paths.enabled("recurrent-graphs"))
@@ -270,6 +272,16 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
                 torch.cuda.empty_cache()
     _add_resident_work(rows, ceilings, _upper_bound(a))
     return rows, ceilings
+
+
+WARMUP_LAYER_STEPS = 1536  # the path guard's windows and its searches take ~1,000 layer-steps to settle
+
+
+def default_warmup(moe_layers: int) -> int:
+    """Untimed tokens before a row's timed ones: 32, or enough for WARMUP_LAYER_STEPS on a model truncated to a
+    few MoE layers (8-layer runs with 32 had the guard still exploring: V4's auto measured 0.69x copy, 1.12x
+    once warmed for 160 tokens)."""
+    return max(32, -(-WARMUP_LAYER_STEPS // max(1, moe_layers)))
 
 
 def resident_rows_refusal(a: argparse.Namespace, dtype: torch.dtype, free_bytes: int) -> str | None:
@@ -448,9 +460,11 @@ def main(argv: list[str]) -> int:
     add_model_args(p)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=32,
+    p.add_argument("--warmup", type=int, default=None,
                    help="untimed decode tokens first (the planner's online fit settles, and the path guard measures "
-                        "the pure ways and searches the split's bias: about 20 tokens of a 48-layer model)")
+                        "the pure ways and searches the split's bias: ~1,000 layer-steps, about 20 tokens of a "
+                        "48-layer model); default: 32, on CUDA as many as give 1,536 layer-steps where there are "
+                        "fewer MoE layers")
     p.add_argument("--budgets", default="0,8GiB,16GiB", help="comma-separated expert-cache sizes")
     p.add_argument("--strategies", default="resident,copy,cpu,auto",
                    help="comma-separated: resident, resident-graphs (CUDA only), copy, cpu, auto, auto-noprefetch, "

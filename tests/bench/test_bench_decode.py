@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from freetoken.bench.decode import main, resident_rows_refusal
+from freetoken.bench.decode import default_warmup, main, resident_rows_refusal
 from freetoken.bench.synthetic import build_synthetic, synthetic_config
 from freetoken.engine.models import family_for
 
@@ -210,3 +210,9 @@ def test_resident_rows_that_cannot_fit_the_device_are_refused_before_the_build()
                                  torch.bfloat16, 140 * 10**9) is None
     assert resident_rows_refusal(argparse.Namespace(shape="gpt-oss-120b", layers=12, strategies=["resident"]),
                                  torch.bfloat16, 140 * 10**9) is None
+
+
+def test_the_default_warm_up_gives_shallow_models_the_layer_steps_of_a_deep_one():
+    """32 tokens of the 48-layer D1 model are 1,536 layer-steps; a model cut to 8 MoE layers gets as many."""
+    assert default_warmup(48) == 32 and default_warmup(94) == 32
+    assert default_warmup(8) == 192 and default_warmup(5) == 308
