@@ -31,6 +31,12 @@ PYTHON_TAG = "<|python_tag|>"
 # DeepSeek-V3/R1/V3.1's call markers (fullwidth bars, "▁" U+2581), as its chat template writes them
 DEEPSEEK_OPEN, DEEPSEEK_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DEEPSEEK_CALL, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+# DeepSeek-V4's DSML calls (V3.2's open `function_calls` instead of `tool_calls`); the bars are fullwidth as in
+# DeepSeek's other special tokens
+DSML = "｜DSML｜"
+DSML_OPEN, DSML_V32_OPEN = f"<{DSML}tool_calls>", f"<{DSML}function_calls>"
+DSML_INVOKE, DSML_INVOKE_END = f"<{DSML}invoke name=", f"</{DSML}invoke>"
+DSML_PARAMETER, DSML_PARAMETER_END = f"<{DSML}parameter name=", f"</{DSML}parameter>"
 CALL_MARKERS = {"hermes": CALL_OPEN, "qwen-xml": CALL_OPEN, "glm": CALL_OPEN, "mistral-json": MISTRAL_OPEN,
                 "mistral-args": MISTRAL_OPEN, "llama3": "", "deepseek": DEEPSEEK_OPEN,
                 "deepseek-fenced": DEEPSEEK_OPEN, "harmony": "to=functions."}

@@ -3,8 +3,9 @@
 Models mark reasoning with `<think>…</think>` and tool calls with `<tool_call>…</tool_call>` (Hermes / Qwen: a
 JSON object `{"name", "arguments"}`; Qwen3-Coder: `<function=NAME><parameter=P>value</parameter></function>`).
 Mistral opens its calls with `[TOOL_CALLS]`: a JSON list of calls (older tokenizers) or `NAME[ARGS]{...}` per call
-(newer ones, with `[CALL_ID]id` in between for some); Llama 3.1 may open with `<|python_tag|>`; both are held and
-judged whole at the end. Llama 3 also answers a call with bare JSON (`{"name", "parameters"}`): with tools
+(newer ones, with `[CALL_ID]id` in between for some); Llama 3.1 may open with `<|python_tag|>`, DeepSeek with
+`<｜tool▁calls▁begin｜>` (V3/R1/V3.1) or a DSML block (`<｜DSML｜tool_calls>`: V4; V3.2's `function_calls`); all
+are held and judged whole at the end. Llama 3 also answers a call with bare JSON (`{"name", "parameters"}`): with tools
 offered, an answer that opens with `{` or `[` is held and judged whole at the end too. `OutputParser.push` takes
 each text delta and returns the parts it completes; a tag cut across two deltas is held back until it can be told
 apart from text. A tool call is returned whole once its closing tag arrives. With `stream_calls`, a Hermes or a
@@ -25,6 +26,13 @@ from freetoken.engine.call_languages import (
     DEEPSEEK_CLOSE,
     DEEPSEEK_OPEN,
     DEEPSEEK_SEP,
+    DSML,
+    DSML_INVOKE,
+    DSML_INVOKE_END,
+    DSML_OPEN,
+    DSML_PARAMETER,
+    DSML_PARAMETER_END,
+    DSML_V32_OPEN,
 )
 from freetoken.engine.json_schema import compile_schema
 from freetoken.server.call_streams import StreamedCall, open_call, tagged_value
@@ -34,7 +42,9 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
 DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = DEEPSEEK_OPEN, DEEPSEEK_CLOSE
-_HELD_TO_THE_END = (MISTRAL_CALLS, PYTHON_TAG, DEEPSEEK_CALLS)  # everything after these is calls, parsed whole
+DSML_CALLS = (DSML_OPEN, DSML_V32_OPEN, *(o.replace(DSML, "|DSML|") for o in (DSML_OPEN, DSML_V32_OPEN)))
+# everything after these is calls, parsed whole
+_HELD_TO_THE_END = (MISTRAL_CALLS, PYTHON_TAG, DEEPSEEK_CALLS, *DSML_CALLS)
 
 
 @dataclass(slots=True)
@@ -211,6 +221,8 @@ def parse_marked_calls(text: str) -> list[ToolCall]:
     is a call."""
     if text.lstrip().startswith(DEEPSEEK_CALLS):
         return parse_deepseek_calls(text)
+    if text.lstrip().startswith(DSML_CALLS):
+        return parse_dsml_calls(text)
     calls: list[ToolCall] = []
     for chunk in re.split(r"\[TOOL_CALLS\]|<\|python_tag\|>", text):
         chunk = chunk.strip()
@@ -264,6 +276,37 @@ def parse_deepseek_calls(text: str) -> list[ToolCall]:
         if not name.strip() or not isinstance(value, dict):
             return []
         calls.append(ToolCall(name.strip(), value))
+    return calls
+
+
+_DSML_INVOKE = re.compile(re.escape(DSML_INVOKE) + r'"([^"]+)">(.*?)' + re.escape(DSML_INVOKE_END), re.S)
+_DSML_PARAMETER = re.compile(re.escape(DSML_PARAMETER) + r'"([^"]+)" string="(true|false)">(.*?)'
+                             + re.escape(DSML_PARAMETER_END), re.S)
+
+
+def parse_dsml_calls(text: str) -> list[ToolCall]:
+    """DeepSeek-V4's calls (V3.2's too, in `function_calls`): `<｜DSML｜tool_calls>`, then per call
+    `<｜DSML｜invoke name="NAME">` with `<｜DSML｜parameter name="P" string="true|false">value</｜DSML｜parameter>`
+    per argument (a string as written, anything else as JSON), `</｜DSML｜invoke>`, and the block's close (the
+    reply may end before it). ASCII bars are read as the fullwidth ones. [] unless every call parses."""
+    body = text.strip().replace("|DSML|", DSML)
+    opener = DSML_OPEN if body.startswith(DSML_OPEN) else DSML_V32_OPEN
+    body, _, after = body.removeprefix(opener).partition("</" + opener[1:])
+    found = _DSML_INVOKE.findall(body)
+    if not found or after.strip() or _DSML_INVOKE.sub("", body).strip():
+        return []
+    calls = []
+    for name, inner in found:
+        parameters = _DSML_PARAMETER.findall(inner)
+        if _DSML_PARAMETER.sub("", inner).strip() or not name.strip():
+            return []
+        arguments = {}
+        for key, is_string, value in parameters:
+            try:
+                arguments[key] = value if is_string == "true" else json.loads(value)
+            except json.JSONDecodeError:
+                return []
+        calls.append(ToolCall(name.strip(), arguments))
     return calls
 
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.engine.call_languages import call_head
+from freetoken.engine.call_languages import DSML_INVOKE, DSML_OPEN, DSML_V32_OPEN, call_head
 from freetoken.engine.tokenizer import HARMONY_MARKERS
 from freetoken.server.errors import APIError
 
@@ -77,10 +77,13 @@ def _checked(choice: ToolChoice, names: list[str]) -> ToolChoice:
 def call_syntax(template_source: str) -> str:
     """The tool-call syntax a chat template teaches: "mistral-args", "mistral-json", "qwen-xml", "glm",
     "deepseek" (V3.1's `NAME<｜tool▁sep｜>{…}`), "deepseek-fenced" (V3/R1's `function<｜tool▁sep｜>NAME` and a
-    json fence), "harmony" (gpt-oss: `<|channel|>commentary to=functions.NAME`), "hermes", "llama3", or "none"
-    (the template never renders tools)."""
+    json fence), "dsml" (V4's `<｜DSML｜invoke name="NAME">` with tagged parameters; "dsml-function-calls": V3.2's
+    spelling of the block), "harmony" (gpt-oss: `<|channel|>commentary to=functions.NAME`), "hermes", "llama3",
+    or "none" (the template never renders tools)."""
     if CHANNEL in template_source and MESSAGE in template_source:
         return "harmony"
+    if "DSML" in template_source:  # DeepSeek-V4 (V3.2: `function_calls` blocks)
+        return "dsml-function-calls" if "function_calls" in template_source else "dsml"
     if "tool▁calls▁begin" in template_source:
         return "deepseek-fenced" if "```json" in template_source else "deepseek"
     if "<arg_key>" in template_source:
@@ -113,6 +116,9 @@ def call_opener(choice: ToolChoice, syntax: str, in_reasoning: bool = False) -> 
         opener = "<tool_call>" + (f"{name}\n" if name else "")
     elif syntax == "deepseek":
         opener = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + (f"{name}<｜tool▁sep｜>" if name else "")
+    elif syntax in ("dsml", "dsml-function-calls"):
+        block = DSML_OPEN if syntax == "dsml" else DSML_V32_OPEN
+        opener = f"{block}\n{DSML_INVOKE}\"" + (f"{name}\">\n" if name else "")
     elif syntax == "harmony":  # the prompt ends with <|start|>assistant: the reply's first header is the call's
         opener = f"{CHANNEL}commentary to=functions." + (f"{name} {CONSTRAIN}json{MESSAGE}" if name else "")
     elif syntax == "deepseek-fenced":

@@ -151,6 +151,48 @@ def test_deepseek_calls(sizes):
     assert _run(broken, sizes) == [("text", broken)]  # a call that does not parse stays visible
 
 
+# DeepSeek-V4's DSML calls as its encoding writes them (reasoning first in thinking mode; strings as written,
+# other values as JSON), and V3.2's spelling of the block.
+DSML_V4 = ('<think>The user wants the weather.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+           '<｜DSML｜parameter name="location" string="true">Beijing</｜DSML｜parameter>\n'
+           '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+           '<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="query" string="true">rain, "umbrella"\n'
+           'or not</｜DSML｜parameter>\n<｜DSML｜parameter name="filters" string="false">{"site": ["a.com"], '
+           '"fresh": true}</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+DSML_CALLS = [("tool_call", "get_weather", {"location": "Beijing", "days": 3}),
+              ("tool_call", "search", {"query": 'rain, "umbrella"\nor not', "filters": {"site": ["a.com"],
+                                                                                     "fresh": True}})]
+
+
+@pytest.mark.parametrize("sizes", [[1], [4, 9], [1000]])
+def test_dsml_calls(sizes):
+    """V4's block, V3.2's, ASCII bars, a reply cut at the block's close (the end of the turn), a call without
+    arguments; one whose JSON value does not parse stays visible as text."""
+    assert _run(DSML_V4, sizes) == [("reasoning", "The user wants the weather."), *DSML_CALLS]
+    v32 = DSML_V4.replace("tool_calls>", "function_calls>")
+    assert _run(v32, sizes)[1:] == DSML_CALLS
+    assert _run(DSML_V4.replace("｜DSML｜", "|DSML|"), sizes)[1:] == DSML_CALLS
+    assert _run(DSML_V4.removesuffix("</｜DSML｜tool_calls>"), sizes)[1:] == DSML_CALLS
+    bare = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="now">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    assert _run(bare, sizes) == [("tool_call", "now", {})]
+    broken = DSML_V4.replace('string="false">3<', 'string="false">three<')
+    assert _run(broken, sizes)[1] == ("text", broken[broken.index("<｜DSML｜"):])
+
+
+def test_dsml_templates_get_their_syntax_and_forced_openers():
+    from freetoken.server.tool_choice import ToolChoice, call_opener, call_syntax
+
+    v4 = 'You can invoke tools by writing a "<｜DSML｜tool_calls>" block{{ tools }}'
+    v32 = 'You can invoke functions by writing a "<｜DSML｜function_calls>" block{{ tools }}'
+    assert (call_syntax(v4), call_syntax(v32)) == ("dsml", "dsml-function-calls")
+    text = DSML_V4[DSML_V4.index("<｜DSML｜"):]
+    for template, reply in ((v4, text), (v32, text.replace("tool_calls>", "function_calls>"))):
+        for choice in (ToolChoice("named", "get_weather"), ToolChoice("required")):
+            opener = call_opener(choice, call_syntax(template))
+            assert reply.startswith(opener), (opener, reply)
+            assert _run(reply[len(opener):], [3], prefix=opener) == DSML_CALLS
+
+
 def test_glm_and_deepseek_templates_get_their_syntax_and_forced_openers():
     from freetoken.server.tool_choice import ToolChoice, call_opener, call_syntax
 
