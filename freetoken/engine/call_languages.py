@@ -12,6 +12,7 @@ where the format writes them as JSON (json_schema.py). Nothing outside a call is
   the end; any other reply is free text.
 - `DeepseekCalls` (DeepSeek V3/R1/V3.1): `<｜tool▁calls▁begin｜>` then `NAME<｜tool▁sep｜>{…}` calls.
 - `HarmonyCalls` (gpt-oss): a message header `to=functions.NAME … <|message|>`, then `{…}` and the reply's end.
+- `DsmlCalls` (DeepSeek-V4, V3.2), whose parameters are tagged too, lives in dsml_calls.py.
 Calls are recognised by their head spelled as the chat templates write it (`{"name": "x", "arguments": `).
 """
 
@@ -39,7 +40,8 @@ DSML_INVOKE, DSML_INVOKE_END = f"<{DSML}invoke name=", f"</{DSML}invoke>"
 DSML_PARAMETER, DSML_PARAMETER_END = f"<{DSML}parameter name=", f"</{DSML}parameter>"
 CALL_MARKERS = {"hermes": CALL_OPEN, "qwen-xml": CALL_OPEN, "glm": CALL_OPEN, "mistral-json": MISTRAL_OPEN,
                 "mistral-args": MISTRAL_OPEN, "llama3": "", "deepseek": DEEPSEEK_OPEN,
-                "deepseek-fenced": DEEPSEEK_OPEN, "harmony": "to=functions."}
+                "deepseek-fenced": DEEPSEEK_OPEN, "harmony": "to=functions.", "dsml": DSML_OPEN,
+                "dsml-function-calls": DSML_V32_OPEN}
 
 
 def opening_of(opener: str, call_format: str) -> str | None:

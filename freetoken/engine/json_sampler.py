@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from freetoken.engine.call_languages import DeepseekCalls, HarmonyCalls, HermesCalls, Llama3Calls, MistralCalls
+from freetoken.engine.dsml_calls import DsmlCalls
 from freetoken.engine.json_prefix import JsonPrefix
 from freetoken.engine.json_schema import Node, SchemaPrefix, compile_schema
 from freetoken.engine.sampling import Sampler, SamplingParams
@@ -101,6 +102,9 @@ def language_for(params: SamplingParams) -> Language:
         return Llama3Calls(params.call_opening, names, params.call_schemas)
     if params.call_format == "harmony":
         return HarmonyCalls(params.call_opening, names, params.call_schemas)
+    if params.call_format in ("dsml", "dsml-function-calls"):
+        return DsmlCalls(params.call_opening, params.call_tools, params.call_schemas,
+                         function_calls=params.call_format == "dsml-function-calls")
     raise ValueError(f"no constrained language for call format {params.call_format!r}")
 
 

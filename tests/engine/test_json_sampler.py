@@ -192,6 +192,41 @@ def test_glm_calls_name_an_offered_tool_and_its_typed_arguments():
         GlmCalls(opened="rm\n", tools=READ_TOOL)
 
 
+def test_dsml_calls_type_their_parameters_by_the_schema_then_the_reply_ends():
+    """DeepSeek-V4: offered tools, each parameter once with the string flag its schema type asks for (strings and
+    string enums "true", other types "false" and JSON under the schema), the required ones before the invoke
+    closes, several invokes, then the block's close and nothing but the end; what it lets through the server's
+    parser reads back as the typed values."""
+    from freetoken.engine.dsml_calls import DsmlCalls
+    from freetoken.server.output import parse_dsml_calls
+
+    def p(name, kind, value):
+        return f'<｜DSML｜parameter name="{name}" string="{kind}">{value}</｜DSML｜parameter>\n'
+
+    calls = DsmlCalls(tools=READ_TOOL + (("now", ()),), schemas=(("read_file", READ_SCHEMA),))
+    assert calls.feed("Reading.\n<｜DSML｜tool_calls>\n") and not calls.can_end
+    assert not calls.copy().feed('<｜DSML｜invoke name="write_file">')
+    assert calls.feed('<｜DSML｜invoke name="read_file">\n')
+    assert not calls.copy().feed("</｜DSML｜invoke>")  # path is required
+    assert not calls.copy().feed(p("path", "false", '"a"'))  # a string-typed value is written as one
+    assert not calls.copy().feed(p("limit", "true", "40")) and not calls.copy().feed(p("limit", "false", "4x"))
+    assert not calls.copy().feed(p("mode", "true", "texts")) and not calls.copy().feed(p("follow", "false", "yes"))
+    body = p("limit", "false", "40") + p("ranges", "false", "[1, 2]") + p("mode", "true", "bytes") + \
+        p("path", "true", 'src/a "b".py') + "</｜DSML｜invoke>\n"
+    assert calls.feed(body) and not calls.copy().feed(p("limit", "false", "1"))
+    assert calls.feed('<｜DSML｜invoke name="now">\n' + p("any", "false", '{"x": [1]}') + p("other", "true", "t"))
+    assert calls.feed("</｜DSML｜invoke>\n</｜DSML｜tool_calls>") and calls.can_end and calls.must_end
+    assert not calls.copy().feed(" more") and calls.copy().feed("\n")
+    text = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="read_file">\n' + body + "</｜DSML｜tool_calls>"
+    assert parse_dsml_calls(text)[0].arguments == {"limit": 40, "ranges": [1, 2], "mode": "bytes",
+                                                   "path": 'src/a "b".py'}
+    forced = DsmlCalls(opened='\n<｜DSML｜invoke name="read_file">\n', tools=READ_TOOL,
+                       schemas=(("read_file", READ_SCHEMA),), function_calls=True)
+    assert forced.feed(p("path", "true", "a") + "</｜DSML｜invoke>\n</｜DSML｜function_calls>") and forced.can_end
+    with pytest.raises(ValueError):
+        DsmlCalls(opened='\n<｜DSML｜invoke name="rm">', tools=READ_TOOL)
+
+
 def test_deepseek_calls_are_offered_tools_with_schema_arguments_then_the_end():
     from freetoken.engine.call_languages import DeepseekCalls
 

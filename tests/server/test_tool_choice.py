@@ -190,6 +190,11 @@ FULL_CALLS = {
     "mistral-json": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "mistral-args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "dsml": '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">'
+            'Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+    "dsml-function-calls": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter '
+                           'name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+                           '</｜DSML｜function_calls>',
 }
 
 
@@ -219,7 +224,7 @@ def test_the_reply_is_constrained_to_calls_in_the_models_format(syntax, choice):
     rest = full[len(marker) + len(written):] if choice.forces_call else full
     assert language.copy().feed(rest) and language.copy().feed(rest + " ")
     assert language.feed(rest) and language.can_end
-    if fmt not in ("qwen-xml", "glm"):  # JSON arguments are held to the tool's schema: city must be a string
+    if fmt not in ("qwen-xml", "glm", "dsml", "dsml-function-calls"):  # JSON arguments: city must be a string
         wrong = full.replace('"Paris"', "7")
         assert not language_for(params).feed(wrong[len(marker) + len(written):] if choice.forces_call else wrong)
 
