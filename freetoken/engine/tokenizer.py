@@ -32,6 +32,14 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
+from freetoken.engine.call_languages import (
+    DEEPSEEK_CALL,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CLOSE,
+    DEEPSEEK_OPEN,
+    DEEPSEEK_SEP,
+    DSML,
+)
 from freetoken.engine.chat_template import ChatTemplate
 from freetoken.engine.gguf_vocab import build_gguf_vocab
 from freetoken.errors import ChatTemplateError, TokenizerError
@@ -55,7 +63,8 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 KEPT_MARKERS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]",
-                          "[CALL_ID]", "<|python_tag|>"})
+                          "[CALL_ID]", "<|python_tag|>", DEEPSEEK_OPEN, DEEPSEEK_CLOSE, DEEPSEEK_CALL,
+                          DEEPSEEK_CALL_END, DEEPSEEK_SEP, DSML})
 # gpt-oss's Harmony message structure (special tokens of its vocabulary): kept where the vocabulary has them
 HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>")
 # Tokens that close a block inside a message — a reasoning block, a tool call (Hermes/Qwen JSON, Qwen3-Coder XML),

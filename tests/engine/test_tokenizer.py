@@ -362,3 +362,17 @@ def test_gguf_templates_and_end_of_turn_id() -> None:
 def test_malformed_gguf_metadata(change: dict, message: str) -> None:
     with pytest.raises(TokenizerError, match=message):
         Tokenizer.from_gguf_metadata({**byte_level_metadata("gpt2"), **change})
+
+
+def test_deepseek_call_markers_stay_in_decoded_text_though_flagged_special(tmp_path: Path) -> None:
+    """DeepSeek's tool-call markers (V3's `<｜tool▁calls▁begin｜>` …, V4's `｜DSML｜`) are special tokens of its
+    vocabulary: decoding a reply for the user keeps them, or the server's parser never sees the calls."""
+    from support.checkpoints import add_special_tokens, write_tokenizer
+
+    write_tokenizer(tmp_path)
+    add_special_tokens(tmp_path, ["｜DSML｜", "<｜tool▁calls▁begin｜>"])
+    tokenizer = Tokenizer.from_hf_dir(tmp_path)
+    reply = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="now">\n</｜DSML｜invoke><｜tool▁calls▁begin｜><|im_start|>'
+    ids = tokenizer.encode(reply)
+    assert {tokenizer.token_to_id("｜DSML｜"), tokenizer.token_to_id("<｜tool▁calls▁begin｜>")} <= set(ids)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == reply.removesuffix("<|im_start|>")

@@ -1,9 +1,9 @@
-"""The new families behind a real server, driven by the official clients. A hybrid recurrent model (tiny
-Qwen3-Next: Gated DeltaNet layers beside full attention, offloaded experts): an agent's growing conversation
-reuses the snapshot the last turn left (cached tokens reported, the same answer as a cold server gives),
-streaming works in both protocols, a forced tool call comes back parsed. A tiny GLM-4.5 with a template in its
-call format: a forced call in that format, constrained and parsed; likewise a tiny gpt-oss with a Harmony
-template."""
+"""The new families behind a real server, driven by the official clients. Models with recurrent state (tiny
+Qwen3-Next: Gated DeltaNet layers beside full attention; tiny DeepSeek-V4: compressed attention; offloaded
+experts): an agent's growing conversation reuses the snapshot the last turn left (cached tokens reported, the
+same answer as a cold server gives), streaming works in both protocols, a forced tool call comes back parsed. A
+tiny GLM-4.5 with a template in its call format: a forced call in that format, constrained and parsed; likewise a
+tiny gpt-oss with a Harmony template and a tiny DeepSeek-V4 with a DSML one."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from freetoken.engine.loader import load_model
-from support.checkpoints import write_hf_checkpoint
+from support.checkpoints import VOCAB_SIZE, add_special_tokens, write_hf_checkpoint
 from support.servers import start_server
 
 # closed and enumerated, so a random model has few tokens to choose from; it likes whitespace, which the
@@ -26,10 +26,12 @@ UNITS = {"type": "function", "function": {"name": "set_units", "description": "U
                                                          "properties": {"units": {"enum": ["metric", "imperial"]}}}}}
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next")
-    write_hf_checkpoint("qwen3_next", path)
+@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v4"])
+def hybrid(request, tmp_path_factory):
+    """A model whose layers keep per-sequence recurrent state: Qwen3-Next's DeltaNet, DeepSeek-V4's compressed
+    attention (its whole attention state)."""
+    path = tmp_path_factory.mktemp(request.param)
+    write_hf_checkpoint(request.param, path)
     config = json.loads((path / "config.json").read_text())  # room for the described tools (a 256-token model)
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     return path
@@ -125,6 +127,18 @@ GLM_TEMPLATE = (
 )
 
 
+# A DeepSeek-V4-style template (its DSML call blocks; the markers as V4's encoding writes them).
+DSML_TEMPLATE = (
+    "{%- if tools %}## Tools\nYou can invoke tools by writing a \"<｜DSML｜tool_calls>\" block like the following:\n"
+    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"$TOOL_NAME\">\n<｜DSML｜parameter name=\"$PARAMETER_NAME\" "
+    "string=\"true|false\">$PARAMETER_VALUE</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% else %}<｜Assistant｜>"
+    "{{ m.content }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<｜Assistant｜></think>{% endif %}"
+)
+
+
 # A Harmony-style template (gpt-oss): messages as <|start|>role…<|message|>…<|end|>, tools taught in the developer
 # message, calls as a commentary message to=functions.NAME.
 HARMONY_TEMPLATE = (
@@ -136,16 +150,22 @@ HARMONY_TEMPLATE = (
 )
 
 
-@pytest.mark.parametrize("family, template", [("glm4_moe", GLM_TEMPLATE), ("gpt_oss", HARMONY_TEMPLATE)])
+@pytest.mark.parametrize("family, template", [("glm4_moe", GLM_TEMPLATE), ("gpt_oss", HARMONY_TEMPLATE),
+                                              ("deepseek_v4", DSML_TEMPLATE)])
 def test_a_forced_call_in_the_models_own_format_through_the_server(family, template, tmp_path):
-    """GLM-4.5 writes calls in its own tag format, gpt-oss as Harmony messages: a tiny model of each family with
-    such a template answers a forced call in it (constrained: an offered name, its schema's keys, an enum's value)
-    and the server returns it parsed, in both protocols."""
-    write_hf_checkpoint(family, tmp_path)
+    """GLM-4.5 writes calls in its own tag format, gpt-oss as Harmony messages, DeepSeek-V4 as DSML blocks: a tiny
+    model of each family with such a template answers a forced call in it (constrained: an offered name, its
+    schema's keys, an enum's value) and the server returns it parsed, in both protocols."""
+    markers = ["｜DSML｜"] if family == "deepseek_v4" else []  # one token in V4's tokenizer, as there
+    # DSML lets a block hold several calls: seed 1's random V4 closes it within the budget (seed 0's repeats
+    # its call until the budget runs out)
+    write_hf_checkpoint(family, tmp_path, vocab_size=VOCAB_SIZE + len(markers), seed=int(bool(markers)))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     tok = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": template}))
+    if markers:
+        add_special_tokens(tmp_path, markers)
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
     server = start_server(load_model(tmp_path, progress=False), "tiny")
     try:

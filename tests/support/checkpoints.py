@@ -257,6 +257,20 @@ def write_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
+def add_special_tokens(path: Path, tokens: list[str]) -> None:
+    """Adds `tokens` to the tokenizer at `path` as special tokens (ids from VOCAB_SIZE on: the checkpoint's
+    vocab_size must leave room), as a model's own markers are in its real tokenizer."""
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(tokens)
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    for t in tokens:
+        config["added_tokens_decoder"][str(tok.token_to_id(t))] = {
+            "content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+            "single_word": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
 def prompt_ids(text: str = PROMPT_TEXT) -> list[int]:
     return build_tokenizer().encode(text).ids
 
