@@ -114,11 +114,14 @@ class CallObject:
 
 class CallsInText(ABC):
     """Free text watched for the call marker `OPEN`; a subclass defines how a call goes on (`_open`,
-    `_call_char`) and returns to FREE (mode 0) once the call is closed. Only free text may end."""
+    `_call_char`) and returns to FREE (mode 0) once the call is closed, counting it (`calls`). Only free text may
+    end. `single` (set by the sampler: parallel calls turned off): the reply ends right after its first call."""
 
     FREE = 0
     OPEN = CALL_OPEN
     spaces = 0  # whitespace in a row between a call's parts (glue_space); set per instance once counted
+    single = False
+    calls = 0  # calls closed so far (where the language returns to free text after each)
 
     def feed(self, text: str) -> bool:
         return all(self._char(c) for c in text)
@@ -126,6 +129,8 @@ class CallsInText(ABC):
     def _char(self, c: str) -> bool:
         if self.mode != self.FREE:
             return self._call_char(c)
+        if self.single and self.calls:  # one call was asked for, and it is written: only the end may follow
+            return glue_space(self, c) is True
         self.tail = (self.tail + c)[-len(self.OPEN):]
         if self.tail == self.OPEN:
             self._open()
@@ -155,11 +160,17 @@ class CallsInText(ABC):
     def _call_char(self, c: str) -> bool:
         """Reads one character inside a call; False where no valid call continues with it."""
 
+    def _closed(self) -> None:
+        """A call just closed: back to free text (or, with `single`, to the end)."""
+        self.mode, self.tail, self.calls = self.FREE, "", self.calls + 1
+
     @property
     def can_end(self) -> bool:
         return self.mode == self.FREE
 
-    must_end = False
+    @property
+    def must_end(self) -> bool:
+        return bool(self.single and self.calls) and self.mode == self.FREE
 
 
 class HermesCalls(CallsInText):
@@ -179,7 +190,7 @@ class HermesCalls(CallsInText):
     def copy(self) -> HermesCalls:
         other = HermesCalls.__new__(HermesCalls)
         other.heads, other.mode, other.tail, other.matched = self.heads, self.mode, self.tail, self.matched
-        other.call, other.spaces = self.call.copy(), self.spaces
+        other.call, other.spaces, other.single, other.calls = self.call.copy(), self.spaces, self.single, self.calls
         return other
 
     def _open(self) -> None:
@@ -198,7 +209,7 @@ class HermesCalls(CallsInText):
             return False
         self.matched += 1
         if self.matched == len(CALL_CLOSE):
-            self.mode, self.tail = self.FREE, ""
+            self._closed()
         return True
 
 
@@ -223,7 +234,7 @@ class MistralCalls(CallsInText):
         other.mode, other.tail, other.pending = self.mode, self.tail, self.pending
         other.call = None if self.call is None else self.call.copy()
         other.json = None if self.json is None else self.json.copy()
-        other.spaces = self.spaces
+        other.spaces, other.single, other.calls = self.spaces, self.single, self.calls
         return other
 
     def _open(self) -> None:
@@ -234,11 +245,11 @@ class MistralCalls(CallsInText):
         if mode in (self.LIST, self.AFTER):
             if (space := glue_space(self, c)) is not None:
                 return space
-            if mode == self.LIST and c == "[" or mode == self.AFTER and c == ",":
+            if mode == self.LIST and c == "[" or mode == self.AFTER and c == "," and not self.single:
                 self.mode, self.call = self.CALL, CallObject(self.heads)
                 return True
             if mode == self.AFTER and c == "]":
-                self.mode, self.tail = self.FREE, ""
+                self._closed()
                 return True
             return False
         if mode == self.CALL:
@@ -260,7 +271,7 @@ class MistralCalls(CallsInText):
         if not self.json.feed(c):  # ARGS: the arguments object
             return False
         if self.json.complete:
-            self.mode, self.tail = self.FREE, ""
+            self._closed()
         return True
 
     def _name_char(self, c: str) -> bool:
@@ -402,7 +413,7 @@ class DeepseekCalls(CallsThenTheEnd):
         if self.mode == self.BEGIN:
             return [DEEPSEEK_CALL]
         if self.mode == self.AFTER:
-            return [DEEPSEEK_CALL, DEEPSEEK_CLOSE]
+            return [DEEPSEEK_CLOSE] if self.single else [DEEPSEEK_CALL, DEEPSEEK_CLOSE]
         if self.mode == self.NAME:
             head = "function" + DEEPSEEK_SEP if self.fenced else ""
             tail = "\n```json\n" if self.fenced else DEEPSEEK_SEP

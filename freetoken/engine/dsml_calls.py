@@ -65,7 +65,7 @@ class DsmlCalls(TaggedParameterCalls):
         if self.mode == self.INVOKE:
             return invokes
         if self.mode == self.AFTER:
-            return invokes + [self.close]
+            return [self.close] if self.single else invokes + [self.close]
         if self.mode == self.KIND:
             return [_STRING, _JSON]
         names = self.params.get(self.function) or ()

@@ -83,7 +83,14 @@ class JsonObject:
 
 
 def language_for(params: SamplingParams) -> Language:
-    """The language a reply with these parameters is constrained to."""
+    """The language a reply with these parameters is constrained to (`call_single`: its first call ends it)."""
+    language = _language(params)
+    if params.call_single:
+        language.single = True  # (Llama 3's and Harmony's replies hold one call anyway)
+    return language
+
+
+def _language(params: SamplingParams) -> Language:
     if params.json_object:
         return JsonObject(compile_schema(params.json_schema) if params.json_schema else None)
     names = tuple(name for name, _ in params.call_tools)

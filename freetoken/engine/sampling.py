@@ -34,6 +34,7 @@ class SamplingParams:
     call_opening: str | None = None
     call_tools: tuple[tuple[str, tuple[str, ...]], ...] = ()
     call_schemas: tuple[tuple[str, str], ...] = ()  # (name, parameters schema as JSON text): arguments checked too
+    call_single: bool = False  # at most one call, and the reply ends with it (parallel calls turned off)
 
     def __post_init__(self) -> None:
         checks = [

@@ -109,6 +109,7 @@ class TaggedParameterCalls(CallsInText):
         other.params, other.schemas, other.mode, other.tail = self.params, self.schemas, self.mode, self.tail
         other.pending, other.function, other.seen, other.spaces = self.pending, self.function, self.seen, self.spaces
         other.value = self.value.copy() if self.value is not None else None
+        other.single, other.calls = self.single, self.calls
         return other
 
     def _may_close(self) -> bool:
@@ -183,7 +184,7 @@ class QwenXmlCalls(TaggedParameterCalls):
             elif pending == "</function>":
                 self.mode = self.CLOSE
             elif pending == CALL_CLOSE:
-                self.mode, self.tail = self.FREE, ""
+                self._closed()
             elif pending == "<parameter=":
                 self.mode = self.NAME
             else:
@@ -237,7 +238,7 @@ class GlmCalls(TaggedParameterCalls):
             return False
         if pending:
             if pending == CALL_CLOSE:
-                self.mode, self.tail = self.FREE, ""
+                self._closed()
             elif pending == ARG_KEY:
                 self.mode = self.KEY
             elif pending == ARG_VALUE:

@@ -54,6 +54,7 @@ class ChatPrompt:
     call_tools: tuple[tuple[str, tuple[str, ...]], ...] = ()
     call_schemas: tuple[tuple[str, str], ...] = ()  # (name, parameters schema) of tools whose schema is usable
     harmony: bool = False  # rendered by a Harmony template (gpt-oss): channels, not tags, mark the parts
+    single_call: bool = False  # at most one call (the request turned parallel calls off)
 
     def parser(self, stream_calls: bool = False) -> OutputParser | HarmonyParser:
         """`stream_calls`: for a streamed reply, whose calls go out while they form (see OutputParser)."""
@@ -69,7 +70,8 @@ class ChatPrompt:
             return params
         opening = opening_of(self.opener, self.call_format)
         return dataclasses.replace(params, call_format=self.call_format, call_opening=opening,
-                                   call_tools=self.call_tools, call_schemas=self.call_schemas)
+                                   call_tools=self.call_tools, call_schemas=self.call_schemas,
+                                   call_single=self.single_call)
 
 
 def template_messages(tok, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None):
@@ -100,7 +102,8 @@ def render_chat(tok, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapp
     return ChatPrompt(text + opener, tok.encode(text + opener), opener, in_reasoning, calls,
                       call_format=constrained_format(syntax) if calls else "",
                       call_tools=offered_tools(tools or ()), call_schemas=offered_schemas(tools or ()),
-                      harmony=template is not None and call_syntax(template.source) == "harmony")
+                      harmony=template is not None and call_syntax(template.source) == "harmony",
+                      single_call=calls and choice is not None and not choice.parallel)
 
 
 def constrained_format(syntax: str) -> str:

@@ -75,6 +75,7 @@ class ChatRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     response_format: dict[str, Any] | None = None
 
@@ -102,7 +103,8 @@ def router(engine: ServingEngine, model_ids: set[str]) -> APIRouter:
         req = await read_body(request, ChatRequest)
         req.check(model_ids, engine)
         tools = _tools(req)
-        choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []])
+        choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []],
+                               parallel=req.parallel_tool_calls)
         messages = [_message(m, i) for i, m in enumerate(req.messages)]
         thinking = None if req.reasoning_effort is None else req.reasoning_effort not in ("none", "minimal")
         json_object, json_schema = wants_json(req.response_format, "response_format")

@@ -60,6 +60,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
@@ -97,7 +98,8 @@ def router(engine: ServingEngine, model_ids: set[str], store: ResponseStore | No
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         conversation = [m for m in history if m["role"] != "system"] + new
         tools = _tools(req)
-        choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []], responses=True)
+        choice = openai_choice(req.tool_choice, [t["function"]["name"] for t in tools or []], responses=True,
+                               parallel=req.parallel_tool_calls)
         effort = (req.reasoning or {}).get("effort")
         thinking = None if effort is None else effort not in ("none", "minimal")
         if req.text is not None and not isinstance(req.text, dict):
@@ -236,7 +238,8 @@ class _Reply:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "previous_response_id": req.previous_response_id, "instructions": req.instructions,
                 "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
-                "tools": req.tools or [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True,
+                "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "text": {"format": {"type": "text"}}, "reasoning": req.reasoning, "store": req.store,
                 "metadata": req.metadata or {}}
 

@@ -29,38 +29,43 @@ _, _, CHANNEL, MESSAGE, CONSTRAIN = HARMONY_MARKERS
 class ToolChoice:
     mode: str = "auto"  # "auto", "none", "required" or "named"
     name: str | None = None
+    parallel: bool = True  # False: at most one call in the reply (OpenAI parallel_tool_calls, Anthropic's
+    #                        disable_parallel_tool_use)
 
     @property
     def forces_call(self) -> bool:
         return self.mode in ("required", "named")
 
 
-def openai_choice(value: Any, names: list[str], responses: bool = False) -> ToolChoice:
+def openai_choice(value: Any, names: list[str], responses: bool = False, parallel: bool | None = True) -> ToolChoice:
     """Chat Completions: "auto" | "none" | "required" | {"type": "function", "function": {"name"}}; the
-    Responses API names the function at the top level ({"type": "function", "name"})."""
+    Responses API names the function at the top level ({"type": "function", "name"}). `parallel`: the request's
+    `parallel_tool_calls` (None: not given, allowed)."""
     if value is None or value in ("auto", "none", "required"):
-        return _checked(ToolChoice(value or "auto"), names)
+        return _checked(ToolChoice(value or "auto", parallel=parallel is not False), names)
     if isinstance(value, dict) and value.get("type") == "function":
         inner = value if responses else value.get("function")
         name = inner.get("name") if isinstance(inner, dict) else None
         if isinstance(name, str):
-            return _checked(ToolChoice("named", name), names)
+            return _checked(ToolChoice("named", name, parallel=parallel is not False), names)
     shape = '{"type": "function", "name": ...}' if responses else \
         '{"type": "function", "function": {"name": ...}}'
     raise APIError(400, f"tool_choice must be 'auto', 'none', 'required' or {shape}", param="tool_choice")
 
 
 def anthropic_choice(value: Any, names: list[str]) -> ToolChoice:
-    """Messages: {"type": "auto" | "any" | "none"} or {"type": "tool", "name"}."""
+    """Messages: {"type": "auto" | "any" | "none"} or {"type": "tool", "name"}, each with an optional
+    `disable_parallel_tool_use`."""
     if value is None:
         return ToolChoice()
     kind = value.get("type") if isinstance(value, dict) else None
+    parallel = not (kind is not None and value.get("disable_parallel_tool_use") is True)
     if kind in ("auto", "none"):
-        return _checked(ToolChoice(kind), names)
+        return _checked(ToolChoice(kind, parallel=parallel), names)
     if kind == "any":
-        return _checked(ToolChoice("required"), names)
+        return _checked(ToolChoice("required", parallel=parallel), names)
     if kind == "tool" and isinstance(value.get("name"), str):
-        return _checked(ToolChoice("named", value["name"]), names)
+        return _checked(ToolChoice("named", value["name"], parallel=parallel), names)
     raise APIError(400, "tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
                    param="tool_choice")
 

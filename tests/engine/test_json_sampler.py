@@ -227,6 +227,38 @@ def test_dsml_calls_type_their_parameters_by_the_schema_then_the_reply_ends():
         DsmlCalls(opened='\n<｜DSML｜invoke name="rm">', tools=READ_TOOL)
 
 
+def test_with_parallel_calls_off_the_first_call_ends_the_reply():
+    """`call_single` (the request turned parallel calls off): in every format the reply must end once its first
+    call is written (only whitespace may follow), where otherwise a second call or more text could."""
+    from freetoken.engine.json_sampler import language_for
+    from freetoken.engine.sampling import SamplingParams
+
+    tools, weather = (("get_weather", ("city",)),), '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    b, e = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    dsml_call = ('<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris'
+                 '</｜DSML｜parameter>\n</｜DSML｜invoke>\n')
+    cases = {  # format: (one call, what a second call or more text would add)
+        "hermes": (f"<tool_call>{weather}</tool_call>", f" and <tool_call>{weather}</tool_call>"),
+        "qwen-xml": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                     "</tool_call>", " more"),
+        "glm": ("<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
+                "<tool_call>"),
+        "mistral-json": (f"[TOOL_CALLS][{weather}", f", {weather}]"),
+        "mistral-args": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "[TOOL_CALLS]"),
+        "deepseek": (f'<｜tool▁calls▁begin｜>{b}get_weather<｜tool▁sep｜>{{"city": "Paris"}}{e}', b),
+        "dsml": ("<｜DSML｜tool_calls>\n" + dsml_call, dsml_call),
+    }
+    for fmt, (one, more) in cases.items():
+        for single in (False, True):
+            language = language_for(SamplingParams(call_format=fmt, call_tools=tools, call_single=single))
+            assert language.feed("Sure. " + one), fmt
+            assert language.copy().feed(more) != single, (fmt, single)
+    ends = {"mistral-json": "]", "deepseek": "<｜tool▁calls▁end｜>", "dsml": "</｜DSML｜tool_calls>"}
+    for fmt, (one, _) in cases.items():
+        language = language_for(SamplingParams(call_format=fmt, call_tools=tools, call_single=True))
+        assert language.feed(one + ends.get(fmt, "")) and language.must_end and language.feed("\n"), fmt
+
+
 def test_deepseek_calls_are_offered_tools_with_schema_arguments_then_the_end():
     from freetoken.engine.call_languages import DeepseekCalls
 

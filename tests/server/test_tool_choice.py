@@ -86,6 +86,18 @@ def test_anthropic_choices(value, expected):
     assert anthropic_choice(value, NAMES) == expected
 
 
+def test_parallel_calls_turned_off_in_either_protocol():
+    """OpenAI's `parallel_tool_calls: false` (any choice; unset allows them) and Anthropic's
+    `disable_parallel_tool_use`; the prompt then asks the sampler for one call (ChatPrompt.single_call)."""
+    assert not openai_choice("auto", NAMES, parallel=False).parallel
+    assert openai_choice("required", NAMES, parallel=None).parallel and openai_choice(None, NAMES).parallel
+    named = openai_choice({"type": "function", "function": {"name": "read_file"}}, NAMES, parallel=False)
+    assert named == ToolChoice("named", "read_file", parallel=False)
+    assert anthropic_choice({"type": "any", "disable_parallel_tool_use": True}, NAMES) == \
+        ToolChoice("required", parallel=False)
+    assert anthropic_choice({"type": "auto", "disable_parallel_tool_use": False}, NAMES).parallel
+
+
 def test_bad_choices_are_400s_that_say_what_is_wrong():
     cases = [
         (lambda: openai_choice({"type": "function", "function": {"name": "rm"}}, NAMES), "not among the tools"),
@@ -268,6 +280,18 @@ def test_a_forced_call_streams_its_arguments_in_every_protocol(smollm2_server):
     assert len(deltas) >= 2 and "".join(deltas) == done.arguments and isinstance(json.loads(done.arguments), dict)
     item = next(o for o in events[-1].response.output if o.type == "function_call")
     assert item.name == "get_weather" and item.arguments == done.arguments
+
+
+def test_codex_style_responses_without_parallel_calls_get_one_call(smollm2_server):
+    """Codex asks the Responses API for `parallel_tool_calls: false`: the reply holds one function call and
+    nothing after it (the sampler ends the reply there) and the response echoes the setting."""
+    oai = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    reply = oai.responses.create(model="smollm2", input="Weather in Paris, then in Rome?", tools=[
+        {"type": "function", "name": "get_weather", "parameters": {**CITY, "required": ["city"],
+                                                                    "additionalProperties": False}}],
+        tool_choice="required", parallel_tool_calls=False, max_output_tokens=96, temperature=0)
+    assert [o.type for o in reply.output] == ["function_call"]  # (with parallel calls on, text follows here)
+    assert reply.parallel_tool_calls is False
 
 
 def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_answers_in_text(smollm2_server):
