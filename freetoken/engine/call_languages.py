@@ -346,7 +346,24 @@ class Llama3Calls:
         return self.mode == self.END
 
 
-class CallsThenTheEnd(CallsInText):
+class EndsAfterTheCalls:
+    """For languages whose calls end the reply: free text may end, and past the calls (DONE) only the end may
+    follow."""
+
+    FREE: int
+    DONE: int
+    mode: int
+
+    @property
+    def can_end(self) -> bool:
+        return self.mode in (self.FREE, self.DONE)
+
+    @property
+    def must_end(self) -> bool:
+        return self.mode == self.DONE
+
+
+class CallsThenTheEnd(EndsAfterTheCalls, CallsInText):
     """A language whose calls (of `names`, arguments under `schemas`) end the reply: DONE, where only the end
     may follow. State: the literal being matched (`pending`) and the current arguments' JSON (`json`)."""
 
@@ -382,14 +399,6 @@ class CallsThenTheEnd(CallsInText):
         """The JSON reader of `name`'s arguments: its schema's where it has a usable one."""
         schema = self.schemas.get(name)
         return JsonPrefix() if schema is None else SchemaPrefix(schema)
-
-    @property
-    def can_end(self) -> bool:
-        return self.mode in (self.FREE, self.DONE)
-
-    @property
-    def must_end(self) -> bool:
-        return self.mode == self.DONE
 
 
 class DeepseekCalls(CallsThenTheEnd):

@@ -24,6 +24,7 @@ from freetoken.engine.call_languages import (
     DSML_PARAMETER,
     DSML_PARAMETER_END,
     DSML_V32_OPEN,
+    EndsAfterTheCalls,
     glue_space,
 )
 from freetoken.engine.json_prefix import JsonPrefix
@@ -32,7 +33,7 @@ from freetoken.engine.tag_calls import TaggedParameterCalls, XmlValue
 _STRING, _JSON = ' string="true">', ' string="false">'
 
 
-class DsmlCalls(TaggedParameterCalls):
+class DsmlCalls(EndsAfterTheCalls, TaggedParameterCalls):
     FREE, INVOKE, BODY, NAME, KIND, VALUE, AFTER, DONE = range(8)
 
     def __init__(self, opened: str | None = None, tools: tuple[tuple[str, tuple[str, ...]], ...] = (),
@@ -125,11 +126,3 @@ class DsmlCalls(TaggedParameterCalls):
         if self.tail == DSML_PARAMETER_END:
             self.mode, self.pending = self.BODY, ""
         return True
-
-    @property
-    def can_end(self) -> bool:
-        return self.mode in (self.FREE, self.DONE)
-
-    @property
-    def must_end(self) -> bool:
-        return self.mode == self.DONE
