@@ -45,7 +45,8 @@ class Conversation(ABC):
 
     def send(self, message: str | Mapping[str, Any], *, max_tokens: int = 512, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] = (), seed: int | None = None,
-             json: bool | Mapping[str, Any] = False, tool_choice: str | Mapping[str, Any] | None = None) -> Reply:
+             json: bool | Mapping[str, Any] = False, tool_choice: str | Mapping[str, Any] | None = None,
+             parallel_tool_calls: bool = True) -> Reply:
         """Queues `message` (a string is a user message; a dict any OpenAI-style message, a tool result too)
         and returns its reply at once; the reply completes whether or not it is read. `json=True`: the reply's
         text is one JSON object (sampling is constrained to it); a JSON schema (a dict): one valid under it (what
@@ -54,11 +55,11 @@ class Conversation(ABC):
         so the turn reuses the history's K/V),
         "required" (the reply is a call of some tool), or {"type": "function", "function": {"name": ...}} (a call
         of that tool; {"type": "function", "name": ...} too); anything else, or a tool the session lacks, raises
-        ValueError here."""
+        ValueError here. `parallel_tool_calls=False`: the reply ends after its first call."""
         msg = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
         schema = _schema_text(json) if isinstance(json, Mapping) else ""
         sampling = Sampling(max_tokens, temperature, top_p, top_k, tuple(stop), seed, bool(json), schema,
-                            _tool_choice(tool_choice, self.tools))
+                            _tool_choice(tool_choice, self.tools, parallel_tool_calls))
         reply = Reply()
         self.engine.submit(lambda: self._run(msg, sampling, reply))
         return reply
@@ -87,14 +88,16 @@ class Conversation(ABC):
         self.engine.run(change)
 
 
-def _tool_choice(value: str | Mapping[str, Any] | None, tools: list[dict] | None) -> ToolChoice | None:
+def _tool_choice(value: str | Mapping[str, Any] | None, tools: list[dict] | None,
+                 parallel: bool = True) -> ToolChoice | None:
     """`send`'s tool_choice, checked against the session's tools now, so a bad one fails at the caller."""
-    if value is None:
+    if value is None and parallel:
         return None
     names = [t["function"]["name"] for t in tools or []]
     responses_shape = isinstance(value, Mapping) and "function" not in value
     try:
-        return openai_choice(dict(value) if isinstance(value, Mapping) else value, names, responses=responses_shape)
+        return openai_choice(dict(value) if isinstance(value, Mapping) else value, names, responses=responses_shape,
+                             parallel=parallel)
     except APIError as e:
         raise ValueError(e.message) from None
 

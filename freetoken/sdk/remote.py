@@ -61,7 +61,9 @@ class RemoteSession(Conversation):
                 "stop": list(sampling.stop) or None, "seed": sampling.seed,
                 **({"response_format": _response_format(sampling)} if sampling.json else {}),
                 **({"extra_body": {"top_k": sampling.top_k}} if sampling.top_k else {}),
-                **({"tool_choice": openai_tool_choice(sampling.tool_choice)} if sampling.tool_choice else {})}
+                **({"tool_choice": openai_tool_choice(sampling.tool_choice)} if sampling.tool_choice else {}),
+                **({"parallel_tool_calls": False} if sampling.tool_choice and not sampling.tool_choice.parallel
+                   else {})}
         messages = self._messages + [msg]
         started, first, parts, usage, finish = time.perf_counter(), None, [], None, None
         calls: dict[int, list] = {}  # index → [name, arguments so far]: a call's arguments may come in pieces

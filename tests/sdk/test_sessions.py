@@ -135,6 +135,10 @@ def _forced_calls(session) -> None:
     required = session.send("And the weather in Rome?", tool_choice="required", max_tokens=64)
     assert len(required.tool_calls) >= 1 and required.tool_calls[0].name in ("get_weather", "get_time")
     assert set(required.tool_calls[0].arguments) == {"city"}
+    session.send({"role": "tool", "content": '{"weather": "sun"}'}, tool_choice="none", max_tokens=8)
+    one = session.send("Weather in Oslo and in Bergen?", tool_choice="required", parallel_tool_calls=False,
+                       max_tokens=64)
+    assert len(one.tool_calls) == 1 and one.text.strip() == "" and one.stats.finish_reason == "tool_calls"
 
 
 def test_a_session_forces_tool_calls_with_tool_choice(engine):
