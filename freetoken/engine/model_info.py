@@ -83,8 +83,12 @@ def _expert_bytes(ckpt: HFCheckpoint | GGUFCheckpoint, spec: MoESpec) -> str:
             return f"{_size(per_expert)} per expert ({kinds}); {_size(per_expert * spec.total_routed_experts)} in all"
         return "unknown (no stacked expert tensors in this file)"
     dtype = _hf_expert_dtype(ckpt)
+    block_scaled = (ckpt.config.get("quantization_config") or {}).get("quant_method") == "fp8"
     if any(n.endswith("_blocks") and ".experts." in n for n in ckpt.shards):  # gpt-oss's MXFP4 release
         dtype = "MXFP4"
+        per_expert = spec.bytes_per_expert("MXFP4")
+    elif block_scaled and dtype == "I8":  # DeepSeek-V4's FP4 experts: two values a byte, kept as MXFP4 blocks
+        dtype = "FP4, kept as MXFP4 blocks when offloaded"
         per_expert = spec.bytes_per_expert("MXFP4")
     else:
         per_expert = spec.params_per_expert * _SAFETENSORS_BYTES.get(dtype, 2)
@@ -94,7 +98,8 @@ def _expert_bytes(ckpt: HFCheckpoint | GGUFCheckpoint, spec: MoESpec) -> str:
 def _hf_expert_dtype(ckpt: HFCheckpoint) -> str:
     from safetensors import safe_open
 
-    name = next((n for n in ckpt.shards if ".experts." in n), next(iter(ckpt.shards)))
+    name = next((n for n in ckpt.shards if ".experts." in n and not n.endswith(("scale", "_scale_inv"))),
+                next(iter(ckpt.shards)))
     with safe_open(str(ckpt.shards[name]), framework="pt") as f:
         return f.get_slice(name).get_dtype()
 

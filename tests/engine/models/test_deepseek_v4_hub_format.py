@@ -107,3 +107,11 @@ def test_offloaded_fp4_experts_stay_mxfp4_and_decode_the_same_tokens(hub_checkpo
         offloaded.experts.miss_path = miss_path
         assert Generator(offloaded).generate_ids(prompt_ids(), greedy) == expected, miss_path
         assert offloaded.experts.counters.misses > 0
+
+
+def test_ft_info_counts_the_fp4_experts_bytes(hub_checkpoint):
+    """17 bytes a block of 32 weights (as they are kept), not one byte a weight (the int8 they ship in)."""
+    from freetoken.engine.model_info import describe
+
+    text = describe(str(hub_checkpoint[0]))
+    assert "3.19 KiB per expert (FP4, kept as MXFP4 blocks when offloaded)" in text, text
