@@ -101,7 +101,8 @@ class HFCheckpoint:
                     continue
                 scales, routed = reader_of(self.shards[scale]), raw_experts and ROUTED_EXPERT.search(name)
                 if reader.entries[name].dtype == torch.int8:  # FP4 pairs, a scale per 32 values of a row
-                    yield name, (_fp4_raw if routed else _fp4_load)(reader, name, scales, scale, dtype)
+                    yield name, _fp4_raw(reader, name, scales, scale) if routed else \
+                        _fp4_load(reader, name, scales, scale, dtype)
                 elif routed and block[1] % ROW_BLOCK == 0:
                     yield name, _fp8_raw(reader, name, scales, scale, block)
                 else:
@@ -184,7 +185,7 @@ def _fp4_parts(reader: SafetensorsFile, name: str, scales: SafetensorsFile,
     return packed.view(n, half // 16, 16), s
 
 
-def _fp4_raw(reader: SafetensorsFile, name: str, scales: SafetensorsFile, scale_name: str, dtype: torch.dtype):
+def _fp4_raw(reader: SafetensorsFile, name: str, scales: SafetensorsFile, scale_name: str):
     """A loader of one FP4 expert projection as a `RawTensor` of MXFP4 blocks (ggml's layout, as gpt-oss's experts
     are kept). Marked `raw` so the weight placer keeps it in that format."""
     def load(into=None) -> RawTensor:

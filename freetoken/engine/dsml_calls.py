@@ -41,12 +41,12 @@ class DsmlCalls(EndsAfterTheCalls, TaggedParameterCalls):
         """`function_calls`: V3.2's block name instead of V4's `tool_calls`."""
         self.OPEN = DSML_V32_OPEN if function_calls else DSML_OPEN
         self.close = "</" + self.OPEN[1:]
-        self.function_param = ""  # an undeclared parameter's name, while its kind is read
+        self.param_name = ""  # an undeclared parameter's name, while its kind is read
         super().__init__(opened, tools, schemas)
 
     def copy(self) -> DsmlCalls:
         other = super().copy()
-        other.OPEN, other.close, other.function_param = self.OPEN, self.close, self.function_param
+        other.OPEN, other.close, other.param_name = self.OPEN, self.close, self.param_name
         return other
 
     def _open(self) -> None:
@@ -80,10 +80,10 @@ class DsmlCalls(EndsAfterTheCalls, TaggedParameterCalls):
         if self.mode == self.DONE:
             return glue_space(self, c) is True
         if self.mode == self.VALUE:
-            return self._value_char(c)
+            return self._value_char(c, DSML_PARAMETER_END)
         if self.mode == self.NAME:  # an undeclared parameter's name, up to its closing quote
             if c == '"' and self.pending:
-                self.mode, self.function_param, self.pending = self.KIND, self.pending, ""
+                self.mode, self.param_name, self.pending = self.KIND, self.pending, ""
                 return True
             self.pending += c
             return c not in '\n"<>'
@@ -102,7 +102,7 @@ class DsmlCalls(EndsAfterTheCalls, TaggedParameterCalls):
             elif pending == f'{DSML_PARAMETER}"':
                 self.mode = self.NAME
             elif self.mode == self.KIND:
-                self._start_value(self.function_param, pending == _STRING)
+                self._start_value(self.param_name, pending == _STRING)
             else:
                 name, kind = pending[len(DSML_PARAMETER) + 1:].split('"', 1)
                 self._start_value(name, kind == _STRING)
@@ -114,15 +114,3 @@ class DsmlCalls(EndsAfterTheCalls, TaggedParameterCalls):
         # a string is free text (or one of an enum's values: `typed`); an untyped JSON value is any JSON
         self.value = typed if typed is not None or string else XmlValue(JsonPrefix(), close=DSML_PARAMETER_END,
                                                                            pad=False)
-
-    def _value_char(self, c: str) -> bool:
-        if self.value is not None:  # typed: the value, then the parameter's close
-            if not self.value.feed(c):
-                return False
-            if self.value.closed:
-                self.mode, self.pending, self.value = self.BODY, "", None
-            return True
-        self.tail = (self.tail + c)[-len(DSML_PARAMETER_END):]  # free text up to the parameter's close
-        if self.tail == DSML_PARAMETER_END:
-            self.mode, self.pending = self.BODY, ""
-        return True

@@ -118,6 +118,20 @@ class TaggedParameterCalls(CallsInText):
         names = self.params.get(self.function) or ()
         return root is None or root.required & set(names) <= self.seen
 
+    def _value_char(self, c: str, close: str) -> bool:
+        """One character of a parameter's value: the typed value (`value`), or free text, up to `close`; then
+        back to the call's body."""
+        if self.value is not None:
+            if not self.value.feed(c):
+                return False
+            if self.value.closed:
+                self.mode, self.pending, self.value = self.BODY, "", None
+            return True
+        self.tail = (self.tail + c)[-len(close):]
+        if self.tail == close:
+            self.mode, self.pending = self.BODY, ""
+        return True
+
     def _typed_value(self, name: str, close: str, pad: bool) -> XmlValue | None:
         """Marks `name` written; the constrained value its schema asks for (None: free text)."""
         root = self.schemas.get(self.function)
@@ -157,16 +171,7 @@ class QwenXmlCalls(TaggedParameterCalls):
 
     def _call_char(self, c: str) -> bool:
         if self.mode == self.VALUE:
-            if self.value is not None:  # typed: the value, then </parameter>
-                if not self.value.feed(c):
-                    return False
-                if self.value.closed:
-                    self.mode, self.pending, self.value = self.BODY, "", None
-                return True
-            self.tail = (self.tail + c)[-len(PARAMETER_CLOSE):]  # free text up to </parameter>
-            if self.tail == PARAMETER_CLOSE:
-                self.mode, self.pending = self.BODY, ""
-            return True
+            return self._value_char(c, PARAMETER_CLOSE)
         if self.mode == self.NAME:  # a tool that declares no parameters: any name up to '>', not empty
             if c == ">" and self.pending:
                 self.mode, self.tail, self.pending = self.VALUE, "", ""
@@ -224,7 +229,7 @@ class GlmCalls(TaggedParameterCalls):
         if self.mode == self.NAME:
             return self._name_char(c)
         if self.mode == self.VALUE:
-            return self._value_char(c)
+            return self._value_char(c, ARG_VALUE_END)
         if self.mode == self.KEY and not self.params.get(self.function):  # any key text up to </arg_key>
             self.pending += c
             if self.pending.endswith(ARG_KEY_END):
@@ -262,14 +267,3 @@ class GlmCalls(TaggedParameterCalls):
         self.mode, self.pending = self.GAP, ""
         self.value = self._typed_value(key, ARG_VALUE_END, pad=False)
 
-    def _value_char(self, c: str) -> bool:
-        if self.value is not None:  # typed: the value, then </arg_value>
-            if not self.value.feed(c):
-                return False
-            if self.value.closed:
-                self.mode, self.pending, self.value = self.BODY, "", None
-            return True
-        self.tail = (self.tail + c)[-len(ARG_VALUE_END):]  # free text up to </arg_value>
-        if self.tail == ARG_VALUE_END:
-            self.mode, self.pending = self.BODY, ""
-        return True
