@@ -206,7 +206,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
     ceilings = measure_ceilings(device, a.expert_format, dtype, a.probe_mib)
     print(f"ceilings: {ceilings}", file=sys.stderr, flush=True)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
-                         skew=a.skew, expert_format=a.expert_format)
+                         skew=a.skew, expert_format=a.expert_format, prefill_ahead=False)  # rows build their own
     host, spec = lm.experts.host, lm.moe_spec
     if a.warmup is None:  # (CPU runs are functional checks of tiny shapes: 32 tokens)
         a.warmup = default_warmup(len(spec.moe_layers)) if device.type == "cuda" else 32

@@ -72,7 +72,7 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], float | None]:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     h2d = h2d_bandwidth(device)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=0, layers=a.layers, seed=a.seed,
-                         skew=a.skew, expert_format=a.expert_format)
+                         skew=a.skew, expert_format=a.expert_format, prefill_ahead=False)  # rows build their own
     host, spec = lm.experts.host, lm.moe_spec
     expert_bytes = lm.experts.expert_bytes
     rows: list[Row] = []

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from freetoken.bench.random_fill import random_bytes_, random_uniform_
+from freetoken.engine import gpu_paths
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.loader import LoadedModel, attach_experts, build_executor, empty_model, resolve_device
 from freetoken.engine.models import family_for
@@ -231,13 +232,17 @@ def _skew_router_(model, exponent: float, gen: torch.Generator) -> None:
 def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                     expert_cache: int | None = None, policy: str = "freq", miss_path: str = "auto",
                     layers: int | None = None, seed: int = 0, skew: float = 0.0,
-                    expert_format: str = "dense", vocab_size: int | None = None) -> LoadedModel:
+                    expert_format: str = "dense", vocab_size: int | None = None,
+                    prefill_ahead: bool | None = None) -> LoadedModel:
     """A seeded random model of `shape`; experts resident on `device`, or in host memory (pinned on CUDA)
     behind an expert cache of `expert_cache` bytes. `skew` > 0 makes expert popularity Zipf-like (see
     `_skew_router_`); 0 routes near-uniformly, the pessimistic case for a cache. `expert_format` "Q8_0" keeps
     offloaded experts as random Q8_0 blocks in host memory (as a Q8_0 GGUF would load). `vocab_size` overrides
-    the shape's (to fit a real tokenizer to a small shape)."""
+    the shape's (to fit a real tokenizer to a small shape). `prefill_ahead`: as `load_model`'s (None: on for CUDA
+    devices, as `ft serve` runs), so benches built here measure what a served model does."""
     device = resolve_device(device)
+    if prefill_ahead is None:
+        prefill_ahead = device.type == "cuda" and gpu_paths.enabled("prefill-ahead")
     cfg = synthetic_config(shape, layers, vocab_size)
     family = family_for(cfg["model_type"])
     args = family.ModelArgs.from_config(cfg)
@@ -273,7 +278,7 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
     if hasattr(model, "expert_forms"):  # expert biases and activation (gpt-oss), random like the other weights
         for layer, form in model.expert_forms().items():
             host[layer].form = form
-    experts = build_executor(host, spec, dtype, device, expert_cache, policy, miss_path)
+    experts = build_executor(host, spec, dtype, device, expert_cache, policy, miss_path, prefill_ahead)
     attach_experts(model, experts)
     model.eval()
     return LoadedModel(model, args, family, None, spec, experts, device, dtype, Path(f"synthetic/{shape}"),

@@ -342,6 +342,29 @@ def test_amx_tiles_match_the_reference(kernel, tokens):
     assert (tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
 
 
+def test_amx_results_held_in_groups_cover_long_calls(kernel):
+    """A task's tile passes run back to back into at most 16 tiles' results (gate/up) or 32 (down) before their
+    epilogues: an expert with 17 token tiles (272 tokens) and 35 more experts (52 results per down task) go
+    through several groups, and the result still equals the reference's."""
+    if not kernel.amx:
+        pytest.skip("no AMX on this CPU")
+    gen = torch.Generator().manual_seed(5)
+    experts, tokens = 36, 272
+    gate, up = (_matrix("BF16", experts, 32, 64, gen) for _ in range(2))
+    down = _matrix("BF16", experts, 64, 32, gen)
+    x = torch.randn(tokens, 64, generator=gen).bfloat16().float()
+    pairs = [list(range(tokens))] + [list(range(e, tokens, 50)) for e in range(1, experts)]
+    offsets = [0]
+    for p in pairs:
+        offsets.append(offsets[-1] + len(p))
+    routing = (torch.arange(experts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
+               torch.tensor([t for p in pairs for t in p], dtype=torch.int32), torch.rand(offsets[-1], generator=gen))
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert torch.isfinite(got).all()
+    assert (got - want).norm() / want.norm() < 2e-3
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4", "FP8_B32"])
 @pytest.mark.parametrize("tokens", [8, 40])
 def test_amx_block_formats_compute_what_a_bf16_gpu_expert_computes(kernel, fmt, tokens):
