@@ -38,6 +38,11 @@ MEASURED = {
                      "evals/results/p1-grouped-mm-paged-decode-8l-h200.md"),
     "prefill-ahead": ("offloaded long prefill chunks stream the next layer's experts while a layer computes",
                       "evals/results/p1-qwen3-30b-a3b-bf16-h200.md"),
+    "stream-short-chunks": ("offloaded prefill chunks of a few hundred tokens (an agent's next turn, an edit's "
+                            "suffix) stream the next layer's experts like long chunks and copy all their misses, "
+                            "instead of splitting them between copies and the CPU: a 500-token turn after 20k "
+                            "tokens at a 16 GiB budget 1.10 -> 0.88 s (bf16), 1.06 -> 0.72 s (Q8_0)",
+                            "evals/results/reuse-qwen3-30b-a3b-20k-h200.md"),
     "recurrent-graphs": ("decode of models with recurrent layers through CUDA graphs (state in static buffers)",
                          "evals/results/d1-qwen3.5-35b-a3b-8l-graphs-h200.md"),
 }
@@ -55,10 +60,6 @@ EXPERIMENTAL: dict[str, str] = {
                          "while its CPU share runs, instead of after the next segment's launch. Measured slower "
                          "(evals/results/profile-perf-h200.md, fb990d8: auto 0.83-0.97x at budget 0, 0.80-0.88x at "
                          "16 GiB): the copies share host DRAM with the CPU share, which then runs longer",
-    "stream-short-chunks": "offloaded prefill chunks of a few hundred tokens (an agent's next turn, an edit's "
-                           "suffix) stream the next layer's experts like long chunks and copy all their misses, "
-                           "instead of splitting them between copies and the CPU (A1 on the H200, 9e8f4dc: a "
-                           "600-token turn at a 16 GiB budget took 2.0 s, a whole 16k prompt 1.6 s)",
     "cpu-tree-wake": "the CPU kernel's sleeping workers are woken as a binary tree (each woken worker wakes two "
                      "more) instead of all by the thread that posts the job (Linux; kernels/cpu_experts/pool.h). "
                      "Measured (wake-bench and profile-perf-h200.md, 0a16b66): the poster returns ~10 µs sooner "

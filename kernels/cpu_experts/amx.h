@@ -109,10 +109,10 @@ static inline void amx_load_weights(int t, int type, const uint8_t *w, size_t st
     }
 }
 
-/* out[r][t] (16 x 16) = rows r0..r0+15 of w (stride bytes per row) . packed activations over k weights. The
-   caller has configured the tiles (amx_configure) and releases them after its passes. */
+/* out[r][t] (16 x 16) = rows r0..r0+15 of w (stride bytes per row) . packed activations over k weights. */
 static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const uint16_t *packed, int k, float *out) {
     uint16_t scratch[16 * 32] __attribute__((aligned(64)));
+    amx_configure();
     _tile_zero(0);
     for (int kc = 0; kc < k / 32; kc++) {
         amx_load_weights(2, type, w, stride, kc, scratch);
@@ -120,11 +120,13 @@ static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const u
         _tile_dpbf16ps(0, 2, 4);
     }
     _tile_stored(0, out, 64);
+    _tile_release();
 }
 
 static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
                                const uint16_t *packed, int k, float *out0, float *out1) {
     uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
+    amx_configure();
     _tile_zero(0);
     _tile_zero(1);
     for (int kc = 0; kc < k / 32; kc++) {
@@ -136,19 +138,7 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
     }
     _tile_stored(0, out0, 64);
     _tile_stored(1, out1, 64);
-}
-
-/* A task's tile passes run back to back, their 16x16 results kept here, and the scalar epilogues (activation,
-   scatter into y) run after them: the tile unit slows after a pause, so a pass that follows an epilogue (a few
-   thousand cycles of scalar work) took 2-3x as long as one that follows a pass (1,065-1,600 against 470 cycles
-   for a 768-deep pass on a Sapphire Rapids-class core). Up to AMX_GROUP results at a time. */
-enum { AMX_GROUP = 16 };
-typedef float amx_result[16][16];
-
-static amx_result *amx_results(void) {  /* per thread: 2 * AMX_GROUP results (32 KiB) */
-    static __thread amx_result *buf;
-    if (!buf) buf = aligned_alloc(64, sizeof(amx_result) * 2 * AMX_GROUP);
-    return buf;
+    _tile_release();
 }
 
 /* A 16-row weight block as the tiles read it: block-format rows dequantized to bf16 rows first (block by block
@@ -162,24 +152,6 @@ static const uint8_t *amx_block_rows(const uint8_t *w, int *type, size_t *stride
     return rows;
 }
 
-/* act of tile `tile`'s tokens for rows r0..r0+15 from their gate and up dots; also packed for the down tiles. */
-static void amx_gate_up_epilogue(const moe_job *j, uint16_t *actp, size_t base, int tile, int r0, int expert,
-                                 int p0, int n, const amx_result g, const amx_result u) {
-    uint16_t *dst = actp + base * j->inter * AMX_TOKENS;
-    for (int r = 0; r < ROW_BLOCK; r++)
-        for (int c = 0; c < AMX_TOKENS; c++) {
-            int row = r0 + r, t = tile * AMX_TOKENS + c;
-            float a = 0.0f;
-            if (t < n) {
-                a = expert_act(j, expert, row, g[r][c], u[r][c]);  /* bf16 rounding is on with tiles */
-                j->act[(size_t)(p0 + t) * j->inter + row] = a;
-            }
-            uint32_t bits;
-            memcpy(&bits, &a, 4);
-            dst[(size_t)(row / 2) * AMX_TOKENS * 2 + c * 2 + (row & 1)] = (uint16_t)(bits >> 16);
-        }
-}
-
 static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, const int32_t *tile_base, int task) {
     int blocks = j->inter / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK, expert = j->experts[e];
     int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
@@ -187,60 +159,48 @@ static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, co
     size_t gb = row_bytes(gt, j->hidden), ub = row_bytes(ut, j->hidden);
     const uint8_t *gate = amx_block_rows(j->gate + expert * j->gate_stride + r0 * gb, &gt, &gb, j->hidden, 0);
     const uint8_t *up = amx_block_rows(j->up + expert * j->up_stride + r0 * ub, &ut, &ub, j->hidden, 1);
-    amx_result *res = amx_results();
-    if (!res) return;
-    for (int t0 = 0; t0 < tiles; t0 += AMX_GROUP) {
-        int nt = tiles - t0 < AMX_GROUP ? tiles - t0 : AMX_GROUP;
-        amx_configure();
-        for (int i = 0; i < nt; i++)
-            amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + (size_t)(tile_base[e] + t0 + i) * j->hidden * AMX_TOKENS,
-                               j->hidden, &res[2 * i][0][0], &res[2 * i + 1][0][0]);
-        _tile_release();
-        for (int i = 0; i < nt; i++)
-            amx_gate_up_epilogue(j, actp, (size_t)(tile_base[e] + t0 + i), t0 + i, r0, expert, p0, n,
-                                 (const float (*)[16])res[2 * i], (const float (*)[16])res[2 * i + 1]);
-    }
-}
-
-/* Adds results res[0..count) (tile `tiles[i]` of expert `exps[i]`) into y's rows h0..h0+15, in that order. */
-static void amx_down_epilogue(const moe_job *j, int h0, const amx_result *res, const int *exps, const int *tiles,
-                              int count) {
-    for (int i = 0; i < count; i++) {
-        int e = exps[i], tile = tiles[i], p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
+    float g[16][16], u[16][16];
+    for (int tile = 0; tile < tiles; tile++) {
+        size_t base = (size_t)(tile_base[e] + tile);
+        amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, j->hidden,
+                           &g[0][0], &u[0][0]);
+        uint16_t *dst = actp + base * j->inter * AMX_TOKENS;
         for (int r = 0; r < ROW_BLOCK; r++)
-            for (int c = 0; c < AMX_TOKENS && tile * AMX_TOKENS + c < n; c++) {
-                int p = p0 + tile * AMX_TOKENS + c;
-                float v = expert_out(j, j->experts[e], h0 + r, res[i][r][c], j->pair_weights[p]);
-                j->y[(size_t)j->pair_tokens[p] * j->hidden + h0 + r] += v;
+            for (int c = 0; c < AMX_TOKENS; c++) {
+                int row = r0 + r, t = tile * AMX_TOKENS + c;
+                float a = 0.0f;
+                if (t < n) {
+                    a = expert_act(j, expert, row, g[r][c], u[r][c]);  /* bf16 rounding is on with tiles */
+                    j->act[(size_t)(p0 + t) * j->inter + row] = a;
+                }
+                uint32_t bits;
+                memcpy(&bits, &a, 4);
+                dst[(size_t)(row / 2) * AMX_TOKENS * 2 + c * 2 + (row & 1)] = (uint16_t)(bits >> 16);
             }
     }
 }
 
 static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile_base, int task) {
-    int h0 = task * ROW_BLOCK, exps[2 * AMX_GROUP], tiles_of[2 * AMX_GROUP], count = 0;
+    int h0 = task * ROW_BLOCK;
+    float d[16][16];
     for (int h = h0; h < h0 + ROW_BLOCK; h++)
         for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
-    amx_result *res = amx_results();
-    if (!res) return;
-    amx_configure();
     for (int e = 0; e < j->n_experts; e++) {
-        int tiles = tile_base[e + 1] - tile_base[e], dt = j->down_type;
+        int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
+        int dt = j->down_type;
         size_t db = row_bytes(dt, j->inter);
         const uint8_t *down = amx_block_rows(j->down + j->experts[e] * j->down_stride + h0 * db, &dt, &db,
                                              j->inter, 0);
         for (int tile = 0; tile < tiles; tile++) {
-            if (count == 2 * AMX_GROUP) {  /* results full: add them to y (in expert order), then go on */
-                _tile_release();
-                amx_down_epilogue(j, h0, (const amx_result *)res, exps, tiles_of, count);
-                count = 0;
-                amx_configure();
-            }
             amx_rows_x_tokens(dt, down, db, actp + (size_t)(tile_base[e] + tile) * j->inter * AMX_TOKENS,
-                              j->inter, &res[count][0][0]);
-            exps[count] = e, tiles_of[count++] = tile;
+                              j->inter, &d[0][0]);
+            for (int r = 0; r < ROW_BLOCK; r++)
+                for (int c = 0; c < AMX_TOKENS && tile * AMX_TOKENS + c < n; c++) {
+                    int p = p0 + tile * AMX_TOKENS + c;
+                    float v = expert_out(j, j->experts[e], h0 + r, d[r][c], j->pair_weights[p]);
+                    j->y[(size_t)j->pair_tokens[p] * j->hidden + h0 + r] += v;
+                }
         }
     }
-    _tile_release();
-    amx_down_epilogue(j, h0, (const amx_result *)res, exps, tiles_of, count);
 }
 #endif
