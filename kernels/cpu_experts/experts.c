@@ -92,7 +92,7 @@ typedef struct {
     int bf16_rounding;                    /* round where a bf16 GPU expert rounds: projections, silu, products */
     const uint16_t *xb;                   /* [T, H] x as bf16, or NULL: then the bf16 dot path is off */
     uint16_t *actb;                       /* [P, I] act as bf16 (written in phase 1 when xb is set) */
-    const int16_t *xq;                    /* [T, H] x as int16 with scales xqs [T, H/32], or NULL (Q8_0 gate/up) */
+    const int16_t *xq;                    /* [T, H] x as int16 with scales xqs [T, H/32], or NULL (Q8_0/MXFP4 gate/up) */
     const float *xqs;
     int16_t *actq;                        /* [P, I] act as int16 with scales actqs (written in phase 1), or NULL */
     float *actqs;
@@ -168,10 +168,10 @@ static void phase_gate_up(void *ctx, int task) {
                 const int16_t *xq = j->xq + token * j->hidden;
                 const float *xqs = j->xqs + token * (j->hidden / Q8_BLOCK);
                 if (q16_two_rows) {
-                    q16_dot2(rows[0], rows[1], xq, xqs, j->hidden, gu);
+                    q16_dot2(j->gate_type, rows[0], rows[1], xq, xqs, j->hidden, gu);
                 } else {
-                    gu[0] = q16_dot(rows[0], xq, xqs, j->hidden);
-                    gu[1] = q16_dot(rows[1], xq, xqs, j->hidden);
+                    gu[0] = q16_dot(j->gate_type, rows[0], xq, xqs, j->hidden);
+                    gu[1] = q16_dot(j->gate_type, rows[1], xq, xqs, j->hidden);
                 }
 #endif
             } else if (j->xb) {
@@ -226,8 +226,8 @@ static void phase_down(void *ctx, int task) {
 #if HAVE_Q16
                     const int16_t *aq = j->actq + (size_t)p0 * j->inter;
                     const float *aqs = j->actqs + (size_t)p0 * (j->inter / Q8_BLOCK);
-                    if (nr == 2) q16_dot2(rows[0], rows[1], aq, aqs, j->inter, d);
-                    else d[0] = q16_dot(rows[0], aq, aqs, j->inter);
+                    if (nr == 2) q16_dot2(j->down_type, rows[0], rows[1], aq, aqs, j->inter, d);
+                    else d[0] = q16_dot(j->down_type, rows[0], aq, aqs, j->inter);
 #endif
                 } else if (j->actb)
                     rows_dots_bf16_n(rows, nr, abs_, j->inter, nt, d);
@@ -330,11 +330,12 @@ static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
 
 static int q16_disabled;  /* ft_set_q16(0): the fp32 path instead, to compare against */
 
-/* The int16-activation path for Q8_0 projections of a bf16 model not on tiles: x and act get int16 copies in a
+/* The int16-activation path for Q8_0 and MXFP4 projections of a bf16 model not on tiles: x and act get int16 copies in a
    scratch buffer (one job at a time), and phase-1 tasks own whole 32-row blocks of act. */
 static void start_q16(moe_job *j, int tokens, int pairs) {
 #if HAVE_Q16
-    int q8_gate_up = j->gate_type == FT_Q8_0 && j->up_type == FT_Q8_0, q8_down = j->down_type == FT_Q8_0;
+    int q8_gate_up = j->gate_type == j->up_type && (j->gate_type == FT_Q8_0 || j->gate_type == FT_MXFP4);
+    int q8_down = j->down_type == FT_Q8_0 || j->down_type == FT_MXFP4;
     if (!q8_gate_up && !q8_down) return;
     static uint8_t *buf;
     static size_t capacity;
