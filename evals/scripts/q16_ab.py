@@ -1,7 +1,11 @@
 """A/B of the CPU kernel's int16-activation path against its fp32 path at one token per expert (decode), MXFP4
 and Q8_0, interleaved rounds:  python evals/scripts/q16_ab.py POOL_MIB  (FREETOKEN_CPU_THREADS sets the threads)."""
 
-import statistics, sys, torch
+import statistics
+import sys
+
+import torch
+
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.cpu_experts.bench import expert_gb_s, dram_read_gb_s
 k = CpuExpertKernel.get()
