@@ -6,14 +6,15 @@ import sys
 
 import torch
 
+from freetoken.kernels.cpu_experts.bench import dram_read_gb_s, expert_gb_s
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
-from freetoken.kernels.cpu_experts.bench import expert_gb_s, dram_read_gb_s
+
 k = CpuExpertKernel.get()
 gen = torch.Generator().manual_seed(0)
 pool_mib = int(sys.argv[1])
 print("threads", k.threads, "DRAM", round(dram_read_gb_s(k), 1))
 res = {}
-for rnd in range(3):
+for _round in range(3):
     for fmt in ["MXFP4", "Q8_0"]:
         per = 3 * 2048 * 768 * {"MXFP4": 17 / 32, "Q8_0": 34 / 32}[fmt]
         pool = max(8, int(pool_mib * 2**20 / per) // 8 * 8)

@@ -52,6 +52,7 @@ class PrefillPath:
     # Layer-ahead streaming needs no prediction once a chunk averages this many tokens per expert: its next layer
     # then routes to (nearly) every expert, so all those the cache lacks are copied.
     AHEAD_TOKENS_PER_EXPERT = 8
+    AHEAD_BATCH = 8  # experts a batch of copies streamed ahead holds (one event, one dequantizing launch)
 
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
@@ -154,19 +155,29 @@ class PrefillPath:
             return
         missing = [e for e in range(self.num_experts) if (next_layer, e) not in self.cache.slot_of]
         copier, ahead, ring_left = self.copier, {}, self.copier.staging_slots
-        # No wait for the queued compute: the cache slots taken are free ones, staging slots wait for their own
-        # last reader; waiting would hold these copies behind this layer's experts and idle the link.
-        copier.begin(wait_compute=False, prefill=True)
+        cached, staged = [], []
         for e in missing:
             admitted = self.cache.admit((next_layer, e)) if self.cache.free_slots else None
             if admitted is not None:
-                ahead[e] = _Ahead(admitted[0], None, copier.to_slot(next_layer, e, self.slots, admitted[0]))
+                cached.append((e, admitted[0]))
             elif ring_left:  # never around the ring: a slot streamed ahead is held until the next layer reads it
                 ring_left -= 1
-                ring, done = copier.to_staging(next_layer, e, self.slots, self.staging_first)
-                ahead[e] = _Ahead(self.staging_first + ring, ring, done)
+                staged.append(e)
             else:
                 break
+        # No wait for the queued compute: the cache slots taken are free ones, staging slots wait for their own
+        # last reader; waiting would hold these copies behind this layer's experts and idle the link. Copies go
+        # AHEAD_BATCH experts at a time: the host's cost per expert (runtime calls, a dequantizing launch for
+        # block formats) otherwise bounds a layer of small (Q8_0) experts below the link's speed.
+        copier.begin(wait_compute=False, prefill=True)
+        for i in range(0, len(cached), self.AHEAD_BATCH):
+            part = cached[i:i + self.AHEAD_BATCH]
+            done = copier.to_slots_marked(next_layer, [e for e, _ in part], self.slots, [slot for _, slot in part])
+            ahead.update((e, _Ahead(slot, None, done)) for e, slot in part)
+        for i in range(0, len(staged), self.AHEAD_BATCH):
+            part = staged[i:i + self.AHEAD_BATCH]
+            rings, done = copier.to_staging_batch(next_layer, part, self.slots, self.staging_first)
+            ahead.update((e, _Ahead(self.staging_first + r, r, done)) for e, r in zip(part, rings, strict=True))
         copier.end()
         self._chunk_ahead = (next_layer, ahead)
         self._prefetched.update((next_layer, e) for e in ahead)

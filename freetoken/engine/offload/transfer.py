@@ -172,6 +172,18 @@ class ExpertCopier:
             self._copy(layer, expert, dest, first + i)
             return i, self._record()
 
+    def to_slots_marked(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]):
+        """`to_slots` (one batch: block-format experts dequantized by one launch, dense ones by one batched copy
+        where "copy-batch" is on); returns what `wait` needs before computing from any of them."""
+        self.to_slots(layer, experts, dest, slots)
+        return self._record()
+
+    def to_staging_batch(self, layer: int, experts: list[int], dest: LayerExperts,
+                         first: int) -> tuple[list[int], object]:
+        """`to_staging` for several experts as one batch: (their ring indices, what `wait` needs)."""
+        rings = [self.reserve_staging() for _ in experts]
+        return rings, self.to_slots_marked(layer, experts, dest, [first + i for i in rings])
+
     def reserve_staging(self, busy: frozenset[int] | set[int] = frozenset()) -> int:
         """The next staging ring index not in `busy` (slots holding prefetched experts not yet read); copies
         issued after this wait until its previous reader is done."""

@@ -353,9 +353,9 @@ def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(c
 
 @pytest.mark.parametrize("slots", [0, 6])
 def test_short_chunks_stream_ahead_under_the_gpu_path(checkpoint, slots, monkeypatch):
-    """GPU path "stream-short-chunks" (on by default): in `auto`, a chunk with too few tokens for the long-chunk rule (its experts
-    would be split between copies and the CPU) but enough to route to nearly every expert copies all its misses
-    and streams each next layer ahead; the logits stay the resident ones and the CPU takes none."""
+    """GPU path "stream-short-chunks" (on by default): in `auto`, a chunk with too few tokens for the long-chunk
+    rule (its experts would be split between copies and the CPU) but enough to route to nearly every expert copies
+    all its misses and streams each next layer ahead; the logits stay the resident ones and the CPU takes none."""
     from freetoken.engine.offload import prefill
 
     monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name == "stream-short-chunks")
