@@ -47,6 +47,10 @@ MEASURED = {
                          "evals/results/d1-qwen3.5-35b-a3b-8l-graphs-h200.md"),
 }
 EXPERIMENTAL: dict[str, str] = {
+    "ahead-batches": "offloaded prefill streams the next layer's experts ahead 8 at a time (one event, one "
+                     "dequantizing launch for block formats, one batched copy for dense) instead of one by one: the "
+                     "host's per-expert cost may hold a 500-token turn's Q8_0 copies at 30 of the link's 55 GB/s "
+                     "(reuse-qwen3-30b-a3b-20k-h200.md). Built and tested on CPU, not yet run on the device",
     "delta-decode": "Gated DeltaNet decode steps as one Triton launch per layer (kernels/gated_delta)",
     "delta-prefill": "the chunked Gated DeltaNet's chunk-to-chunk loop as one Triton launch per layer",
     "prefetch-early": "captured decode queues the next layer's prefetch at the end of a layer's host work, not after "

@@ -166,16 +166,17 @@ class PrefillPath:
             else:
                 break
         # No wait for the queued compute: the cache slots taken are free ones, staging slots wait for their own
-        # last reader; waiting would hold these copies behind this layer's experts and idle the link. Copies go
-        # AHEAD_BATCH experts at a time: the host's cost per expert (runtime calls, a dequantizing launch for
-        # block formats) otherwise bounds a layer of small (Q8_0) experts below the link's speed.
+        # last reader; waiting would hold these copies behind this layer's experts and idle the link. GPU path
+        # "ahead-batches": copies go AHEAD_BATCH experts at a time, since the host's cost per expert (runtime
+        # calls, a dequantizing launch for block formats) may bound a layer of small (Q8_0) experts below the link.
+        batch = self.AHEAD_BATCH if gpu_paths.enabled("ahead-batches") else 1
         copier.begin(wait_compute=False, prefill=True)
-        for i in range(0, len(cached), self.AHEAD_BATCH):
-            part = cached[i:i + self.AHEAD_BATCH]
+        for i in range(0, len(cached), batch):
+            part = cached[i:i + batch]
             done = copier.to_slots_marked(next_layer, [e for e, _ in part], self.slots, [slot for _, slot in part])
             ahead.update((e, _Ahead(slot, None, done)) for e, slot in part)
-        for i in range(0, len(staged), self.AHEAD_BATCH):
-            part = staged[i:i + self.AHEAD_BATCH]
+        for i in range(0, len(staged), batch):
+            part = staged[i:i + batch]
             rings, done = copier.to_staging_batch(next_layer, part, self.slots, self.staging_first)
             ahead.update((e, _Ahead(self.staging_first + r, r, done)) for e, r in zip(part, rings, strict=True))
         copier.end()

@@ -315,15 +315,18 @@ def test_without_the_native_kernel_the_cpu_path_falls_back_to_torch(checkpoint, 
 @pytest.mark.parametrize("slots", [0, 6, 64])  # none, fewer than a layer's experts, every expert
 @pytest.mark.parametrize("miss_path", ["copy", "auto"])
 @pytest.mark.parametrize("sorted_pass", [False, True])
+@pytest.mark.parametrize("batches", [False, True])
 def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(checkpoint, slots, miss_path,
-                                                                               sorted_pass, monkeypatch):
+                                                                               sorted_pass, batches, monkeypatch):
     """With `prefill_ahead`, a long chunk copies each next layer's experts (those the cache lacks: into free cache
     slots, else staging) while this layer computes; that layer computes them from there, the rest releases.
     `sorted_pass`: a layer with no miss left runs as one sorted grouped-matmul pass over the slots (Hopper's path,
-    here through torch's CPU fallback)."""
+    here through torch's CPU fallback). `batches`: GPU path "ahead-batches" (AHEAD_BATCH experts a batch)."""
     from freetoken.engine.offload import prefill
 
     monkeypatch.setattr(prefill, "grouped_mm_available", lambda hidden: sorted_pass)
+    on = {"prefill-ahead", "ahead-batches"} if batches else {"prefill-ahead"}
+    monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name in on)
     path, resident, _ = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert, prefill_ahead=True)
