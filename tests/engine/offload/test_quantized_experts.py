@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -13,6 +15,12 @@ from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import PARITY_CASES, prompt_ids, write_gguf_from_hf, write_hf_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def _tiny_gguf(tmp_path, tensor_type: str = "Q8_0"):
+    """The tiny qwen3_moe checkpoint written as a GGUF of `tensor_type`."""
+    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
+    return write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type=tensor_type)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
@@ -51,8 +59,7 @@ def test_dense_gguf_experts_are_kept_dense(tmp_path):
 def test_gathered_decode_dequantizes_a_step_of_q8_0_experts_together(slots, tmp_path):
     """The decode path copies a step's Q8_0 experts and dequantizes them in one batch (into cache or staging
     slots); the result equals the resident run. On CUDA that is the default, here it is switched on."""
-    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
-    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    gguf = _tiny_gguf(tmp_path)
     resident = load_model(gguf, progress=False)
     expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
     spec = resident.moe_spec
@@ -72,8 +79,7 @@ def test_a_prefetch_into_a_small_cache_never_copies_two_experts_into_one_slot(tm
     """Admitting the next layer's predictions can evict one admitted a moment before (a cache of a few slots):
     that slot must then hold the later one only. A batch of quantized copies writes its slots in no particular
     order, so the same slot twice in one batch used to leave the wrong expert there (seen on CUDA)."""
-    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
-    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    gguf = _tiny_gguf(tmp_path)
     resident = load_model(gguf, progress=False)
     expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
     lm = load_model(gguf, progress=False, expert_cache=3 * resident.moe_spec.bytes_per_expert(torch.float32))
@@ -92,8 +98,7 @@ def test_a_prefetch_into_a_small_cache_never_copies_two_experts_into_one_slot(tm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("miss_path", ["copy", "auto"])
 def test_on_cuda_q8_0_experts_cross_in_blocks_and_dequantize_in_one_launch(miss_path, tmp_path):
-    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
-    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    gguf = _tiny_gguf(tmp_path)
     resident = load_model(gguf, device="cuda", dtype=torch.float32, progress=False)
     expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
     spec = resident.moe_spec
@@ -108,20 +113,31 @@ def test_on_cuda_q8_0_experts_cross_in_blocks_and_dequantize_in_one_launch(miss_
                                atol=1e-4, rtol=0)
 
 
+@contextlib.contextmanager
+def _experimental(monkeypatch, *paths: str):
+    """The GPU paths named in FREETOKEN_EXPERIMENTAL inside the block (the cached switches cleared on both sides,
+    so no other test sees them)."""
+    from freetoken.engine import gpu_paths
+
+    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", ",".join(paths))
+    gpu_paths.enabled.cache_clear()
+    gpu_paths._named.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.delenv("FREETOKEN_EXPERIMENTAL")
+        gpu_paths.enabled.cache_clear()
+        gpu_paths._named.cache_clear()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("tensor_type", ["Q8_0", "F32"])
 def test_on_cuda_prefill_streams_the_next_layer_ahead_in_batches(tensor_type, tmp_path, monkeypatch):
     """GPU path "ahead-batches": a chunk long enough to route to every expert streams each next layer's experts
     ahead, AHEAD_BATCH experts a batch (one event each and, for Q8_0, one dequantizing launch), into free slots and
     the staging ring; the logits stay the resident ones."""
-    from freetoken.engine import gpu_paths
-
-    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "ahead-batches")
-    gpu_paths.enabled.cache_clear()
-    gpu_paths._named.cache_clear()
-    try:
-        write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
-        gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type=tensor_type)
+    with _experimental(monkeypatch, "ahead-batches"):
+        gguf = _tiny_gguf(tmp_path, tensor_type)
         resident = load_model(gguf, device="cuda", dtype=torch.float32, progress=False)
         lm = load_model(gguf, device="cuda", dtype=torch.float32, progress=False, prefill_ahead=True,
                         expert_cache=3 * resident.moe_spec.bytes_per_expert(torch.float32))
@@ -133,10 +149,6 @@ def test_on_cuda_prefill_streams_the_next_layer_ahead_in_batches(tensor_type, tm
         torch.testing.assert_close(lm.prefill_logits(ids), resident.prefill_logits(ids), atol=1e-4, rtol=0)
         c = ex.counters
         assert c.prefetched >= ex.AHEAD_BATCH and 0 < c.prefetch_used <= c.prefetched
-    finally:
-        monkeypatch.delenv("FREETOKEN_EXPERIMENTAL")
-        gpu_paths.enabled.cache_clear()
-        gpu_paths._named.cache_clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -145,15 +157,10 @@ def test_on_cuda_batched_copies_give_the_resident_tokens(tensor_type, tmp_path, 
     """GPU paths "copy-batch" (dense projections straight into their slots, on by default) and
     "copy-batch-blocks" (Q8_0 block bytes into the dequantizer's rows, experimental): a batch's copies queued by one
     cudaMemcpyBatchAsync."""
-    from freetoken.engine import gpu_paths
     from freetoken.engine.offload import cudart
 
-    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "copy-batch-blocks" if tensor_type == "Q8_0" else "")
-    gpu_paths.enabled.cache_clear()
-    gpu_paths._named.cache_clear()
-    try:
-        write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
-        gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type=tensor_type)
+    with _experimental(monkeypatch, *(["copy-batch-blocks"] if tensor_type == "Q8_0" else [])):
+        gguf = _tiny_gguf(tmp_path, tensor_type)
         resident = load_model(gguf, device="cuda", dtype=torch.float32, progress=False)
         expected = Generator(resident).generate_ids(prompt_ids(), GREEDY)
         lm = load_model(gguf, device="cuda", dtype=torch.float32, progress=False,
@@ -168,10 +175,6 @@ def test_on_cuda_batched_copies_give_the_resident_tokens(tensor_type, tmp_path, 
                             or call(copies, stream))
         assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
         assert max(batches) >= 6  # two experts' three projections, or more, in one call
-    finally:
-        monkeypatch.delenv("FREETOKEN_EXPERIMENTAL")
-        gpu_paths.enabled.cache_clear()
-        gpu_paths._named.cache_clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -180,8 +183,7 @@ def test_on_cuda_graphed_dequantization_writes_each_batch_into_its_own_slots(tmp
     block bytes of every later batch must still land where that batch says, also after the slots moved."""
     from freetoken.engine.offload import transfer
 
-    write_hf_checkpoint(path=tmp_path / "hf", **PARITY_CASES["qwen3_moe"])
-    gguf = write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", tensor_type="Q8_0")
+    gguf = _tiny_gguf(tmp_path)
     lm = load_model(gguf, device="cuda", dtype=torch.bfloat16, progress=False, expert_cache=0)
     copier, host = lm.experts.copier, lm.experts.host[0]
     assert copier.fused and transfer.DEQUANT_GRAPHS
