@@ -58,10 +58,27 @@ class SequenceAttention:
         self.seq.recurrent.update(self._pending_state)
 
 
+class SequenceRows:
+    """One sequence's rows of a batched forward as a recurrent layer sees them: their positions and the sequence's
+    recurrent state (the state a layer sets replaces the old one when the batch commits)."""
+
+    __slots__ = ("seq", "positions", "_pending")
+
+    def __init__(self, seq: SequenceKV, positions: torch.Tensor, pending: dict[int, tuple[torch.Tensor, ...]]):
+        self.seq, self.positions, self._pending = seq, positions, pending
+
+    def recurrent_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        return self.seq.recurrent.get(layer)
+
+    def set_recurrent_state(self, layer: int, state: tuple[torch.Tensor, ...]) -> None:
+        self._pending[layer] = state
+
+
 class BatchAttention:
     """Rows [bounds[i], bounds[i + 1]) of the forward are new tokens of seqs[i] (a decode token or a prefill chunk).
     The projections, MLPs and experts see all rows together, so weights are read once per step for the whole
-    batch; attention runs per sequence, each over its own cached keys."""
+    batch; attention runs per sequence, each over its own cached keys, and so do recurrent layers' state updates
+    (`sequence_rows`)."""
 
     # The decode tokens of a step (one new token per sequence) attend in one call over their sequences' keys
     # gathered into [B, W] padded rows: one KV write and one gather per layer for all of them, not a write, a gather
@@ -78,6 +95,7 @@ class BatchAttention:
             self.bounds.append(self.bounds[-1] + n)
         self.positions = torch.cat([torch.arange(s.length, s.length + n) for s, n in zip(seqs, counts, strict=True)]
                                    ).to(device)
+        self._pending_states: list[dict[int, tuple[torch.Tensor, ...]]] = [{} for _ in seqs]
         # (rows or None for all, write slots [B], read slots [B, W], each row's position [B])
         self._decode = None
         self._chunks = range(len(seqs))  # sequences attended one at a time
@@ -125,11 +143,17 @@ class BatchAttention:
         return decode_rows_attention(self.cache, layer, q, k, v, write, read, positions,
                                      slice(None) if rows is None else rows, sinks, window, select)
 
+    def sequences(self) -> list[tuple[int, int, SequenceRows]]:
+        """(first row, end row, its view) of each sequence, for layers whose state is per sequence."""
+        return [(self.bounds[i], self.bounds[i + 1],
+                 SequenceRows(seq, self.positions[self.bounds[i]:self.bounds[i + 1]], self._pending_states[i]))
+                for i, seq in enumerate(self.seqs)]
+
     def recurrent_state(self, layer: int):
-        """Refused: the batch scheduler runs models with recurrent layers one sequence at a time (their state
-        is per sequence; batching it comes with the first hybrid family)."""
-        raise RecurrentStateError("layers with recurrent state run one sequence at a time; this forward batched "
-                                  f"{len(self.seqs)}")
+        """Refused: a batch holds several sequences' states; a recurrent layer reads each through
+        `sequence_rows`."""
+        raise RecurrentStateError("a batched forward holds one recurrent state per sequence: read them per "
+                                  "sequence (attention.sequence_rows)")
 
     set_recurrent_state = recurrent_state
 
@@ -138,8 +162,16 @@ class BatchAttention:
         return [b - 1 for b in self.bounds[1:]]
 
     def commit(self) -> None:
-        for seq, n in zip(self.seqs, self.counts, strict=True):
+        for seq, n, states in zip(self.seqs, self.counts, self._pending_states, strict=True):
             self.cache.commit(seq, n)
+            seq.recurrent.update(states)
+
+
+def sequence_rows(ctx, rows: int) -> list[tuple[int, int, object]]:
+    """(first row, end row, context) of each sequence among a forward's `rows`: a recurrent layer updates each
+    sequence's state from its own rows. One entry (the whole forward, `ctx` itself) unless `ctx` batches several
+    sequences."""
+    return ctx.sequences() if isinstance(ctx, BatchAttention) else [(0, rows, ctx)]
 
 
 _ONE_TOKEN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -438,7 +470,8 @@ class StaticBatchAttention:
                                      slice(None), sinks, window, select)
 
     def recurrent_state(self, layer: int):
-        raise RecurrentStateError("layers with recurrent state run one sequence at a time, not in a batched step")
+        raise RecurrentStateError("a captured batched step holds no recurrent state: several sequences of a model "
+                                  "with recurrent layers step eagerly (BatchAttention)")
 
     set_recurrent_state = recurrent_state
 

@@ -8,12 +8,14 @@ after one step, not after the whole long prefill, and the long prompt takes the 
 Requests join and leave between steps. All sequences live in one paged KV cache; a finished or cancelled
 sequence returns its pages at once, except its full pages, which the prefix cache keeps (until the pool needs
 them) so a later prompt that starts with the same tokens, an agent's next turn, reuses their K/V.
-Models with recurrent layers run one sequence at a time and reuse whole-sequence snapshots instead
-(state_snapshots.py: each prompt's end, each finished request, and the last few message and block ends inside a
-prompt, so that an agent editing its recent history recomputes from the boundary before the edit).
+Models with recurrent layers (Qwen3-Next, Qwen3.5-MoE) batch too, their layers updating each sequence's state from
+its own rows, and reuse whole-sequence snapshots instead of shared pages (state_snapshots.py: each prompt's end,
+each finished request, and the last few message and block ends inside a prompt, so that an agent editing its
+recent history recomputes from the boundary before the edit); DeepSeek-V4 runs one sequence at a time.
 On CUDA a step of decode tokens only replays a CUDA graph: the single-sequence path's for one sequence, a batched
 step's for several (cuda_graphs.py; GPU path "batch-graphs"; the KV pool is then allocated at full size up front,
-as the graphs need); a step with prefill chunks runs eagerly through `LoadedModel.forward_batch`.
+as the graphs need; several sequences of a recurrent model step eagerly); a step with prefill chunks runs eagerly
+through `LoadedModel.forward_batch`.
 
 Shapes: B sequences in a step, V vocabulary.
 """
@@ -85,8 +87,9 @@ class BatchScheduler:
         self.active: list[BatchRequest] = []
         self.forwards = 0
         self.prefix = self.snapshots = None
-        if lm.has_recurrent_state:  # its state is per sequence: one at a time, reused from whole snapshots
-            self.max_batch = 1
+        if lm.has_recurrent_state:  # its state is per sequence: reused from whole snapshots, not shared pages
+            if lm.decodes_eagerly:  # (DeepSeek-V4's compressed attention reads one sequence at a time)
+                self.max_batch = 1
             if prefix_cache:
                 self.snapshots = StateSnapshots(self.cache)
                 self.cache.reclaim = self.snapshots.evict
@@ -220,8 +223,13 @@ class BatchScheduler:
         replayed whole from a CUDA graph, whose launch returns at once. Emitting wakes the server's event loop,
         whose per-token work (SSE framing, the socket) would otherwise hold the GIL while this thread prepares
         and launches the next step; after the launch it overlaps the GPU's work on that step."""
-        return (self.use_graphs and len(tokens) == len(batch) and getattr(self.lm.experts, "capturable", True)
+        return (self._graphed(batch, tokens) and getattr(self.lm.experts, "capturable", True)
                 and gpu_paths.enabled("emit-after-launch"))
+
+    def _graphed(self, batch: list[BatchRequest], tokens: list[int]) -> bool:
+        """Whether this step replays CUDA graphs: decode tokens only, and one sequence where layers keep recurrent
+        state (a batched step's states are per sequence, which no captured batch holds: those steps run eagerly)."""
+        return self.use_graphs and len(tokens) == len(batch) and (len(batch) == 1 or not self.lm.has_recurrent_state)
 
     def _flush(self) -> None:
         held, self._held = self._held, []
@@ -229,7 +237,7 @@ class BatchScheduler:
             req.emit(ev)
 
     def _forward(self, batch: list[BatchRequest], tokens: list[int], counts: list[int]) -> torch.Tensor:
-        if self.use_graphs and len(tokens) == len(batch):  # decode tokens only: a captured step
+        if self._graphed(batch, tokens):  # decode tokens only: a captured step
             if self._graphs is None:
                 from freetoken.engine.cuda_graphs import GraphedDecoder
 

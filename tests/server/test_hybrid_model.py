@@ -1,7 +1,8 @@
 """The new families behind a real server, driven by the official clients. Models with recurrent state (tiny
 Qwen3-Next: Gated DeltaNet layers beside full attention; tiny DeepSeek-V4: compressed attention; offloaded
 experts): an agent's growing conversation reuses the snapshot the last turn left (cached tokens reported, the
-same answer as a cold server gives), streaming works in both protocols, a forced tool call comes back parsed. A
+same answer as a cold server gives), concurrent requests answer as each does alone, streaming works in both
+protocols, a forced tool call comes back parsed. A
 tiny GLM-4.5 with a template in its call format: a forced call in that format, constrained and parsed; likewise a
 tiny gpt-oss with a Harmony template and a tiny DeepSeek-V4 with a DSML one."""
 
@@ -92,6 +93,27 @@ def test_an_edited_last_message_restarts_from_the_boundary_before_it(hybrid):
         assert _chat(cold.url, edited).choices[0].message.content == reply.choices[0].message.content
     finally:
         cold.stop()
+
+
+def test_concurrent_requests_answer_as_each_does_alone(hybrid):
+    """Three clients at once (an agent's turn beside its title request and a subagent): Qwen3-Next's requests
+    share forwards, each sequence's recurrent state updated from its own rows (DeepSeek-V4's queue one at a time);
+    each answer equals the one the same request gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    conversations = [[{"role": "user", "content": text}] for text in
+                     ("the quick brown fox", "write a title for this chat", "a subagent's own task")]
+    server = _serve(hybrid)
+    try:
+        with ThreadPoolExecutor(len(conversations)) as pool:
+            together = list(pool.map(lambda m: _chat(server.url, m).choices[0].message.content, conversations))
+    finally:
+        server.stop()
+    alone = _serve(hybrid)
+    try:
+        assert together == [_chat(alone.url, m).choices[0].message.content for m in conversations]
+    finally:
+        alone.stop()
 
 
 def test_streams_and_a_forced_call_through_both_protocols(hybrid):

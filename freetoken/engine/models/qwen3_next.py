@@ -5,7 +5,8 @@ projection also yields a per-channel output gate, q/k get RMSNorm, RoPE covers o
 each head. Norms scale by (1 + weight). MoE layers route softmax top-k and add a sigmoid-gated shared expert.
 
 The DeltaNet state lives in the sequence's recurrent state (`ctx.recurrent_state`), so such a sequence cannot
-be rolled back, only restored from a snapshot (a fork), and the batch scheduler runs it one sequence at a time.
+be rolled back, only restored from a snapshot (a fork); in a batched forward each sequence's rows update its own
+state (`attention.sequence_rows`), while the projections see every row at once.
 
 Shapes: T tokens, Hd hidden, H heads, Hkv KV heads, D head dim; linear attention: Hk key heads, Hv value heads,
 Dk / Dv their dims, C = 2·Hk·Dk + Hv·Dv conv channels, K conv width.
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.engine import gpu_paths
+from freetoken.engine.attention import sequence_rows
 from freetoken.engine.config import MoESpec
 from freetoken.engine.models.common_args import decoder_args, num_experts
 from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, DenseMLP
@@ -178,14 +180,26 @@ class GatedDeltaNet(nn.Module):
                 b.reshape(t, la.value_heads), a.reshape(t, la.value_heads))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The projections and the gated norm see every row at once; the convolution and the delta rule run per
+        sequence of a batch, each from its own state."""
         la, t = self.la, x.shape[0]
         q, k, v, z, b, a = self._split(x)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        beta = torch.sigmoid(b).float()  # in the activation dtype first, as the reference does
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        outs = [self._recur(mixed[lo:hi], g[lo:hi], beta[lo:hi], rows) for lo, hi, rows in sequence_rows(ctx, t)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = self.norm(out.to(x.dtype).reshape(-1, la.value_dim), z.reshape(-1, la.value_dim))
+        return self.out_proj(out.reshape(t, -1))
+
+    def _recur(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx) -> torch.Tensor:
+        """One sequence's rows through the causal convolution and the delta rule, from and to its state."""
+        la, t = self.la, mixed.shape[0]
         state = ctx.recurrent_state(self.layer_idx)
         if state is None:
-            state = (torch.zeros(self.conv_channels, la.conv_kernel - 1, dtype=x.dtype, device=x.device),
-                     torch.zeros(la.value_heads, la.key_dim, la.value_dim, dtype=torch.float32, device=x.device))
+            state = (torch.zeros(self.conv_channels, la.conv_kernel - 1, dtype=mixed.dtype, device=mixed.device),
+                     torch.zeros(la.value_heads, la.key_dim, la.value_dim, dtype=torch.float32, device=mixed.device))
         conv_state, delta_state = state
-        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         mixed, conv_state = causal_conv(mixed, conv_state, self.conv1d.weight[:, 0, :])
         key_total = la.key_heads * la.key_dim
         q, k, v = mixed.split([key_total, key_total, la.value_heads * la.value_dim], dim=-1)
@@ -194,12 +208,9 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(q) * la.key_dim ** -0.5
         k = l2_normalize(k)
         v = v.reshape(t, la.value_heads, la.value_dim).float()
-        beta = torch.sigmoid(b).float()  # in the activation dtype first, as the reference does
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, delta_state = _delta_rule(t, x.device)(q, k, v, g, beta, delta_state)
+        out, delta_state = _delta_rule(t, mixed.device)(q, k, v, g, beta, delta_state)
         ctx.set_recurrent_state(self.layer_idx, (conv_state, delta_state))
-        out = self.norm(out.to(x.dtype).reshape(-1, la.value_dim), z.reshape(-1, la.value_dim))
-        return self.out_proj(out.reshape(t, -1))
+        return out
 
 
 def _delta_rule(tokens: int, device: torch.device):

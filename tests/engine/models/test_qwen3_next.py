@@ -127,6 +127,56 @@ def test_a_snapshot_taken_mid_sequence_continues_like_a_fresh_run(lm):
         cache.release(s)
 
 
+def test_a_batched_forward_updates_each_sequences_state_from_its_own_rows(lm):
+    """One forward over a decode token of one sequence and prefill chunks of two others (one fresh, one with a
+    state already): each sequence's logits and its state afterwards equal those of running it alone."""
+    prompts = [prompt_ids(), prompt_ids("A second prompt beside the first"), prompt_ids("Hi there")]
+    lone_cache, batch_cache = lm.new_cache(page_size=4), lm.new_cache(page_size=4)
+    lone = [lone_cache.new_sequence() for _ in prompts]
+    batch = [batch_cache.new_sequence() for _ in prompts]
+    with torch.inference_mode():
+        for cache, seqs in ((lone_cache, lone), (batch_cache, batch)):  # the same history in both caches
+            lm.forward(torch.tensor(prompts[0]), cache, seqs[0], "last")
+            lm.forward(torch.tensor(prompts[2][:3]), cache, seqs[2], "last")
+        new = [[7], prompts[1], prompts[2][3:]]
+        want = torch.cat([lm.forward(torch.tensor(ids), lone_cache, seq, "last")
+                          for ids, seq in zip(new, lone, strict=True)])
+        got = lm.forward_batch(torch.tensor([t for ids in new for t in ids]), batch_cache, batch,
+                               [len(ids) for ids in new])
+    # (within fp32 rounding: the batched projections multiply more rows at once, blocked differently)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for a, b in zip(lone, batch, strict=True):
+        assert a.recurrent.keys() == b.recurrent.keys()
+        for layer, state in a.recurrent.items():
+            for x, y in zip(state, b.recurrent[layer], strict=True):
+                torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_batch_scheduler_batches_hybrid_requests(checkpoint, lm, offload):
+    """The server's path: several requests share each forward (decode tokens beside prefill chunks), and each gets
+    the tokens it gets alone; also with offloaded experts."""
+    from freetoken.engine.batching import BatchRequest, BatchScheduler
+
+    path, _, expected_first, _ = checkpoint
+    prompts = [prompt_ids(), prompt_ids("A second prompt beside the first"), prompt_ids("Hi")]
+    expected = [expected_first] + [Generator(lm).generate_ids(p, GREEDY_32) for p in prompts[1:]]
+    model = lm if not offload else load_model(path, device="cpu", dtype=torch.float32, progress=False,
+                                              expert_cache=5 * lm.moe_spec.bytes_per_expert(torch.float32))
+    scheduler = BatchScheduler(model, prefill_chunk=4)
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    reqs = [BatchRequest(p, GREEDY_32, emit=lambda ev, i=i: out[i].extend(ev.token_ids))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        scheduler.add(r)
+    while scheduler.active:
+        scheduler.step()
+    assert [out[i] for i in range(len(prompts))] == expected
+    assert max(max(r.steps) for r in reqs) == len(prompts)  # all three in one forward at some step
+    if offload:
+        assert model.experts.counters.misses > 0
+
+
 def test_qwen3_5_loads_from_the_vision_language_layout(checkpoint, tmp_path):
     """The Hub's Qwen3.5 checkpoints are the vision-language model: the text model's config under `text_config`,
     its tensors under `model.language_model.`, a vision tower beside. The same text weights saved that way by
