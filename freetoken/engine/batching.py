@@ -8,10 +8,10 @@ after one step, not after the whole long prefill, and the long prompt takes the 
 Requests join and leave between steps. All sequences live in one paged KV cache; a finished or cancelled
 sequence returns its pages at once, except its full pages, which the prefix cache keeps (until the pool needs
 them) so a later prompt that starts with the same tokens, an agent's next turn, reuses their K/V.
-Models with recurrent layers (Qwen3-Next, Qwen3.5-MoE) batch too, their layers updating each sequence's state from
-its own rows, and reuse whole-sequence snapshots instead of shared pages (state_snapshots.py: each prompt's end,
-each finished request, and the last few message and block ends inside a prompt, so that an agent editing its
-recent history recomputes from the boundary before the edit); DeepSeek-V4 runs one sequence at a time.
+Models with recurrent layers (Qwen3-Next, Qwen3.5-MoE, DeepSeek-V4) batch too, their recurrent layers updating
+each sequence's state from its own rows, and reuse whole-sequence snapshots instead of shared pages
+(state_snapshots.py: each prompt's end, each finished request, and the last few message and block ends inside a
+prompt, so that an agent editing its recent history recomputes from the boundary before the edit).
 On CUDA a step of decode tokens only replays a CUDA graph: the single-sequence path's for one sequence, a batched
 step's for several (cuda_graphs.py; GPU path "batch-graphs"; the KV pool is then allocated at full size up front,
 as the graphs need; several sequences of a recurrent model step eagerly); a step with prefill chunks runs eagerly
@@ -88,8 +88,6 @@ class BatchScheduler:
         self.forwards = 0
         self.prefix = self.snapshots = None
         if lm.has_recurrent_state:  # its state is per sequence: reused from whole snapshots, not shared pages
-            if lm.decodes_eagerly:  # (DeepSeek-V4's compressed attention reads one sequence at a time)
-                self.max_batch = 1
             if prefix_cache:
                 self.snapshots = StateSnapshots(self.cache)
                 self.cache.reclaim = self.snapshots.evict

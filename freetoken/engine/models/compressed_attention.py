@@ -16,7 +16,8 @@ ones the "compress" RoPE (its own theta, YaRN without attention scaling).
 State: no layer needs more than the last `sliding_window - 1` raw keys, the compressed entries and, per
 compressor, the projections of the tokens of the window still open (plus, overlapping, the last closed window's
 first halves). That state is the sequence's recurrent state (`ctx.recurrent_state`), not paged K/V: the paged
-cache holds nothing for this family; a sequence is restored from a snapshot (a fork), as the hybrid families'.
+cache holds nothing for this family; a sequence is restored from a snapshot (a fork), as the hybrid families'. In
+a batched forward each sequence's rows attend through its own state (`attention.sequence_rows`).
 
 Shapes: T tokens, H heads, D head dim, r rope dims, n compressed entries, m compress rate, Hi / Di indexer heads /
 head dim, G output groups.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from freetoken.engine.attention import SequenceAttention, sink_attention
+from freetoken.engine.attention import SequenceAttention, SequenceRows, sequence_rows, sink_attention
 from freetoken.engine.models.decoder import RMSNorm
 from freetoken.engine.rope import RopeConfig, inverse_frequencies
 from freetoken.errors import UnsupportedArchitectureError
@@ -175,13 +176,20 @@ class Attention(nn.Module):
         found = [self.compressor] if hasattr(self, "compressor") else []
         return found + ([self.indexer.compressor] if hasattr(self, "indexer") else [])
 
-    def forward(self, x: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                ctx: SequenceAttention) -> torch.Tensor:
-        """`ropes`: cos, sin of the tokens' positions under the "main" and the "compress" RoPE."""
+    def forward(self, x: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], ctx) -> torch.Tensor:
+        """`ropes`: cos, sin of the tokens' positions under the "main" and the "compress" RoPE. In a batched
+        forward each sequence's rows attend through its own state."""
+        parts = sequence_rows(ctx, x.shape[0])
+        if len(parts) == 1:
+            return self._forward(x, ropes, ctx)
+        return torch.cat([self._forward(x[lo:hi], {name: (c[lo:hi], s[lo:hi]) for name, (c, s) in ropes.items()}, rows)
+                          for lo, hi, rows in parts])
+
+    def _forward(self, x: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], ctx) -> torch.Tensor:
         a, t = self.a, x.shape[0]
-        if not isinstance(ctx, SequenceAttention):
-            raise UnsupportedArchitectureError("deepseek_v4 runs one sequence at a time, eagerly (its attention "
-                                               "state is per sequence): no batched or captured decode steps")
+        if not isinstance(ctx, (SequenceAttention, SequenceRows)):
+            raise UnsupportedArchitectureError("deepseek_v4 decodes eagerly (its attention state changes shape as "
+                                               "windows close): no captured decode steps")
         cos, sin = ropes["main" if self.kind == SLIDING else "compress"]
         q_resid = self.q_norm(self.wq_a(x))
         q = rope_tail(rms(self.wq_b(q_resid).view(t, a.n_heads, a.head_dim), a.eps), cos, sin)

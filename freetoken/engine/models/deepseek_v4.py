@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.attention import SequenceAttention
+from freetoken.engine.attention import BatchAttention, SequenceAttention
 from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import ExpertExecutor, ExpertForm
 from freetoken.engine.models.common_args import decoder_args
@@ -235,7 +235,8 @@ class Layer(nn.Module):
         dtype = streams.dtype
         return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(1, 2) @ streams
 
-    def forward(self, streams: torch.Tensor, ropes: dict, ctx: SequenceAttention, tokens: torch.Tensor):
+    def forward(self, streams: torch.Tensor, ropes: dict, ctx: SequenceAttention | BatchAttention,
+                tokens: torch.Tensor):
         streams = self._around("attn", streams, lambda x: self.attn(self.attn_norm(x), ropes, ctx))
         return self._around("ffn", streams, lambda x: self.ffn(self.ffn_norm(x), tokens))
 
@@ -252,7 +253,7 @@ class Model(DecoderModel):
         limit = self.v4.routing.swiglu_limit
         return {i: clamped_swiglu(limit) for i in range(self.v4.decoder.n_layers)} if limit else {}
 
-    def forward(self, tokens: torch.Tensor, ctx: SequenceAttention,
+    def forward(self, tokens: torch.Tensor, ctx: SequenceAttention | BatchAttention,
                 logits_for: str | torch.Tensor = "all") -> torch.Tensor:
         x = self.model.embed_tokens(tokens)
         ropes = {"main": rope_tables(self.v4.decoder.rope, ctx.positions, x.dtype),

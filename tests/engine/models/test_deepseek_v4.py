@@ -222,20 +222,21 @@ def test_ft_info_names_the_attention_kinds(checkpoint):
 
 
 def test_the_batch_scheduler_serves_two_requests_as_each_alone(checkpoint, lm):
-    """The server's path: per-sequence state, so one sequence at a time (the scheduler has room for one), each
-    with its own tokens; the second starts from no snapshot of the first."""
+    """The server's path: the two requests share forwards (a decode token beside the other's prefill chunks),
+    each sequence's attention state updated from its own rows, and each gets the tokens it gets alone; the second
+    starts from no snapshot of the first."""
     from freetoken.engine.batching import BatchRequest, BatchScheduler
 
-    scheduler = BatchScheduler(lm)
+    scheduler = BatchScheduler(lm, prefill_chunk=4)
     out: dict[int, list[int]] = {0: [], 1: []}
     other = prompt_ids("A second prompt beside the first")
-    waiting = [BatchRequest(ids, GREEDY_32, emit=lambda ev, i=i: out[i].extend(ev.token_ids))
-               for i, ids in enumerate((prompt_ids(), other))]
-    while waiting or scheduler.active:
-        if waiting and scheduler.has_room():
-            scheduler.add(waiting.pop(0))
+    reqs = [BatchRequest(ids, GREEDY_32, emit=lambda ev, i=i: out[i].extend(ev.token_ids))
+            for i, ids in enumerate((prompt_ids(), other))]
+    for r in reqs:
+        scheduler.add(r)
+    while scheduler.active:
         scheduler.step()
-    assert scheduler.max_batch == 1
+    assert max(max(r.steps) for r in reqs) == 2  # both in one forward
     assert out[0] == checkpoint[2] and out[1] == Generator(lm).generate_ids(other, GREEDY_32)
 
 
