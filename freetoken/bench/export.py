@@ -27,7 +27,7 @@ from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.engine.sources import ensure_default_model
 
 HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                    "mixtral": "MixtralForCausalLM"}
+                    "mixtral": "MixtralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 GGUF_ARCH = {v: k for k, v in GGUF_ARCHITECTURES.items() if k != "llama"}  # llama permutes Q/K: not written here
 SHARD_BYTES = 4 << 30
 _HF_TO_GGUF = {
@@ -91,7 +91,10 @@ def write_safetensors_dir(lm, out: Path, host_experts: dict | None = None, token
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    cfg = dict(lm.config, architectures=[HF_ARCHITECTURES[lm.config["model_type"]]], tie_word_embeddings=False,
+    arch = HF_ARCHITECTURES.get(lm.config["model_type"])
+    if arch is None:
+        raise ValueError(f"safetensors export supports {', '.join(HF_ARCHITECTURES)}, not {lm.config['model_type']!r}")
+    cfg = dict(lm.config, architectures=[arch], tie_word_embeddings=False,
                torch_dtype=str(lm.dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     if tokenizer:
@@ -167,7 +170,11 @@ def _gguf_name(hf: str) -> str:
     if hf in globals_:
         return globals_[hf]
     parts = hf.split(".")  # model.layers.{i}.{part...}.weight
-    return f"blk.{parts[2]}.{_HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+    part = _HF_TO_GGUF.get(".".join(parts[3:-1]))
+    if part is None:
+        raise ValueError(f"the GGUF writer has no name for {hf} (this shape's layers are not all attention and "
+                         "experts); write --format safetensors instead")
+    return f"blk.{parts[2]}.{part}.{parts[-1]}"
 
 
 def _write_gguf_metadata(w: gguf.GGUFWriter, cfg: dict, spec) -> None:
@@ -229,6 +236,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, required=True, help="a directory (safetensors) or a .gguf file")
     a = p.parse_args(argv)
     lm = build_for_export(a.shape, a.format, a.layers, a.seed, a.skew)
-    path = write_gguf_q8_0(lm, a.out) if a.format == "gguf-q8_0" else write_safetensors_dir(lm, a.out)
+    try:
+        path = write_gguf_q8_0(lm, a.out) if a.format == "gguf-q8_0" else write_safetensors_dir(lm, a.out)
+    except ValueError as e:
+        if a.format == "gguf-q8_0":  # no half-written file left behind
+            a.out.unlink(missing_ok=True)
+        raise SystemExit(f"ft bench export: {e}") from None
     print(path)
     return 0

@@ -81,3 +81,20 @@ def test_a_gguf_with_a_padded_vocabulary_writes_and_loads(tmp_path, smollm2_gguf
     path = write_gguf_q8_0(lm, tmp_path / "padded.gguf")
     assert len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data) == 49160
     assert load_model(path, progress=False).config["vocab_size"] == 49160
+
+
+def test_a_hybrid_shape_exports_to_safetensors_that_transformers_reads(tmp_path, smollm2_gguf):
+    """Qwen3-Next's layers (DeltaNet beside attention) as an HF directory: transformers computes the same logits
+    as freetoken loading it; the Q8_0 GGUF writer, which has no names for DeltaNet tensors, refuses in one line and
+    leaves no file."""
+    from transformers import AutoModelForCausalLM
+
+    assert main(["--shape", "tiny-hybrid", "--format", "safetensors", "--out", str(tmp_path / "hf")]) == 0
+    ours = load_model(tmp_path / "hf", dtype=torch.float32, progress=False)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        want = theirs(torch.tensor([IDS])).logits[0]
+    torch.testing.assert_close(ours.prefill_logits(IDS), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(SystemExit, match="no name for model.layers.0.linear_attn.*--format safetensors"):
+        main(["--shape", "tiny-hybrid", "--format", "gguf-q8_0", "--out", str(tmp_path / "m.gguf")])
+    assert not (tmp_path / "m.gguf").exists()
