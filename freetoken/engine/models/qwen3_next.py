@@ -187,10 +187,42 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         beta = torch.sigmoid(b).float()  # in the activation dtype first, as the reference does
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        outs = [self._recur(mixed[lo:hi], g[lo:hi], beta[lo:hi], rows) for lo, hi, rows in sequence_rows(ctx, t)]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        parts = sequence_rows(ctx, t)
+        if len(parts) > 1 and t == len(parts) and all(r.recurrent_state(self.layer_idx) is not None
+                                                      for _, _, r in parts):
+            out = self._recur_stacked(mixed, g, beta, [r for _, _, r in parts])  # one decode token each
+        else:
+            outs = [self._recur(mixed[lo:hi], g[lo:hi], beta[lo:hi], rows) for lo, hi, rows in parts]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = self.norm(out.to(x.dtype).reshape(-1, la.value_dim), z.reshape(-1, la.value_dim))
         return self.out_proj(out.reshape(t, -1))
+
+    def _recur_stacked(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seqs: list) -> torch.Tensor:
+        """B sequences' decode tokens (row i of mixed, g, beta is sequence i's one token) in one pass: channels
+        and heads are independent, so B sequences' states side by side are one state of B times the channels and
+        heads, and the convolution and the delta rule run once for all (the same arithmetic as B passes)."""
+        la, b = self.la, mixed.shape[0]
+        states = [s.recurrent_state(self.layer_idx) for s in seqs]
+        conv_state = torch.cat([st[0] for st in states])  # [B·C, K−1]
+        delta_state = torch.cat([st[1] for st in states])  # [B·Hv, Dk, Dv]
+        weight = self.conv1d.weight[:, 0, :].repeat(b, 1)
+        out, conv_state = causal_conv(mixed.reshape(1, -1), conv_state, weight)
+        key_total = la.key_heads * la.key_dim
+        q, k, v = out.view(b, -1).split([key_total, key_total, la.value_heads * la.value_dim], dim=-1)
+        per = la.value_heads // la.key_heads
+        q, k = (y.reshape(b, la.key_heads, la.key_dim).float().repeat_interleave(per, dim=1) for y in (q, k))
+        q = l2_normalize(q) * la.key_dim ** -0.5
+        k = l2_normalize(k)
+        heads = b * la.value_heads
+        q, k = q.reshape(1, heads, la.key_dim), k.reshape(1, heads, la.key_dim)
+        v = v.reshape(1, heads, la.value_dim).float()
+        out, delta_state = _delta_rule(1, mixed.device)(q, k, v, g.reshape(1, heads), beta.reshape(1, heads),
+                                                        delta_state)
+        conv_state = conv_state.view(b, self.conv_channels, -1)
+        delta_state = delta_state.view(b, la.value_heads, la.key_dim, la.value_dim)
+        for i, s in enumerate(seqs):  # copies: a view would keep every sequence's state alive with each one's
+            s.set_recurrent_state(self.layer_idx, (conv_state[i].clone(), delta_state[i].clone()))
+        return out.view(b, la.value_heads, la.value_dim)
 
     def _recur(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx) -> torch.Tensor:
         """One sequence's rows through the causal convolution and the delta rule, from and to its state."""

@@ -129,7 +129,8 @@ def test_a_snapshot_taken_mid_sequence_continues_like_a_fresh_run(lm):
 
 def test_a_batched_forward_updates_each_sequences_state_from_its_own_rows(lm):
     """One forward over a decode token of one sequence and prefill chunks of two others (one fresh, one with a
-    state already): each sequence's logits and its state afterwards equal those of running it alone."""
+    state already), then one over a decode token of each (their states stacked into one pass): each sequence's
+    logits and its state afterwards equal those of running it alone."""
     prompts = [prompt_ids(), prompt_ids("A second prompt beside the first"), prompt_ids("Hi there")]
     lone_cache, batch_cache = lm.new_cache(page_size=4), lm.new_cache(page_size=4)
     lone = [lone_cache.new_sequence() for _ in prompts]
@@ -138,13 +139,13 @@ def test_a_batched_forward_updates_each_sequences_state_from_its_own_rows(lm):
         for cache, seqs in ((lone_cache, lone), (batch_cache, batch)):  # the same history in both caches
             lm.forward(torch.tensor(prompts[0]), cache, seqs[0], "last")
             lm.forward(torch.tensor(prompts[2][:3]), cache, seqs[2], "last")
-        new = [[7], prompts[1], prompts[2][3:]]
-        want = torch.cat([lm.forward(torch.tensor(ids), lone_cache, seq, "last")
-                          for ids, seq in zip(new, lone, strict=True)])
-        got = lm.forward_batch(torch.tensor([t for ids in new for t in ids]), batch_cache, batch,
-                               [len(ids) for ids in new])
-    # (within fp32 rounding: the batched projections multiply more rows at once, blocked differently)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for new in ([[7], prompts[1], prompts[2][3:]], [[11], [12], [13]]):
+            want = torch.cat([lm.forward(torch.tensor(ids), lone_cache, seq, "last")
+                              for ids, seq in zip(new, lone, strict=True)])
+            got = lm.forward_batch(torch.tensor([t for ids in new for t in ids]), batch_cache, batch,
+                                   [len(ids) for ids in new])
+            # (within fp32 rounding: the batched projections multiply more rows at once, blocked differently)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for a, b in zip(lone, batch, strict=True):
         assert a.recurrent.keys() == b.recurrent.keys()
         for layer, state in a.recurrent.items():
