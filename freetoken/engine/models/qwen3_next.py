@@ -207,15 +207,8 @@ class GatedDeltaNet(nn.Module):
         delta_state = torch.cat([st[1] for st in states])  # [B·Hv, Dk, Dv]
         weight = self.conv1d.weight[:, 0, :].repeat(b, 1)
         out, conv_state = causal_conv(mixed.reshape(1, -1), conv_state, weight)
-        key_total = la.key_heads * la.key_dim
-        q, k, v = out.view(b, -1).split([key_total, key_total, la.value_heads * la.value_dim], dim=-1)
-        per = la.value_heads // la.key_heads
-        q, k = (y.reshape(b, la.key_heads, la.key_dim).float().repeat_interleave(per, dim=1) for y in (q, k))
-        q = l2_normalize(q) * la.key_dim ** -0.5
-        k = l2_normalize(k)
         heads = b * la.value_heads
-        q, k = q.reshape(1, heads, la.key_dim), k.reshape(1, heads, la.key_dim)
-        v = v.reshape(1, heads, la.value_dim).float()
+        q, k, v = (y.reshape(1, heads, -1) for y in self._heads(out.view(b, -1)))
         out, delta_state = _delta_rule(1, mixed.device)(q, k, v, g.reshape(1, heads), beta.reshape(1, heads),
                                                         delta_state)
         conv_state = conv_state.view(b, self.conv_channels, -1)
@@ -233,16 +226,20 @@ class GatedDeltaNet(nn.Module):
                      torch.zeros(la.value_heads, la.key_dim, la.value_dim, dtype=torch.float32, device=mixed.device))
         conv_state, delta_state = state
         mixed, conv_state = causal_conv(mixed, conv_state, self.conv1d.weight[:, 0, :])
+        out, delta_state = _delta_rule(t, mixed.device)(*self._heads(mixed), g, beta, delta_state)
+        ctx.set_recurrent_state(self.layer_idx, (conv_state, delta_state))
+        return out
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output [N, C] as the delta rule's fp32 q, k [N, Hv, Dk] (each key head shared by its
+        value heads; normalized, q scaled) and v [N, Hv, Dv]."""
+        la, n = self.la, mixed.shape[0]
         key_total = la.key_heads * la.key_dim
         q, k, v = mixed.split([key_total, key_total, la.value_heads * la.value_dim], dim=-1)
         per = la.value_heads // la.key_heads
-        q, k = (y.reshape(t, la.key_heads, la.key_dim).float().repeat_interleave(per, dim=1) for y in (q, k))
-        q = l2_normalize(q) * la.key_dim ** -0.5
-        k = l2_normalize(k)
-        v = v.reshape(t, la.value_heads, la.value_dim).float()
-        out, delta_state = _delta_rule(t, mixed.device)(q, k, v, g, beta, delta_state)
-        ctx.set_recurrent_state(self.layer_idx, (conv_state, delta_state))
-        return out
+        q, k = (y.reshape(n, la.key_heads, la.key_dim).float().repeat_interleave(per, dim=1) for y in (q, k))
+        return (l2_normalize(q) * la.key_dim ** -0.5, l2_normalize(k),
+                v.reshape(n, la.value_heads, la.value_dim).float())
 
 
 def _delta_rule(tokens: int, device: torch.device):
