@@ -5,11 +5,13 @@ interleave, and the table gives each variant's median and best GB/s with the DRA
 
 Variants are the kernel's switches (`ft_set_q16`: Q8_0 rows against int16 activations at one token per expert,
 or the fp32 path; `ft_set_q16_form`: that path's rows in interleaved pairs or one at a time; `ft_set_amx`: tiles
-on or off, and from how many tokens per expert Q8_0 takes them), switched between calls in one process, so every
+on or off, and from how many tokens per expert Q8_0 takes bf16 tiles; `ft_set_amx_q8`: the token counts Q8_0
+takes int8 tiles at), switched between calls in one process, so every
 variant reads the very same expert pool; "huge pages" reads a copy of the pool advised for transparent huge pages
 (the probe is then also timed on such a copy). (Earlier variants, measured and dropped: software prefetch, Q8_0
 through bf16 dot products (commit 7389ec5), the int16 path's block scales by scalar loads instead of one gather
-(d867a6f), rows of the other paths dotted one at a time instead of two interleaved (commit 48d99b5).)
+(d867a6f), rows of the other paths dotted one at a time instead of two interleaved (commit 48d99b5), the int16
+path's rows one at a time (d867a6f).)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ctypes
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,14 +29,27 @@ from freetoken.kernels.cpu_experts.bench import HIDDEN, INTER, PER_CALL, expert_
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
 
-# name → (Q8_0 through the fp32 path, fewest tokens per expert for Q8_0 tiles, AMX disabled,
-#         int16 path's rows in interleaved pairs, expert pool on huge pages)
+
+@dataclass(frozen=True)
+class Variant:
+    """The kernel's switches for one variant, and where it differs from the default (formats, batches)."""
+    q16: int = 1              # ft_set_q16: Q8_0 at one token per expert against int16 activations
+    q8_tiles_from: int = 6    # ft_set_amx's second argument: fewest tokens per expert for Q8_0's bf16 tiles
+    amx_off: int = 0          # ft_set_amx's third: every tile path off
+    two_rows: int = 1         # ft_set_q16_form: the int16 path's rows in interleaved pairs
+    int8_tiles: tuple = (2, 32)  # ft_set_amx_q8: the token counts Q8_0's int8 tiles take ((2, 0): never)
+    huge: bool = False        # the expert pool on huge pages
+    formats: tuple = ("BF16", "Q8_0")
+    batches: tuple = (1, 2, 4, 8, 16, 32)
+
+
 VARIANTS = {
-    "default": (0, 6, 0, 1, 0),
-    "Q8_0 fp32 path": (1, 6, 0, 1, 0),
-    "AMX off": (0, 6, 1, 1, 0),
-    "int16 rows one at a time": (0, 6, 0, 0, 0),
-    "huge pages": (0, 6, 0, 1, 1),
+    "default": Variant(),
+    "Q8_0 fp32 path": Variant(q16=0, int8_tiles=(2, 0), formats=("Q8_0",)),
+    "Q8_0 without int8 tiles": Variant(int8_tiles=(2, 0), formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
+    "Q8_0 int8 tiles at 1 token": Variant(int8_tiles=(1, 32), formats=("Q8_0",), batches=(1,)),
+    "AMX off": Variant(amx_off=1, batches=(2, 4, 8, 16, 32)),
+    "huge pages": Variant(huge=True),
 }
 MADV_HUGEPAGE = 14
 
@@ -62,13 +78,13 @@ def main() -> int:
     kernel = CpuExpertKernel.get()
     gen = torch.Generator().manual_seed(0)
     probe = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8)
-    huge_probe = on_huge_pages(probe) if any(v[4] for v in VARIANTS.values()) else None
+    huge_probe = on_huge_pages(probe) if any(v.huge for v in VARIANTS.values()) else None
     pools = {}
     for fmt in a.formats:
         per_expert = 3 * HIDDEN * INTER * {"BF16": 2, "Q8_0": 34 / 32}[fmt]
         n = max(PER_CALL, int(a.pool_mib * 2**20 / per_expert) // PER_CALL * PER_CALL)
         pools[fmt] = (expert_pool(fmt, n, gen), n, n * per_expert)
-        if any(v[4] for v in VARIANTS.values()):
+        if any(v.huge for v in VARIANTS.values()):
             mats = tuple(ExpertMatrix(on_huge_pages(m.data), m.format, m.shape) for m in pools[fmt][0])
             pools[fmt, "huge"] = (mats, n, n * per_expert)
     xs = {b: torch.randn(b, HIDDEN, generator=gen).bfloat16().float() for b in a.batches}
@@ -95,24 +111,20 @@ def main() -> int:
             kernel.read_bytes(huge_probe)
             results.setdefault(("DRAM read probe, huge pages", "bytes", 0), []).append(
                 probe.numel() / (time.perf_counter() - t0) / 1e9)
-        for name, (q8_fp32, q8_tiles_from, amx_off, two_rows, huge) in VARIANTS.items():
-            kernel.lib.ft_set_q16(int(not q8_fp32))
-            kernel.lib.ft_set_amx(2, q8_tiles_from, amx_off)
-            kernel.lib.ft_set_q16_form(two_rows)
-            int16_form = not two_rows
+        for name, v in VARIANTS.items():
+            kernel.lib.ft_set_q16(v.q16)
+            kernel.lib.ft_set_amx(2, v.q8_tiles_from, v.amx_off)
+            kernel.lib.ft_set_q16_form(v.two_rows)
+            kernel.lib.ft_set_amx_q8(*v.int8_tiles)
             for fmt in a.formats:
-                if (q8_fp32 or int16_form) and fmt != "Q8_0":
-                    continue
                 for batch in a.batches:
-                    if (amx_off and batch == 1) or (q8_tiles_from < 6 and (fmt != "Q8_0" or batch >= 6)):
-                        continue  # the same code as the default there
-                    if int16_form and batch > 1:
-                        continue  # the int16 path serves one token per expert only
-                    results.setdefault((name, fmt, batch), []).append(one_pass(fmt, batch, huge))
+                    if fmt in v.formats and batch in v.batches:
+                        results.setdefault((name, fmt, batch), []).append(one_pass(fmt, batch, v.huge))
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     kernel.lib.ft_set_q16(1)
     kernel.lib.ft_set_amx(2, 6, 0)
     kernel.lib.ft_set_q16_form(1)
+    kernel.lib.ft_set_amx_q8(2, 32)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

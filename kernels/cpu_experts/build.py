@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("experts.c")
-PARTS = ("dots.h", "q16.h", "pool.h", "amx.h")  # included by experts.c (one translation unit)
+PARTS = ("dots.h", "q16.h", "pool.h", "amx.h", "amx_q8.h")  # included by experts.c (one translation unit)
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 
 
@@ -43,26 +43,28 @@ def _cpu_flags() -> str:
     return platform.processor() + platform.machine()
 
 
-def _build_key(compiler: str) -> str:
+def _build_key(compiler: str, flags: list[str]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     sources = [SOURCE.read_text(), *(SOURCE.with_name(part).read_text() for part in PARTS)]
-    material = "\n".join([*sources, " ".join(FLAGS), version, _cpu_flags()])
+    material = "\n".join([*sources, " ".join(flags), version, _cpu_flags()])
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
-def build(build_dir: Path) -> Path | None:
-    """The path of the compiled library (building it if needed), or None with a warning when it cannot be built."""
+def build(build_dir: Path, emulate_amx: bool = False) -> Path | None:
+    """The path of the compiled library (building it if needed), or None with a warning when it cannot be built.
+    `emulate_amx`: the int8 tile path over tiles emulated in C (slow; for testing its layouts without AMX)."""
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found (set CC): CPU experts use the slower plain-torch path")
         return None
-    target = build_dir / f"cpu_experts-{_build_key(compiler)}.so"
+    flags = [*FLAGS, "-DFT_AMX_EMULATE"] if emulate_amx else FLAGS
+    target = build_dir / f"cpu_experts-{_build_key(compiler, flags)}.so"
     if target.exists():
         return target
     build_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+        result = subprocess.run([compiler, *flags, "-o", str(out), str(SOURCE), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             log.warning("building the CPU expert kernel failed, using the plain-torch path:\n%s",
@@ -72,10 +74,10 @@ def build(build_dir: Path) -> Path | None:
     return target
 
 
-def load(build_dir: Path) -> ctypes.CDLL | None:
+def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     if os.environ.get("FREETOKEN_CPU_KERNEL", "1") == "0":
         return None
-    path = build(build_dir)
+    path = build(build_dir, emulate_amx)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
@@ -89,6 +91,8 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
     lib.ft_has_bf16_dot.argtypes, lib.ft_has_bf16_dot.restype = [], i
     lib.ft_has_amx.argtypes, lib.ft_has_amx.restype = [], i
     lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i, i], None
+    lib.ft_has_amx_q8.argtypes, lib.ft_has_amx_q8.restype = [], i
+    lib.ft_set_amx_q8.argtypes, lib.ft_set_amx_q8.restype = [i, i], None
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
     lib.ft_moe_start.restype = i

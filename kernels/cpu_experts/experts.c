@@ -245,6 +245,14 @@ static void phase_down(void *ctx, int task) {
 
 #include "amx.h"
 
+#include "amx_q8.h"
+
+#if HAVE_AMX
+#define AMX_SWITCHED_OFF amx_disabled
+#else
+#define AMX_SWITCHED_OFF 0
+#endif
+
 /* Both phases as one job: phase-1 tasks are numbered first, and a worker that draws a phase-2 task waits until
    every phase-1 task has finished (all were drawn before it, so this cannot deadlock). One wake-up per layer. */
 typedef struct {
@@ -257,6 +265,7 @@ typedef struct {
     uint16_t *xp, *actp;    /* AMX: packed activations per expert, or NULL */
     int32_t *tile_base;     /* AMX: [n_experts + 1] first token tile of each expert in xp/actp */
     const uint16_t *xb_amx; /* bf16 x the AMX path packs (bf16 or Q8_0 weights), or NULL */
+    uint8_t *q8x, *q8act;   /* AMX int8 (amx_q8.h): packed int16 activations per expert, or NULL */
 } moe_run;
 
 static moe_run current;  /* the job in flight between ft_moe_start and ft_moe_wait */
@@ -271,6 +280,9 @@ static void moe_task(void *ctx, int task) {
     if (task < run->phase0_tasks) {
 #if HAVE_AMX
         if (run->xp) amx_pack_x(&run->job, run->xb_amx, run->xp, run->tile_base, task);
+#endif
+#if HAVE_AMX_Q8
+        if (run->q8x) amx_q8_pack_x(&run->job, run->q8x, run->tile_base, task);
 #endif
 #if HAVE_Q16
         if (run->job.xq) {  /* one token's x quantized for the Q8_0 gate/up rows */
@@ -288,6 +300,9 @@ static void moe_task(void *ctx, int task) {
 #if HAVE_AMX
         if (run->xp) amx_gate_up(&run->job, run->xp, run->actp, run->tile_base, task); else
 #endif
+#if HAVE_AMX_Q8
+        if (run->q8x) amx_q8_gate_up(&run->job, run->q8x, run->q8act, run->tile_base, task); else
+#endif
         phase_gate_up(&run->job, task);
         if (atomic_fetch_add(&run->phase1_done, 1) + 1 == run->phase1_tasks) run->phase1_end_ns = now_ns();
         return;
@@ -295,6 +310,9 @@ static void moe_task(void *ctx, int task) {
     while (atomic_load(&run->phase1_done) < run->phase1_tasks) CPU_RELAX();
 #if HAVE_AMX
     if (run->xp) amx_down(&run->job, run->actp, run->tile_base, task - run->phase1_tasks); else
+#endif
+#if HAVE_AMX_Q8
+    if (run->q8x) amx_q8_down(&run->job, run->q8act, run->tile_base, task - run->phase1_tasks); else
 #endif
     phase_down(&run->job, task - run->phase1_tasks);
     if (atomic_fetch_add(&run->phase2_done, 1) + 1 == run->phase2_tasks) run->end_ns = now_ns();
@@ -327,6 +345,35 @@ static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
     return 0;
 #endif
 }
+
+#if HAVE_AMX || HAVE_AMX_Q8
+/* The first 16-token tile of each expert in the packed activations ([n_experts + 1], a buffer reused by every job),
+   or NULL when it cannot be had. */
+static int32_t *tile_bases(const int32_t *pair_offsets, int n_experts) {
+    static int32_t *bases;
+    static int capacity;
+    if (n_experts + 1 > capacity) {
+        free(bases);
+        bases = malloc(sizeof(int32_t) * (n_experts + 1));
+        capacity = bases ? n_experts + 1 : 0;
+        if (!bases) return NULL;
+    }
+    bases[0] = 0;
+    for (int e = 0; e < n_experts; e++) bases[e + 1] = bases[e] + (pair_offsets[e + 1] - pair_offsets[e] + 15) / 16;
+    return bases;
+}
+#endif
+
+#if HAVE_AMX_Q8
+/* Whether this job runs on int8 tiles: a bf16 model's Q8_0 experts (all three projections), within the token
+   counts set for them (beyond, the bf16 tiles dequantize each row block once for all its token tiles). */
+static int use_amx_q8(const moe_job *j, const uint16_t *xb_amx) {
+    if (!xb_amx || AMX_SWITCHED_OFF || j->gate_type != FT_Q8_0 || j->up_type != FT_Q8_0 || j->down_type != FT_Q8_0)
+        return 0;
+    int most = most_tokens(j);
+    return most >= amx_q8_min_tokens && most <= amx_q8_max_tokens && amx_q8_permitted();
+}
+#endif
 
 static int q16_disabled;  /* ft_set_q16(0): the fp32 path instead, to compare against */
 
@@ -391,30 +438,36 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
         current.job.actb = actb;
     }
     current.xp = current.actp = NULL;
+    current.q8x = current.q8act = NULL;
     current.phase0_tasks = 0;
     /* AMX takes bf16 activations against bf16 or block-format weights (dequantized to bf16 in a tile, as on the
        GPU) */
     current.xb_amx = xb && bf16_rounding && gate_type != FT_F32 && up_type != FT_F32 && down_type != FT_F32
                          ? xb : NULL;
-#if HAVE_AMX
-    if (use_amx(&current.job, current.xb_amx)) {
-        static int32_t *tile_base;
-        static int tile_base_capacity;
-        if (n_experts + 1 > tile_base_capacity) {
-            free(tile_base);
-            tile_base = malloc(sizeof(int32_t) * (n_experts + 1));
-            tile_base_capacity = tile_base ? n_experts + 1 : 0;
+#if HAVE_AMX_Q8
+    if (use_amx_q8(&current.job, current.xb_amx)) {
+        int32_t *bases = tile_bases(pair_offsets, n_experts);
+        size_t tiles = bases ? (size_t)bases[n_experts] : 0;
+        uint8_t *scratch = bases ? amx_q8_scratch(tiles * (Q8T_BYTES(hidden) + Q8T_BYTES(inter))) : NULL;
+        if (scratch) {
+            current.q8x = scratch;
+            current.q8act = scratch + tiles * Q8T_BYTES(hidden);
+            current.tile_base = bases;
+            current.phase0_tasks = n_experts;
+            current.job.gate_rows = Q8_BLOCK;  /* a phase-1 task owns one 32-block of act */
         }
-        if (tile_base) {
-            tile_base[0] = 0;
-            for (int e = 0; e < n_experts; e++)
-                tile_base[e + 1] = tile_base[e] + (pair_offsets[e + 1] - pair_offsets[e] + AMX_TOKENS - 1) / AMX_TOKENS;
-            size_t tiles = (size_t)tile_base[n_experts];
+    }
+#endif
+#if HAVE_AMX
+    if (!current.q8x && use_amx(&current.job, current.xb_amx)) {
+        int32_t *bases = tile_bases(pair_offsets, n_experts);
+        if (bases) {
+            size_t tiles = (size_t)bases[n_experts];
             uint16_t *scratch = amx_scratch(tiles * (hidden + inter) * AMX_TOKENS);
             if (scratch) {
                 current.xp = scratch;
                 current.actp = scratch + tiles * hidden * AMX_TOKENS;
-                current.tile_base = tile_base;
+                current.tile_base = bases;
                 current.phase0_tasks = n_experts;
             }
         }
@@ -423,7 +476,7 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     /* int16 copies only where every expert takes one token: experts with more take the fp32 path, and quantizing
        for them anyway cost batches of 2-4 up to a sixth of their rate (H200 host,
        evals/results/cpu-expert-kernel-h200.md) */
-    if (!current.xp && current.xb_amx && !q16_disabled && most_tokens(&current.job) == 1)
+    if (!current.xp && !current.q8x && current.xb_amx && !q16_disabled && most_tokens(&current.job) == 1)
         start_q16(&current.job, tokens, pair_offsets[n_experts]);
     if (current.job.xq) current.phase0_tasks = tokens;
     current.phase1_tasks = n_experts * ((inter + current.job.gate_rows - 1) / current.job.gate_rows);
@@ -454,6 +507,28 @@ void ft_set_amx(int min_tokens, int block_min_tokens, int disabled) {
     amx_disabled = disabled;
 #else
     (void)min_tokens, (void)block_min_tokens, (void)disabled;
+#endif
+}
+
+/* The token counts per expert (the most of any expert in a job) that take Q8_0's int8 tiles (defaults 2 and 32;
+   max 0: never), for tuning and for measuring against the other paths. */
+void ft_set_amx_q8(int min_tokens, int max_tokens) {
+#if HAVE_AMX_Q8
+    amx_q8_min_tokens = min_tokens;
+    amx_q8_max_tokens = max_tokens;
+#else
+    (void)min_tokens, (void)max_tokens;
+#endif
+}
+
+/* Whether Q8_0's int8 tiles are compiled in and usable: 1 on real tiles, 2 emulated (FT_AMX_EMULATE), 0 not. */
+int ft_has_amx_q8(void) {
+#if HAVE_AMX_Q8 && defined(AMX_Q8_EMULATED)
+    return 2;
+#elif HAVE_AMX_Q8
+    return amx_q8_permitted();
+#else
+    return 0;
 #endif
 }
 

@@ -386,7 +386,74 @@ def test_amx_block_formats_compute_what_a_bf16_gpu_expert_computes(kernel, fmt, 
     routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32),
                torch.tensor(every + every, dtype=torch.int32), torch.rand(2 * tokens, generator=gen))
     want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
-    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    kernel.lib.ft_set_amx_q8(2, 0)  # Q8_0 at up to 32 tokens takes int8 tiles otherwise (tested below)
+    try:
+        got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    finally:
+        kernel.lib.ft_set_amx_q8(2, 32)
     # (the vector path, with fp32 weights, is 4e-3 to 6e-3 away from this for Q8_0 and FP8_B32; MXFP4's values
     # are bf16 values, so both paths meet it exactly)
     assert (got - want).norm() / want.norm() < 2e-4
+
+
+@pytest.fixture(scope="module")
+def emulated_tiles(tmp_path_factory):
+    """The kernel built over AMX tiles emulated in C (FT_AMX_EMULATE), so the int8 tile path's layouts are tested
+    on machines without AMX."""
+    lib = build.load(tmp_path_factory.mktemp("emulated-amx"), emulate_amx=True)
+    if lib is None:
+        pytest.fail("the CPU expert kernel did not build: CI machines have a C compiler")
+    k = CpuExpertKernel(lib, 2)
+    if not k.amx_q8:
+        pytest.skip("no AVX-512BW: the int8 tile path needs it, emulated or not")
+    return k
+
+
+def _q8_tile_case(tokens: int, hidden: int):
+    """Q8_0 experts of a bf16 model, two experts with different token counts (one every token, one every third),
+    an outlier in x."""
+    gen = torch.Generator().manual_seed(tokens * 1000 + hidden)
+    gate, up = (_matrix("Q8_0", 4, 64, hidden, gen) for _ in range(2))
+    down = _matrix("Q8_0", 4, hidden, 64, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    x[0, 37] = 300.0
+    x = x.bfloat16().float()
+    every, some = list(range(tokens)), list(range(0, tokens, 3))
+    routing = (torch.tensor([1, 3], dtype=torch.int32),
+               torch.tensor([0, tokens, tokens + len(some)], dtype=torch.int32),
+               torch.tensor(every + some, dtype=torch.int32), torch.rand(tokens + len(some), generator=gen))
+    return x, gate, up, down, routing
+
+
+@pytest.mark.parametrize("tiles", ["emulated", "native"])
+@pytest.mark.parametrize("tokens", [2, 5, 16, 17, 32])
+@pytest.mark.parametrize("hidden", [96, 544])
+def test_q8_0_on_int8_tiles_matches_the_reference(request, tiles, tokens, hidden):
+    """A bf16 model's Q8_0 experts at 2-32 tokens per expert run on int8 tiles straight from their blocks (int16
+    activations split into a signed high and an unsigned low byte; an odd number of blocks, 17, included, and two
+    token tiles from 17 tokens): equal to the reference to the bf16 rounding points' flips, and not the other
+    paths' result (the tiles really ran)."""
+    kernel = request.getfixturevalue("emulated_tiles" if tiles == "emulated" else "kernel")
+    if tiles == "native" and kernel.amx_q8 != 1:
+        pytest.skip("no AMX int8 tiles on this CPU")
+    x, gate, up, down, routing = _q8_tile_case(tokens, hidden)
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    kernel.lib.ft_set_amx_q8(2, 0)
+    try:
+        other = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    finally:
+        kernel.lib.ft_set_amx_q8(2, 32)
+    assert torch.isfinite(got).all()
+    assert (got - want).norm() / want.norm() < 5e-3
+    assert not torch.equal(got, other)
+
+
+def test_emulated_int8_tiles_compute_what_real_ones_do(kernel, emulated_tiles):
+    """Where the CPU has AMX, the emulation (what the tests without AMX check) gives the very bits the real tiles
+    give: the same integer block sums, then the same vector code."""
+    if kernel.amx_q8 != 1:
+        pytest.skip("no AMX int8 tiles on this CPU")
+    x, gate, up, down, routing = _q8_tile_case(17, 544)
+    real = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert torch.equal(emulated_tiles.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16), real)
