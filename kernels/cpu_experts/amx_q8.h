@@ -111,11 +111,14 @@ INLINE void amx_q8_put_block(uint8_t *tile, int k, int kc, int t, const int16_t 
     ((float *)(tile + (size_t)k * 32))[kc * 16 + t] = scale;
 }
 
-/* Phase 0, task e: expert e's tokens' x, quantized per block to int16, into its packed tiles. */
-static void amx_q8_pack_x(const moe_job *j, uint8_t *xp, const int32_t *tile_base, int e) {
-    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, k = j->hidden;
+/* Phase 0, task e: expert e's tokens' x, quantized per block to int16, into its packed tiles; its act tiles
+   zeroed, so the columns past its last token hold zeros (left as they were, their garbage would run through the
+   vector units as denormals and NaNs: microcode assists, slower by several times). */
+static void amx_q8_pack_x(const moe_job *j, uint8_t *xp, uint8_t *actp, const int32_t *tile_base, int e) {
+    int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, k = j->hidden, tiles = tile_base[e + 1] - tile_base[e];
     uint8_t *dst = xp + tile_base[e] * Q8T_BYTES(k);
-    memset(dst, 0, (tile_base[e + 1] - tile_base[e]) * Q8T_BYTES(k));
+    memset(dst, 0, tiles * Q8T_BYTES(k));
+    memset(actp + tile_base[e] * Q8T_BYTES(j->inter), 0, tiles * Q8T_BYTES(j->inter));
     int16_t q[Q8_BLOCK];
     float scale;
     for (int t = 0; t < n; t++) {
@@ -148,17 +151,21 @@ INLINE void amx_q8_row_scales(const uint8_t *w, size_t stride, int kc, float *ou
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw)));
 }
 
-/* out[r][t] (16 x 16) = rows r of Q8_0 weights w (stride bytes a row, k weights) . token t of a packed tile. */
+/* out[r][t] (16 x 16) = rows r of Q8_0 weights w (stride bytes a row, k weights) . token t of a packed tile.
+   The vector units read a block's sums `amx_q8_lag` blocks after the tiles stored them (a ring of 4 buffers): a
+   load right behind the tile store that wrote its bytes waits for it. */
+static int amx_q8_lag = 1;
 static void amx_q8_rows_x_tokens(const uint8_t *w, size_t stride, int k, const uint8_t *tile, float out[16][16]) {
     const uint8_t *hi = tile, *lo = tile + (size_t)k * 16;
     const float *xs = (const float *)(tile + (size_t)k * 32);
-    int32_t sums[2][2][256] __attribute__((aligned(64)));  /* [block parity][hi, lo][row * 16 + token] */
-    float wscale[2][16];
+    int32_t sums[4][2][256] __attribute__((aligned(64)));  /* [block % 4][hi, lo][row * 16 + token] */
+    float wscale[4][16];
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-    int blocks = k / Q8_BLOCK;
+    int blocks = k / Q8_BLOCK, lag = amx_q8_lag;
     amx_q8_configure();
     for (int kc = 0; kc < blocks; kc++) {
+        int b = kc & 3;
         TQ_LOAD(0, w + (size_t)kc * Q8_BYTES + 2, stride);
         TQ_LOAD(1, hi + (size_t)kc * 512, 64);
         TQ_LOAD(2, lo + (size_t)kc * 512, 64);
@@ -167,25 +174,27 @@ static void amx_q8_rows_x_tokens(const uint8_t *w, size_t stride, int k, const u
             TQ_ZERO(6);
             TQ_SS(5, 0, 1);
             TQ_SU(6, 0, 2);
-            TQ_STORE(5, sums[1][0], 64);
-            TQ_STORE(6, sums[1][1], 64);
+            TQ_STORE(5, sums[b][0], 64);
+            TQ_STORE(6, sums[b][1], 64);
         } else {
             TQ_ZERO(3);
             TQ_ZERO(4);
             TQ_SS(3, 0, 1);
             TQ_SU(4, 0, 2);
-            TQ_STORE(3, sums[0][0], 64);
-            TQ_STORE(4, sums[0][1], 64);
+            TQ_STORE(3, sums[b][0], 64);
+            TQ_STORE(4, sums[b][1], 64);
         }
-        amx_q8_row_scales(w, stride, kc, wscale[kc & 1]);
-        if (kc > 0) {  /* the previous block's sums, while the tiles work on this one */
-            int b = (kc - 1) & 1;
-            amx_q8_accumulate(acc, sums[b][0], sums[b][1], wscale[b], _mm512_loadu_ps(xs + (kc - 1) * 16));
+        amx_q8_row_scales(w, stride, kc, wscale[b]);
+        if (kc >= lag) {  /* an earlier block's sums, while the tiles work on this one */
+            int at = (kc - lag) & 3;
+            amx_q8_accumulate(acc, sums[at][0], sums[at][1], wscale[at], _mm512_loadu_ps(xs + (kc - lag) * 16));
         }
     }
     TQ_RELEASE();
-    int b = (blocks - 1) & 1;
-    amx_q8_accumulate(acc, sums[b][0], sums[b][1], wscale[b], _mm512_loadu_ps(xs + (blocks - 1) * 16));
+    for (int kc = blocks - lag > 0 ? blocks - lag : 0; kc < blocks; kc++) {
+        int at = kc & 3;
+        amx_q8_accumulate(acc, sums[at][0], sums[at][1], wscale[at], _mm512_loadu_ps(xs + kc * 16));
+    }
     for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 

@@ -282,7 +282,7 @@ static void moe_task(void *ctx, int task) {
         if (run->xp) amx_pack_x(&run->job, run->xb_amx, run->xp, run->tile_base, task);
 #endif
 #if HAVE_AMX_Q8
-        if (run->q8x) amx_q8_pack_x(&run->job, run->q8x, run->tile_base, task);
+        if (run->q8x) amx_q8_pack_x(&run->job, run->q8x, run->q8act, run->tile_base, task);
 #endif
 #if HAVE_Q16
         if (run->job.xq) {  /* one token's x quantized for the Q8_0 gate/up rows */
@@ -518,6 +518,15 @@ void ft_set_amx_q8(int min_tokens, int max_tokens) {
     amx_q8_max_tokens = max_tokens;
 #else
     (void)min_tokens, (void)max_tokens;
+#endif
+}
+
+/* How many blocks after the tiles stored a block's sums the vector units read them (1-3), for measuring. */
+void ft_set_amx_q8_lag(int blocks) {
+#if HAVE_AMX_Q8
+    amx_q8_lag = blocks < 1 ? 1 : blocks > 3 ? 3 : blocks;
+#else
+    (void)blocks;
 #endif
 }
 
