@@ -163,8 +163,8 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     kernel-int8) (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -rs -k "int8 or amx" \
                 "$OLDPWD/tests/kernels/test_cpu_experts.py" 2>&1 | tail -4 | tee -a "$OUT/tests.txt"
               v="$OLDPWD/evals/scripts/kernel_variants.py"
-              python3 "$v" --rounds 5 --threads 15 --batches 1 2 4 8 16 32 --out "$OUT/kernel-variants-15t.md" | tail -32
-              python3 "$v" --rounds 2 --threads 1 --pool-mib 256 --batches 1 2 8 32 --out "$OUT/kernel-variants-1t.md" \
+              python3 "$v" --rounds 5 --threads 15 --batches 1 2 8 16 32 --out "$OUT/kernel-variants-15t.md" | tail -40
+              python3 "$v" --rounds 2 --threads 1 --pool-mib 256 --batches 2 8 32 --out "$OUT/kernel-variants-1t.md" \
                 | tail -24) ;;
     kernel-diag) lscpu | grep -E "Thread|Core|Socket|MHz|L2|L3"; cat /sys/kernel/mm/transparent_hugepage/enabled
              grep -H . /sys/devices/system/cpu/vulnerabilities/gather_data_sampling 2>/dev/null

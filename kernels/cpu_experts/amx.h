@@ -12,6 +12,14 @@ enum { AMX_TOKENS = 16 };
 /* tuning: the fewest tokens per expert worth tiles (bf16 weights, block-format weights), and a switch to measure
    without them */
 static int amx_min_tokens = 2, amx_block_min_tokens = 6, amx_disabled;
+/* Software prefetch of the 16 weight rows this many k-chunks (32 weights) ahead of the tile loads, 0 off: a tile
+   load waits for all its 16 rows, and the tiles keep few loads in flight, so DRAM latency is paid per chunk
+   unless the lines are on their way already. */
+static int amx_prefetch;
+
+INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
+    for (int r = 0; r < 16; r++) __builtin_prefetch(w + r * stride, 0, 3);
+}
 typedef struct {
     uint8_t palette, start;
     uint8_t reserved[14];
@@ -115,6 +123,8 @@ static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const u
     amx_configure();
     _tile_zero(0);
     for (int kc = 0; kc < k / 32; kc++) {
+        if (amx_prefetch && type == FT_BF16 && kc + amx_prefetch < k / 32)
+            amx_prefetch_rows(w + (size_t)(kc + amx_prefetch) * 64, stride);
         amx_load_weights(2, type, w, stride, kc, scratch);
         _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
         _tile_dpbf16ps(0, 2, 4);
@@ -130,6 +140,10 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
     _tile_zero(0);
     _tile_zero(1);
     for (int kc = 0; kc < k / 32; kc++) {
+        if (amx_prefetch && t0 == FT_BF16 && t1 == FT_BF16 && kc + amx_prefetch < k / 32) {
+            amx_prefetch_rows(w0 + (size_t)(kc + amx_prefetch) * 64, s0);
+            amx_prefetch_rows(w1 + (size_t)(kc + amx_prefetch) * 64, s1);
+        }
         _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
         amx_load_weights(2, t0, w0, s0, kc, scratch0);
         amx_load_weights(3, t1, w1, s1, kc, scratch1);

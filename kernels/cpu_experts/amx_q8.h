@@ -21,6 +21,12 @@
    machine (tests/kernels/test_cpu_experts.py); real tiles run on Sapphire Rapids and later. */
 #if HAVE_Q16 && ((HAVE_AMX && defined(__AMX_INT8__)) || defined(FT_AMX_EMULATE))
 #define HAVE_AMX_Q8 1
+#if !HAVE_AMX
+static int amx_prefetch;  /* amx.h's, where it is not compiled */
+INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
+    for (int r = 0; r < 16; r++) __builtin_prefetch(w + r * stride, 0, 3);
+}
+#endif
 #define Q8T_BYTES(k) ((size_t)(k) * 34)
 
 /* tuning: the token counts per expert (most of any expert in a job) that take these tiles */
@@ -152,20 +158,21 @@ INLINE void amx_q8_row_scales(const uint8_t *w, size_t stride, int kc, float *ou
 }
 
 /* out[r][t] (16 x 16) = rows r of Q8_0 weights w (stride bytes a row, k weights) . token t of a packed tile.
-   The vector units read a block's sums `amx_q8_lag` blocks after the tiles stored them (a ring of 4 buffers): a
-   load right behind the tile store that wrote its bytes waits for it. */
-static int amx_q8_lag = 1;
+   (Reading a block's sums two or three blocks after their tile store instead of one measured the same: H200
+   host, commit 3214449.) */
 static void amx_q8_rows_x_tokens(const uint8_t *w, size_t stride, int k, const uint8_t *tile, float out[16][16]) {
     const uint8_t *hi = tile, *lo = tile + (size_t)k * 16;
     const float *xs = (const float *)(tile + (size_t)k * 32);
-    int32_t sums[4][2][256] __attribute__((aligned(64)));  /* [block % 4][hi, lo][row * 16 + token] */
-    float wscale[4][16];
+    int32_t sums[2][2][256] __attribute__((aligned(64)));  /* [block % 2][hi, lo][row * 16 + token] */
+    float wscale[2][16];
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-    int blocks = k / Q8_BLOCK, lag = amx_q8_lag;
+    int blocks = k / Q8_BLOCK;
     amx_q8_configure();
     for (int kc = 0; kc < blocks; kc++) {
-        int b = kc & 3;
+        int b = kc & 1;
+        if (amx_prefetch && kc + amx_prefetch < blocks)
+            amx_prefetch_rows(w + (size_t)(kc + amx_prefetch) * Q8_BYTES, stride);
         TQ_LOAD(0, w + (size_t)kc * Q8_BYTES + 2, stride);
         TQ_LOAD(1, hi + (size_t)kc * 512, 64);
         TQ_LOAD(2, lo + (size_t)kc * 512, 64);
@@ -185,16 +192,12 @@ static void amx_q8_rows_x_tokens(const uint8_t *w, size_t stride, int k, const u
             TQ_STORE(4, sums[b][1], 64);
         }
         amx_q8_row_scales(w, stride, kc, wscale[b]);
-        if (kc >= lag) {  /* an earlier block's sums, while the tiles work on this one */
-            int at = (kc - lag) & 3;
-            amx_q8_accumulate(acc, sums[at][0], sums[at][1], wscale[at], _mm512_loadu_ps(xs + (kc - lag) * 16));
-        }
+        if (kc > 0)  /* the previous block's sums, while the tiles work on this one */
+            amx_q8_accumulate(acc, sums[b ^ 1][0], sums[b ^ 1][1], wscale[b ^ 1], _mm512_loadu_ps(xs + (kc - 1) * 16));
     }
     TQ_RELEASE();
-    for (int kc = blocks - lag > 0 ? blocks - lag : 0; kc < blocks; kc++) {
-        int at = kc & 3;
-        amx_q8_accumulate(acc, sums[at][0], sums[at][1], wscale[at], _mm512_loadu_ps(xs + kc * 16));
-    }
+    int last = (blocks - 1) & 1;
+    amx_q8_accumulate(acc, sums[last][0], sums[last][1], wscale[last], _mm512_loadu_ps(xs + (blocks - 1) * 16));
     for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 

@@ -521,12 +521,12 @@ void ft_set_amx_q8(int min_tokens, int max_tokens) {
 #endif
 }
 
-/* How many blocks after the tiles stored a block's sums the vector units read them (1-3), for measuring. */
-void ft_set_amx_q8_lag(int blocks) {
-#if HAVE_AMX_Q8
-    amx_q8_lag = blocks < 1 ? 1 : blocks > 3 ? 3 : blocks;
+/* Software prefetch distance of the tile paths' weight rows, in k-chunks of 32 weights (0: off), for measuring. */
+void ft_set_amx_prefetch(int chunks) {
+#if HAVE_AMX || HAVE_AMX_Q8
+    amx_prefetch = chunks < 0 ? 0 : chunks;
 #else
-    (void)blocks;
+    (void)chunks;
 #endif
 }
 

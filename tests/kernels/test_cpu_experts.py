@@ -449,21 +449,6 @@ def test_q8_0_on_int8_tiles_matches_the_reference(request, tiles, tokens, hidden
     assert not torch.equal(got, other)
 
 
-def test_int8_tiles_sum_the_same_whatever_the_lag(emulated_tiles):
-    """The vector units read a block's sums 1, 2 or 3 blocks after the tiles stored them: the same sums in the same
-    order, so the same bits."""
-    x, gate, up, down, routing = _q8_tile_case(5, 544)
-    outs = []
-    try:
-        for lag in (1, 2, 3):
-            emulated_tiles.lib.ft_set_amx_q8_lag(lag)
-            outs.append(emulated_tiles.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
-    finally:
-        emulated_tiles.lib.ft_set_amx_q8_lag(1)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert outs[0].abs().sum() > 0
-
-
 def test_emulated_int8_tiles_compute_what_real_ones_do(kernel, emulated_tiles):
     """Where the CPU has AMX, the emulation (what the tests without AMX check) gives the very bits the real tiles
     give: the same integer block sums, then the same vector code."""
