@@ -38,6 +38,7 @@ class Variant:
     amx_off: int = 0          # ft_set_amx's third: every tile path off
     two_rows: int = 1         # ft_set_q16_form: the int16 path's rows in interleaved pairs
     int8_tiles: tuple = (2, 32)  # ft_set_amx_q8: the token counts Q8_0's int8 tiles take ((2, 0): never)
+    rows: int = 16            # ft_set_amx_q8_rows: weight rows a pass of the int8 tiles takes
     prefetch: int = 0         # ft_set_amx_prefetch: the tile paths' software prefetch distance (32-weight chunks)
     huge: bool = False        # the expert pool on huge pages
     formats: tuple = ("BF16", "Q8_0")
@@ -48,12 +49,11 @@ VARIANTS = {
     "default": Variant(),
     "Q8_0 fp32 path": Variant(q16=0, int8_tiles=(2, 0), formats=("Q8_0",)),
     "Q8_0 without int8 tiles": Variant(int8_tiles=(2, 0), formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
-    "Q8_0 int8 tiles at 1 token": Variant(int8_tiles=(1, 32), formats=("Q8_0",), batches=(1,)),
+    "Q8_0 int8 tiles, 32 rows": Variant(rows=32, formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
+    "Q8_0 int8 tiles, 32 rows, prefetch 4": Variant(rows=32, prefetch=4, formats=("Q8_0",),
+                                                    batches=(2, 4, 8, 16, 32)),
     "tiles, prefetch 4": Variant(prefetch=4, batches=(2, 4, 8, 16, 32)),
     "tiles, prefetch 8": Variant(prefetch=8, batches=(2, 4, 8, 16, 32)),
-    "tiles, prefetch 16": Variant(prefetch=16, batches=(2, 4, 8, 16, 32)),
-    "AMX off": Variant(amx_off=1, batches=(2, 4, 8, 16, 32)),
-    "huge pages": Variant(huge=True),
 }
 MADV_HUGEPAGE = 14
 
@@ -121,6 +121,7 @@ def main() -> int:
             kernel.lib.ft_set_q16_form(v.two_rows)
             kernel.lib.ft_set_amx_q8(*v.int8_tiles)
             kernel.lib.ft_set_amx_prefetch(v.prefetch)
+            kernel.lib.ft_set_amx_q8_rows(v.rows)
             for fmt in a.formats:
                 for batch in a.batches:
                     if fmt in v.formats and batch in v.batches:
@@ -131,6 +132,7 @@ def main() -> int:
     kernel.lib.ft_set_q16_form(1)
     kernel.lib.ft_set_amx_q8(2, 32)
     kernel.lib.ft_set_amx_prefetch(0)
+    kernel.lib.ft_set_amx_q8_rows(16)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

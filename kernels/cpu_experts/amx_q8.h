@@ -82,16 +82,21 @@ static void tq_dot(int c, int a, int b, int b_signed) {
 #define TQ_RELEASE() ((void)0)
 #endif
 
-/* Tile 0: A, 16 weight rows x one block (32 int8); 1-2: B, the block's activations (hi, lo: 8 rows x 16 tokens x
-   4 bytes); 3-4 and 5-6: C, the block sums (hi, lo) of even and odd blocks, so the vector units read one pair
-   while the tiles fill the other. */
+/* Tile 0: A, 16 weight rows x one block (32 int8), and tile 7 the next 16 rows where a pass takes 32; 1-2: B, the
+   block's activations (hi, lo: 8 rows x 16 tokens x 4 bytes); 3-6: C, the block sums (hi, lo) of the even and odd
+   blocks of 16 rows (the vector units read one pair while the tiles fill the other), or of the two 16-row halves
+   of 32. */
 static void amx_q8_configure(void) {
     tile_config cfg = {.palette = 1};
-    cfg.rows[0] = 16, cfg.colsb[0] = 32;
+    cfg.rows[0] = cfg.rows[7] = 16, cfg.colsb[0] = cfg.colsb[7] = 32;
     for (int t = 1; t <= 2; t++) cfg.rows[t] = 8, cfg.colsb[t] = 64;
     for (int t = 3; t <= 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     tq_config(&cfg);
 }
+
+/* Weight rows a pass takes: 16, or 32 (two A tiles against the same B tiles: two independent tile chains, twice
+   the bytes in flight a block), for measuring. */
+static int amx_q8_rows = 16;
 
 static uint8_t *amx_q8_scratch(size_t bytes) {  /* one job at a time: a growing buffer serves every job */
     static uint8_t *buf;
@@ -157,48 +162,70 @@ INLINE void amx_q8_row_scales(const uint8_t *w, size_t stride, int kc, float *ou
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw)));
 }
 
-/* out[r][t] (16 x 16) = rows r of Q8_0 weights w (stride bytes a row, k weights) . token t of a packed tile.
-   (Reading a block's sums two or three blocks after their tile store instead of one measured the same: H200
-   host, commit 3214449.) */
-static void amx_q8_rows_x_tokens(const uint8_t *w, size_t stride, int k, const uint8_t *tile, float out[16][16]) {
-    const uint8_t *hi = tile, *lo = tile + (size_t)k * 16;
+/* out[r][t] (16 or 32 rows: 16 * halves) = rows r of Q8_0 weights w (stride bytes a row, k weights) . token t of
+   a packed tile. (Reading a block's sums two or three blocks after their tile store instead of one measured the
+   same: H200 host, commit 3214449.) */
+static void amx_q8_rows_x_tokens(const uint8_t *w, size_t stride, int k, const uint8_t *tile, int halves,
+                                 float (*out)[16]) {
+    const uint8_t *hi = tile, *lo = tile + (size_t)k * 16, *w1 = w + 16 * stride;
     const float *xs = (const float *)(tile + (size_t)k * 32);
-    int32_t sums[2][2][256] __attribute__((aligned(64)));  /* [block % 2][hi, lo][row * 16 + token] */
-    float wscale[2][16];
-    __m512 acc[16];
-    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    int32_t sums[2][2][2][256] __attribute__((aligned(64)));  /* [block % 2][half][hi, lo][row * 16 + token] */
+    float wscale[2][2][16];
+    __m512 acc[32];
+    for (int r = 0; r < 16 * halves; r++) acc[r] = _mm512_setzero_ps();
     int blocks = k / Q8_BLOCK;
     amx_q8_configure();
     for (int kc = 0; kc < blocks; kc++) {
         int b = kc & 1;
-        if (amx_prefetch && kc + amx_prefetch < blocks)
-            amx_prefetch_rows(w + (size_t)(kc + amx_prefetch) * Q8_BYTES, stride);
-        TQ_LOAD(0, w + (size_t)kc * Q8_BYTES + 2, stride);
+        size_t at = (size_t)kc * Q8_BYTES;
+        if (amx_prefetch && kc + amx_prefetch < blocks) {
+            amx_prefetch_rows(w + at + amx_prefetch * Q8_BYTES, stride);
+            if (halves == 2) amx_prefetch_rows(w1 + at + amx_prefetch * Q8_BYTES, stride);
+        }
         TQ_LOAD(1, hi + (size_t)kc * 512, 64);
         TQ_LOAD(2, lo + (size_t)kc * 512, 64);
-        if (kc & 1) {
+        TQ_LOAD(0, w + at + 2, stride);
+        if (halves == 2) {
+            TQ_LOAD(7, w1 + at + 2, stride);
+            TQ_ZERO(3);
+            TQ_ZERO(4);
+            TQ_ZERO(5);
+            TQ_ZERO(6);
+            TQ_SS(3, 0, 1);
+            TQ_SU(4, 0, 2);
+            TQ_SS(5, 7, 1);
+            TQ_SU(6, 7, 2);
+            TQ_STORE(3, sums[b][0][0], 64);
+            TQ_STORE(4, sums[b][0][1], 64);
+            TQ_STORE(5, sums[b][1][0], 64);
+            TQ_STORE(6, sums[b][1][1], 64);
+        } else if (b) {
             TQ_ZERO(5);
             TQ_ZERO(6);
             TQ_SS(5, 0, 1);
             TQ_SU(6, 0, 2);
-            TQ_STORE(5, sums[b][0], 64);
-            TQ_STORE(6, sums[b][1], 64);
+            TQ_STORE(5, sums[b][0][0], 64);
+            TQ_STORE(6, sums[b][0][1], 64);
         } else {
             TQ_ZERO(3);
             TQ_ZERO(4);
             TQ_SS(3, 0, 1);
             TQ_SU(4, 0, 2);
-            TQ_STORE(3, sums[b][0], 64);
-            TQ_STORE(4, sums[b][1], 64);
+            TQ_STORE(3, sums[b][0][0], 64);
+            TQ_STORE(4, sums[b][0][1], 64);
         }
-        amx_q8_row_scales(w, stride, kc, wscale[b]);
+        for (int h = 0; h < halves; h++) amx_q8_row_scales(h ? w1 : w, stride, kc, wscale[b][h]);
         if (kc > 0)  /* the previous block's sums, while the tiles work on this one */
-            amx_q8_accumulate(acc, sums[b ^ 1][0], sums[b ^ 1][1], wscale[b ^ 1], _mm512_loadu_ps(xs + (kc - 1) * 16));
+            for (int h = 0; h < halves; h++)
+                amx_q8_accumulate(acc + 16 * h, sums[b ^ 1][h][0], sums[b ^ 1][h][1], wscale[b ^ 1][h],
+                                  _mm512_loadu_ps(xs + (kc - 1) * 16));
     }
     TQ_RELEASE();
     int last = (blocks - 1) & 1;
-    amx_q8_accumulate(acc, sums[last][0], sums[last][1], wscale[last], _mm512_loadu_ps(xs + (blocks - 1) * 16));
-    for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
+    for (int h = 0; h < halves; h++)
+        amx_q8_accumulate(acc + 16 * h, sums[last][h][0], sums[last][h][1], wscale[last][h],
+                          _mm512_loadu_ps(xs + (blocks - 1) * 16));
+    for (int r = 0; r < 16 * halves; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 
 /* Phase 1, task (expert, 32 rows): gate and up of rows r0..r0+31 for each token tile, act from them, and act's
@@ -209,23 +236,23 @@ static void amx_q8_gate_up(const moe_job *j, const uint8_t *xp, uint8_t *actp, c
     int expert = j->experts[e], p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
     size_t gb = row_bytes(FT_Q8_0, j->hidden), ub = row_bytes(FT_Q8_0, j->hidden);
     const uint8_t *gate = j->gate + expert * j->gate_stride + r0 * gb, *up = j->up + expert * j->up_stride + r0 * ub;
-    float g[16][16], u[16][16], a[16][Q8_BLOCK] __attribute__((aligned(64)));  /* a: [token][row] */
+    float g[32][16], u[32][16], a[16][Q8_BLOCK] __attribute__((aligned(64)));  /* a: [token][row] */
     int16_t q[Q8_BLOCK];
     float scale;
+    int halves = amx_q8_rows / 16;
     for (int tile = 0; tile < tile_base[e + 1] - tile_base[e]; tile++) {
         size_t base = (size_t)(tile_base[e] + tile);
         const uint8_t *x_tile = xp + base * Q8T_BYTES(j->hidden);
-        for (int half = 0; half < 2; half++) {
-            amx_q8_rows_x_tokens(gate + half * 16 * gb, gb, j->hidden, x_tile, g);
-            amx_q8_rows_x_tokens(up + half * 16 * ub, ub, j->hidden, x_tile, u);
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < 16 && tile * 16 + c < n; c++) {
-                    int row = r0 + half * 16 + r;
-                    float v = expert_act(j, expert, row, g[r][c], u[r][c]);
-                    a[c][half * 16 + r] = v;
-                    j->act[(size_t)(p0 + tile * 16 + c) * j->inter + row] = v;
-                }
+        for (int h = 0; h < 2; h += halves) {
+            amx_q8_rows_x_tokens(gate + h * 16 * gb, gb, j->hidden, x_tile, halves, g + h * 16);
+            amx_q8_rows_x_tokens(up + h * 16 * ub, ub, j->hidden, x_tile, halves, u + h * 16);
         }
+        for (int r = 0; r < Q8_BLOCK; r++)
+            for (int c = 0; c < 16 && tile * 16 + c < n; c++) {
+                float v = expert_act(j, expert, r0 + r, g[r][c], u[r][c]);
+                a[c][r] = v;
+                j->act[(size_t)(p0 + tile * 16 + c) * j->inter + r0 + r] = v;
+            }
         uint8_t *act_tile = actp + base * Q8T_BYTES(j->inter);
         for (int c = 0; c < 16 && tile * 16 + c < n; c++) {
             q16_quantize_block(a[c], q, &scale);
@@ -234,19 +261,20 @@ static void amx_q8_gate_up(const moe_job *j, const uint8_t *xp, uint8_t *actp, c
     }
 }
 
-/* Phase 2, task: output rows h0..h0+15, every expert's down rows against its packed act. */
+/* Phase 2, task: amx_q8_rows output rows from h0, every expert's down rows against its packed act. */
 static void amx_q8_down(const moe_job *j, const uint8_t *actp, const int32_t *tile_base, int task) {
-    int h0 = task * ROW_BLOCK;
+    int rows = amx_q8_rows, h0 = task * rows;
     size_t db = row_bytes(FT_Q8_0, j->inter);
-    float d[16][16];
-    for (int h = h0; h < h0 + ROW_BLOCK; h++)
+    float d[32][16];
+    for (int h = h0; h < h0 + rows; h++)
         for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
     for (int e = 0; e < j->n_experts; e++) {
         int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0;
         const uint8_t *down = j->down + j->experts[e] * j->down_stride + h0 * db;
         for (int tile = 0; tile < tile_base[e + 1] - tile_base[e]; tile++) {
-            amx_q8_rows_x_tokens(down, db, j->inter, actp + (size_t)(tile_base[e] + tile) * Q8T_BYTES(j->inter), d);
-            for (int r = 0; r < ROW_BLOCK; r++)
+            amx_q8_rows_x_tokens(down, db, j->inter, actp + (size_t)(tile_base[e] + tile) * Q8T_BYTES(j->inter),
+                                 rows / 16, d);
+            for (int r = 0; r < rows; r++)
                 for (int c = 0; c < 16 && tile * 16 + c < n; c++) {
                     int p = p0 + tile * 16 + c;
                     float v = expert_out(j, j->experts[e], h0 + r, d[r][c], j->pair_weights[p]);

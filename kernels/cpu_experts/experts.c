@@ -481,6 +481,9 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     if (current.job.xq) current.phase0_tasks = tokens;
     current.phase1_tasks = n_experts * ((inter + current.job.gate_rows - 1) / current.job.gate_rows);
     current.phase2_tasks = (hidden + ROW_BLOCK - 1) / ROW_BLOCK;
+#if HAVE_AMX_Q8
+    if (current.q8x) current.phase2_tasks = hidden / amx_q8_rows;
+#endif
     atomic_store(&current.phase0_done, 0);
     atomic_store(&current.phase1_done, 0);
     atomic_store(&current.phase2_done, 0);
@@ -527,6 +530,15 @@ void ft_set_amx_prefetch(int chunks) {
     amx_prefetch = chunks < 0 ? 0 : chunks;
 #else
     (void)chunks;
+#endif
+}
+
+/* The weight rows one pass of Q8_0's int8 tiles takes: 16 or 32 (two A tiles against the same activations). */
+void ft_set_amx_q8_rows(int rows) {
+#if HAVE_AMX_Q8
+    amx_q8_rows = rows == 32 ? 32 : 16;
+#else
+    (void)rows;
 #endif
 }
 

@@ -449,6 +449,25 @@ def test_q8_0_on_int8_tiles_matches_the_reference(request, tiles, tokens, hidden
     assert not torch.equal(got, other)
 
 
+@pytest.mark.parametrize("tiles", ["emulated", "native"])
+def test_int8_tiles_sum_the_same_16_or_32_rows_a_pass(request, tiles):
+    """One pass of the int8 tiles takes 16 weight rows or 32 (two A tiles against the same activations): each row
+    gets the same block sums in the same order, so the same bits."""
+    kernel = request.getfixturevalue("emulated_tiles" if tiles == "emulated" else "kernel")
+    if tiles == "native" and kernel.amx_q8 != 1:
+        pytest.skip("no AMX int8 tiles on this CPU")
+    x, gate, up, down, routing = _q8_tile_case(17, 544)
+    outs = []
+    try:
+        for rows in (16, 32):
+            kernel.lib.ft_set_amx_q8_rows(rows)
+            outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
+    finally:
+        kernel.lib.ft_set_amx_q8_rows(16)
+    assert torch.equal(outs[0], outs[1])
+    assert outs[0].abs().sum() > 0
+
+
 def test_emulated_int8_tiles_compute_what_real_ones_do(kernel, emulated_tiles):
     """Where the CPU has AMX, the emulation (what the tests without AMX check) gives the very bits the real tiles
     give: the same integer block sums, then the same vector code."""
