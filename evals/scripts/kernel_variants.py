@@ -37,7 +37,7 @@ class Variant:
     q8_tiles_from: int = 6    # ft_set_amx's second argument: fewest tokens per expert for Q8_0's bf16 tiles
     amx_off: int = 0          # ft_set_amx's third: every tile path off
     two_rows: int = 1         # ft_set_q16_form: the int16 path's rows in interleaved pairs
-    int8_tiles: tuple = (2, 32)  # ft_set_amx_q8: the token counts Q8_0's int8 tiles take ((2, 0): never)
+    int8_tiles: tuple = (2, 0)  # ft_set_amx_q8: the token counts Q8_0's int8 tiles take ((2, 0): never, default)
     rows: int = 16            # ft_set_amx_q8_rows: weight rows a pass of the int8 tiles takes
     prefetch: int = 0         # ft_set_amx_prefetch: the tile paths' software prefetch distance (32-weight chunks)
     huge: bool = False        # the expert pool on huge pages
@@ -47,11 +47,9 @@ class Variant:
 
 VARIANTS = {
     "default": Variant(),
-    "Q8_0 fp32 path": Variant(q16=0, int8_tiles=(2, 0), formats=("Q8_0",)),
-    "Q8_0 without int8 tiles": Variant(int8_tiles=(2, 0), formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
-    "Q8_0 int8 tiles, 32 rows": Variant(rows=32, formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
-    "Q8_0 int8 tiles, 32 rows, prefetch 4": Variant(rows=32, prefetch=4, formats=("Q8_0",),
-                                                    batches=(2, 4, 8, 16, 32)),
+    "Q8_0 fp32 path": Variant(q16=0, formats=("Q8_0",)),
+    "Q8_0 int8 tiles": Variant(int8_tiles=(2, 32), formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
+    "Q8_0 int8 tiles, 32 rows": Variant(int8_tiles=(2, 32), rows=32, formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
     "tiles, prefetch 4": Variant(prefetch=4, batches=(2, 4, 8, 16, 32)),
     "tiles, prefetch 8": Variant(prefetch=8, batches=(2, 4, 8, 16, 32)),
 }
@@ -130,7 +128,7 @@ def main() -> int:
     kernel.lib.ft_set_q16(1)
     kernel.lib.ft_set_amx(2, 6, 0)
     kernel.lib.ft_set_q16_form(1)
-    kernel.lib.ft_set_amx_q8(2, 32)
+    kernel.lib.ft_set_amx_q8(2, 0)
     kernel.lib.ft_set_amx_prefetch(0)
     kernel.lib.ft_set_amx_q8_rows(16)
     probes = results[("DRAM read probe", "", 0)]

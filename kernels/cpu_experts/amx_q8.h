@@ -29,8 +29,10 @@ INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
 #endif
 #define Q8T_BYTES(k) ((size_t)(k) * 34)
 
-/* tuning: the token counts per expert (most of any expert in a job) that take these tiles */
-static int amx_q8_min_tokens = 2, amx_q8_max_tokens = 32;
+/* tuning: the token counts per expert (most of any expert in a job) that take these tiles. Off by default: on
+   the H200 test machine's host they lost to the fp32-weight vector path at every batch (2-16 tokens, 1 and 15
+   threads; evals/results/cpu-expert-kernel-h200.md); ft_set_amx_q8(2, 32) turns them on for measuring. */
+static int amx_q8_min_tokens = 2, amx_q8_max_tokens = 0;
 
 #if HAVE_AMX && defined(__AMX_INT8__) && !defined(FT_AMX_EMULATE)
 #define TQ_LOAD(t, p, stride) _tile_loadd(t, p, stride)

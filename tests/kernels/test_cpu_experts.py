@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -386,11 +388,7 @@ def test_amx_block_formats_compute_what_a_bf16_gpu_expert_computes(kernel, fmt, 
     routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32),
                torch.tensor(every + every, dtype=torch.int32), torch.rand(2 * tokens, generator=gen))
     want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
-    kernel.lib.ft_set_amx_q8(2, 0)  # Q8_0 at up to 32 tokens takes int8 tiles otherwise (tested below)
-    try:
-        got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    finally:
-        kernel.lib.ft_set_amx_q8(2, 32)
+    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)  # (int8 tiles: off by default)
     # (the vector path, with fp32 weights, is 4e-3 to 6e-3 away from this for Q8_0 and FP8_B32; MXFP4's values
     # are bf16 values, so both paths meet it exactly)
     assert (got - want).norm() / want.norm() < 2e-4
@@ -407,6 +405,16 @@ def emulated_tiles(tmp_path_factory):
     if not k.amx_q8:
         pytest.skip("no AVX-512BW: the int8 tile path needs it, emulated or not")
     return k
+
+
+@contextlib.contextmanager
+def int8_tiles(kernel):
+    """Q8_0 experts at 2-32 tokens per expert on int8 tiles (off by default: slower where measured)."""
+    kernel.lib.ft_set_amx_q8(2, 32)
+    try:
+        yield
+    finally:
+        kernel.lib.ft_set_amx_q8(2, 0)
 
 
 def _q8_tile_case(tokens: int, hidden: int):
@@ -438,12 +446,9 @@ def test_q8_0_on_int8_tiles_matches_the_reference(request, tiles, tokens, hidden
         pytest.skip("no AMX int8 tiles on this CPU")
     x, gate, up, down, routing = _q8_tile_case(tokens, hidden)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    kernel.lib.ft_set_amx_q8(2, 0)
-    try:
-        other = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    finally:
-        kernel.lib.ft_set_amx_q8(2, 32)
+    with int8_tiles(kernel):
+        got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    other = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert torch.isfinite(got).all()
     assert (got - want).norm() / want.norm() < 5e-3
     assert not torch.equal(got, other)
@@ -458,12 +463,13 @@ def test_int8_tiles_sum_the_same_16_or_32_rows_a_pass(request, tiles):
         pytest.skip("no AMX int8 tiles on this CPU")
     x, gate, up, down, routing = _q8_tile_case(17, 544)
     outs = []
-    try:
-        for rows in (16, 32):
-            kernel.lib.ft_set_amx_q8_rows(rows)
-            outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
-    finally:
-        kernel.lib.ft_set_amx_q8_rows(16)
+    with int8_tiles(kernel):
+        try:
+            for rows in (16, 32):
+                kernel.lib.ft_set_amx_q8_rows(rows)
+                outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
+        finally:
+            kernel.lib.ft_set_amx_q8_rows(16)
     assert torch.equal(outs[0], outs[1])
     assert outs[0].abs().sum() > 0
 
@@ -474,5 +480,7 @@ def test_emulated_int8_tiles_compute_what_real_ones_do(kernel, emulated_tiles):
     if kernel.amx_q8 != 1:
         pytest.skip("no AMX int8 tiles on this CPU")
     x, gate, up, down, routing = _q8_tile_case(17, 544)
-    real = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert torch.equal(emulated_tiles.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16), real)
+    with int8_tiles(kernel), int8_tiles(emulated_tiles):
+        real = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        emulated = emulated_tiles.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert torch.equal(emulated, real)

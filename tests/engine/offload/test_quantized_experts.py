@@ -132,23 +132,22 @@ def _experimental(monkeypatch, *paths: str):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("tensor_type", ["Q8_0", "F32"])
-def test_on_cuda_prefill_streams_the_next_layer_ahead_in_batches(tensor_type, tmp_path, monkeypatch):
-    """GPU path "ahead-batches": a chunk long enough to route to every expert streams each next layer's experts
-    ahead, AHEAD_BATCH experts a batch (one event each and, for Q8_0, one dequantizing launch), into free slots and
-    the staging ring; the logits stay the resident ones."""
-    with _experimental(monkeypatch, "ahead-batches"):
-        gguf = _tiny_gguf(tmp_path, tensor_type)
-        resident = load_model(gguf, device="cuda", dtype=torch.float32, progress=False)
-        lm = load_model(gguf, device="cuda", dtype=torch.float32, progress=False, prefill_ahead=True,
-                        expert_cache=3 * resident.moe_spec.bytes_per_expert(torch.float32))
-        ex = lm.experts
-        ex.miss_path = "copy"
-        tokens = 2 * ex.num_experts * ex.AHEAD_TOKENS_PER_EXPERT // ex._top_k
-        ids = torch.randint(0, resident.args.decoder.vocab_size, (tokens,),
-                            generator=torch.Generator().manual_seed(1)).tolist()
-        torch.testing.assert_close(lm.prefill_logits(ids), resident.prefill_logits(ids), atol=1e-4, rtol=0)
-        c = ex.counters
-        assert c.prefetched >= ex.AHEAD_BATCH and 0 < c.prefetch_used <= c.prefetched
+def test_on_cuda_prefill_streams_the_next_layer_ahead_in_batches(tensor_type, tmp_path):
+    """GPU path "ahead-batches" (on by default): a chunk long enough to route to every expert streams each next
+    layer's experts ahead, AHEAD_BATCH experts a batch (one event each and, for Q8_0, one dequantizing launch), into
+    free slots and the staging ring; the logits stay the resident ones."""
+    gguf = _tiny_gguf(tmp_path, tensor_type)
+    resident = load_model(gguf, device="cuda", dtype=torch.float32, progress=False)
+    lm = load_model(gguf, device="cuda", dtype=torch.float32, progress=False, prefill_ahead=True,
+                    expert_cache=3 * resident.moe_spec.bytes_per_expert(torch.float32))
+    ex = lm.experts
+    ex.miss_path = "copy"
+    tokens = 2 * ex.num_experts * ex.AHEAD_TOKENS_PER_EXPERT // ex._top_k
+    ids = torch.randint(0, resident.args.decoder.vocab_size, (tokens,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    torch.testing.assert_close(lm.prefill_logits(ids), resident.prefill_logits(ids), atol=1e-4, rtol=0)
+    c = ex.counters
+    assert c.prefetched >= ex.AHEAD_BATCH and 0 < c.prefetch_used <= c.prefetched
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
