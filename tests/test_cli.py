@@ -85,6 +85,7 @@ def test_info_of_the_new_families_says_what_their_cache_holds(family, expected, 
         (["generate", "--model", "/nonexistent/model", "hi"], "no such file or directory"),
         (["generate", "--model", "nobody-xyz/not-a-model", "hi"], "not in the Hugging Face cache"),
         (["generate", "--temperature", "-1", "hi"], "temperature"),
+        (["generate", "--speculative", "hi"], "no multi-token-prediction support"),  # SmolLM2 has no MTP layer
         (["frobnicate"], "unknown verb"),
     ],
 )
@@ -136,3 +137,17 @@ def test_generate_with_an_expert_cache_smaller_than_the_experts(tmp_path):
     assert resident.returncode == 0 and cached.returncode == 0, cached.stderr
     assert cached.stdout == resident.stdout  # lossless
     assert "expert cache: 42 of 128 experts" in cached.stderr and "evictions" in cached.stderr
+
+
+def test_generate_speculative_prints_the_same_completion_and_the_drafts(tmp_path):
+    """`--speculative` on a checkpoint with an MTP layer: the plain run's greedy completion, and with `--stats`
+    how many drafts were accepted."""
+    from support.checkpoints import add_mtp_layer, write_hf_checkpoint
+
+    add_mtp_layer(tmp_path, write_hf_checkpoint("deepseek_v3", tmp_path))
+    args = ["generate", "--model", str(tmp_path), "--raw", "--max-tokens", "12", "--temperature", "0", "--stats"]
+    plain = run_ft(*args, "the quick brown fox")
+    speculative = run_ft(*args, "--speculative", "the quick brown fox")
+    assert plain.returncode == 0 and speculative.returncode == 0, speculative.stderr
+    assert speculative.stdout == plain.stdout
+    assert "drafts accepted" in speculative.stderr and "drafts accepted" not in plain.stderr

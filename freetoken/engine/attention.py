@@ -58,6 +58,22 @@ class SequenceAttention:
         self.seq.recurrent.update(self._pending_state)
 
 
+class TrailingAttention:
+    """A layer that runs after the model's own at positions [start, start + n) the sequence already holds (the
+    multi-token-prediction layer, models/mtp.py): its own cache rows written there, each attending to that
+    layer's rows up to its position. Nothing is committed: the main layers did."""
+
+    def __init__(self, cache: PagedKVCache, seq: SequenceKV, start: int, n: int, device: torch.device):
+        if start < 0 or start + n > seq.length:
+            raise ValueError(f"rows {start}..{start + n} are not all held by the sequence ({seq.length} tokens)")
+        self.cache, self.seq, self.start = cache, seq, start
+        self.positions = torch.arange(start, start + n, device=device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.update(layer, self.seq, k, v, start=self.start)
+        return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.start)
+
+
 class SequenceRows:
     """One sequence's rows of a batched forward as a recurrent layer sees them: their positions and the sequence's
     recurrent state (the state a layer sets replaces the old one when the batch commits)."""

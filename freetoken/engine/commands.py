@@ -58,12 +58,19 @@ def _device(name: str) -> str:
     return name
 
 
+def _speculative_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", action="store_true",
+                   help="decode with the model's multi-token-prediction layer drafting the next token (DeepSeek-V3 "
+                        "and GLM-4.5 checkpoints that carry one): up to two tokens a pass, the same output")
+
+
 def _load(a: argparse.Namespace, on_progress=None):
     from freetoken.engine.loader import load_model
 
     cache = a.expert_cache if a.expert_cache in (None, "auto") else parse_bytes(a.expert_cache)
     return load_model(a.model, device=_device(a.device), dtype=_DTYPES[a.dtype], expert_cache=cache,
-                      expert_policy=a.expert_policy, on_progress=on_progress)
+                      expert_policy=a.expert_policy, on_progress=on_progress,
+                      mtp=getattr(a, "speculative", False))
 
 
 def _messages(system: str | None, history: list[dict]) -> list[dict]:
@@ -76,6 +83,7 @@ def generate(argv: list[str]) -> int:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--stats", action="store_true", help="print token counts and speeds to stderr")
     _model_args(p)
+    _speculative_arg(p)
     _sampling_args(p)
     a = p.parse_args(argv)
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
@@ -87,10 +95,16 @@ def generate(argv: list[str]) -> int:
     else:
         text = tok.apply_chat_template(_messages(a.system, [{"role": "user", "content": prompt}]))
         ids = tok.encode(text)
-    last = _stream_to_stdout(lm, ids, params)
+    from freetoken.engine.generator import Generator
+
+    generator = Generator(lm, speculative=a.speculative)
+    last = _stream_to_stdout(generator, ids, params)
     print()
     if a.stats and last.timings:
         _print_stats(last)
+        if (drafts := generator.draft_stats) is not None:
+            print(f"freetoken: {drafts.accepted} of {drafts.proposed} drafts accepted "
+                  f"({drafts.acceptance:.0%})", file=sys.stderr)
         ex = snapshot(lm).experts
         if ex.mode == "offloaded":
             print(f"freetoken: expert cache {ex.cached}/{ex.slots} slots, hit rate {ex.hit_rate:.1%} ({ex.hits} hits, "
@@ -100,11 +114,9 @@ def generate(argv: list[str]) -> int:
     return 0
 
 
-def _stream_to_stdout(lm, ids: list[int], params: SamplingParams):
-    from freetoken.engine.generator import Generator
-
+def _stream_to_stdout(generator, ids: list[int], params: SamplingParams):
     last = None
-    for ev in Generator(lm).stream(ids, params):
+    for ev in generator.stream(ids, params):
         if ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -125,6 +137,7 @@ def chat(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ft chat", description="Interactive chat. /reset clears the history, "
                                 "/exit (or Ctrl-D) quits.")
     _model_args(p)
+    _speculative_arg(p)
     _sampling_args(p)
     a = p.parse_args(argv)
     lm = _load(a)
@@ -133,7 +146,8 @@ def chat(argv: list[str]) -> int:
     interactive = sys.stdin.isatty()
     from freetoken.engine.generator import Generator
 
-    generator = Generator(lm)  # one generator: its KV cache (and CUDA graphs) are reused turn after turn
+    # one generator: its KV cache (and CUDA graphs) are reused turn after turn
+    generator = Generator(lm, speculative=a.speculative)
     while True:
         try:
             line = input("you> " if interactive else "")

@@ -59,15 +59,35 @@ class Generator:
     DEFAULT_GRAPH_CAPACITY = 16384
 
     def __init__(self, lm: LoadedModel, *, prefill_chunk: int | None = None, page_size: int = 16,
-                 max_seq_len: int | None = None, cuda_graphs: bool | None = None, pool_tokens: int | None = 0):
+                 max_seq_len: int | None = None, cuda_graphs: bool | None = None, pool_tokens: int | None = 0,
+                 speculative: bool = False):
         """Defaults as `run_settings` gives them. `pool_tokens`: tokens all sequences of this generator hold
-        together (0: one sequence's capacity; None: unbounded where the pool can grow, i.e. without graphs)."""
+        together (0: one sequence's capacity; None: unbounded where the pool can grow, i.e. without graphs).
+        `speculative`: decode two tokens a pass where the model's multi-token-prediction layer guesses right
+        (engine/speculative.py; the model loaded with `mtp=True`; eager steps, no CUDA graphs yet)."""
         self.lm, self.page_size = lm, page_size
+        self._speculator = None
+        if speculative:
+            if not lm.has_mtp:
+                raise FreeTokenError("speculative decoding needs the model's multi-token-prediction layer: load it "
+                                     "with mtp=True (a checkpoint that has one: DeepSeek-V3 style)")
+            if lm.has_recurrent_state:
+                raise FreeTokenError("speculative decoding cannot roll back recurrent layers' state yet; run this "
+                                     "model without it")
+            from freetoken.engine.speculative import MtpSpeculator
+
+            self._speculator = MtpSpeculator(lm)
+            cuda_graphs = False
         self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
         self.pool_tokens = self.capacity if pool_tokens == 0 or (pool_tokens is None and self.use_graphs) \
             else pool_tokens
         self._cache: PagedKVCache | None = None
         self._graphs: GraphedDecoder | None = None
+
+    @property
+    def draft_stats(self):
+        """Speculative decoding's drafts proposed and accepted so far (None without it)."""
+        return None if self._speculator is None else self._speculator.stats
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         return [t for ev in self.stream(prompt_ids, params, decode_text=False) for t in ev.token_ids]
@@ -134,6 +154,11 @@ class Generator:
         cache = self._cache_for(total + budget)
         reply = Reply(self.lm, total, params, budget, decode_text)
         reply.cached_tokens = cached_tokens
+        if self._speculator is not None:
+            logits, pending = self._speculator.prefill(new_ids, cache, seq, self.prefill_chunk)
+            reply.prefilled()
+            yield from self._speculator.decode(reply, logits, pending, cache, seq)
+            return
         logits = self._prefill(new_ids, cache, seq)
         reply.prefilled()
         while True:

@@ -278,10 +278,12 @@ class PagedKVCache:
         self._share_values()
         self.allocator.grow(new_total)
 
-    def update(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor
+    def update(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor, start: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v [T, Hkv, D] after the committed tokens; returns all keys/values [L + T, Hkv, D]."""
-        start, end = seq.length, seq.length + k.shape[0]
+        """Writes k, v [T, Hkv, D] after the committed tokens (or at positions from `start`, rows the sequence
+        already holds); returns all keys/values up to the last written [start + T, Hkv, D]."""
+        start = seq.length if start is None else start
+        end = start + k.shape[0]
         self.k[layer].index_copy_(0, seq.slots[start:end], k.to(self.dtype))
         if not self.values_are_keys:
             self.v[layer].index_copy_(0, seq.slots[start:end], v.to(self.dtype))

@@ -14,11 +14,12 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 from freetoken.engine import gpu_paths
-from freetoken.engine.attention import BatchAttention, SequenceAttention
+from freetoken.engine.attention import BatchAttention, SequenceAttention, TrailingAttention
 from freetoken.engine.checkpoints import open_checkpoint
 from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import ExpertExecutor, ResidentExpertExecutor
@@ -32,6 +33,7 @@ from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.rope import RotaryEmbedding
 from freetoken.engine.sources import resolve_model_source
 from freetoken.engine.weights import STACKED_EXPERT, WeightPlacer
+from freetoken.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +68,23 @@ class LoadedModel:
         shape as windows close), so decode never goes through CUDA graphs."""
         return any(getattr(m, "eager_only", False) for m in self.model.modules())
 
+    @property
+    def has_mtp(self) -> bool:
+        """The multi-token-prediction layer is loaded (`load_model(mtp=True)`): speculative decoding can run."""
+        return hasattr(self.model, "mtp")
+
     def new_cache(self, page_size: int = 16, initial_tokens: int = 1024,
                   max_tokens: int | None = None) -> PagedKVCache:
-        a = self.model.args.attention
+        a, n_layers = self.model.args.attention, self.model.args.n_layers
         pages = -(-initial_tokens // page_size)
         max_pages = None if max_tokens is None else -(-max_tokens // page_size)
-        return PagedKVCache(self.model.args.n_layers, a.n_kv_heads, a.head_dim, page_size=page_size,
+        kv_layers = attention_layers(self.args)
+        if self.has_mtp:  # the MTP layer's rows are layer n_layers
+            kv_layers = None if kv_layers is None else (*kv_layers, n_layers)
+            n_layers += 1
+        return PagedKVCache(n_layers, a.n_kv_heads, a.head_dim, page_size=page_size,
                             dtype=self.dtype, device=self.device, initial_pages=pages, max_pages=max_pages,
-                            kv_layers=attention_layers(self.args),
-                            values_are_keys=getattr(self.args, "values_are_keys", False))
+                            kv_layers=kv_layers, values_are_keys=getattr(self.args, "values_are_keys", False))
 
     def forward(self, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
                 logits_for: str = "all") -> torch.Tensor:
@@ -83,6 +93,24 @@ class LoadedModel:
         logits = self.model(tokens, ctx, logits_for)
         ctx.commit()
         return logits
+
+    def forward_hidden(self, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
+                       logits_for: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, also returning every token's final hidden state after the final norm [T, Hd] (what the
+        multi-token-prediction layer reads)."""
+        ctx = SequenceAttention(cache, seq, tokens.shape[0], self.device)
+        hidden = self.model.model.norm(self.model.hidden_states(tokens, ctx))
+        logits = F.linear(hidden[-1:] if logits_for == "last" else hidden, self.model.output_weight())
+        ctx.commit()
+        return logits, hidden
+
+    def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
+              start: int) -> torch.Tensor:
+        """The multi-token-prediction layer at positions [start, start + T) that `seq` holds: hidden [T, Hd] from
+        `forward_hidden` at those positions, next_tokens [T] the token after each → logits [T, V] of the token
+        after that (the draft)."""
+        ctx = TrailingAttention(cache, seq, start, next_tokens.shape[0], self.device)
+        return self.model.mtp(self.model, hidden, next_tokens, ctx)
 
     def forward_batch(self, tokens: torch.Tensor, cache: PagedKVCache, seqs: list[SequenceKV],
                       counts: list[int]) -> torch.Tensor:
@@ -108,12 +136,14 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, progress: bool = True, expert_cache: int | str | None = None,
-               expert_policy: str = "freq", prefill_ahead: bool | None = None, on_progress=None) -> LoadedModel:
+               expert_policy: str = "freq", prefill_ahead: bool | None = None, mtp: bool = False,
+               on_progress=None) -> LoadedModel:
     """Loads a model onto `device`. `expert_cache` (bytes) keeps routed experts in host memory with a cache
     of that many bytes on the device; "auto" sizes it from free device memory (resident when all fit); None
     keeps every expert resident on the device. `prefill_ahead`: offloaded prefill chunks stream the next layer's
     experts while each layer computes (a staging ring of two layers' experts; see OffloadedExpertExecutor);
-    None: on for CUDA devices (GPU path "prefill-ahead", see gpu_paths).
+    None: on for CUDA devices (GPU path "prefill-ahead", see gpu_paths). `mtp`: also load the checkpoint's
+    multi-token-prediction layer (models/mtp.py), for speculative decoding.
     `on_progress(done, total)` is called as tensors land (from the loading threads too)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
@@ -123,6 +153,11 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     ckpt = open_checkpoint(path)
     family = family_for(ckpt.config.get("model_type"))
     args = family.ModelArgs.from_config(ckpt.config)
+    if mtp:
+        if not hasattr(family, "with_mtp"):
+            raise ModelLoadError(f"{family.MODEL_TYPE} models have no multi-token-prediction support here; run "
+                                 "without speculative decoding")
+        args = family.with_mtp(args)
     spec = args.moe_spec()
     tokenizer = ckpt.tokenizer()
 
@@ -142,6 +177,9 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     items = list(ckpt.tensors(family.MODEL_TYPE, dtype, device, raw_experts=raw_experts))
     if (rename := getattr(family, "checkpoint_name", None)) is not None:  # the family's names; None: not loaded
         items = [(new, load) for name, load in items if (new := rename(name, args)) is not None]
+    if mtp and not any(name.startswith("mtp.") for name, _ in items):  # (transformers drops it when re-saving)
+        raise ModelLoadError(f"{path.name} has no multi-token-prediction layer's weights, though its config "
+                             "names one; run it without speculative decoding")
     if (expand := getattr(family, "checkpoint_items", None)) is not None:  # tensors the family cuts or fuses
         items = expand(items, args, keep_packed=offload)  # offloaded quantized experts stay in their format
     # On a terminal the bar redraws often; in a log (no TTY) it writes a line every few seconds at most.

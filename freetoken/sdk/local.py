@@ -68,13 +68,16 @@ class Worker:
 class Engine(Worker):
     """A loaded model and the worker that runs its sessions. Use `Engine.load(...)`, then `engine.session()`."""
 
-    def __init__(self, lm, *, max_seq_len: int | None = None, kv_tokens: int | None = None):
+    def __init__(self, lm, *, max_seq_len: int | None = None, kv_tokens: int | None = None,
+                 speculative: bool = False):
         """`max_seq_len`: tokens one conversation may hold (default: the model's context); `kv_tokens`: tokens
         all sessions, forks and checkpoints hold together (default: unbounded on the CPU, where the pool grows;
-        two contexts on CUDA, where CUDA graphs need it allocated up front). Shared pages count once."""
+        two contexts on CUDA, where CUDA graphs need it allocated up front). Shared pages count once.
+        `speculative`: replies decode with the model's multi-token-prediction layer drafting (loaded with
+        `mtp=True`; see engine/speculative.py)."""
         self.lm = lm
-        graphs = lm.device.type == "cuda"
-        self.generator = Generator(lm, max_seq_len=max_seq_len, pool_tokens=kv_tokens or (
+        graphs = lm.device.type == "cuda" and not speculative
+        self.generator = Generator(lm, max_seq_len=max_seq_len, speculative=speculative, pool_tokens=kv_tokens or (
             2 * run_settings(lm, None, max_seq_len, None)[2] if graphs else None))
         self.cache = self.generator.cache()
         # whole pages of every session's history, so a new session (a subagent with the same system prompt and
@@ -91,10 +94,11 @@ class Engine(Worker):
     @classmethod
     def load(cls, model: str | None = None, *, device: str = "auto", dtype: str | None = None,
              expert_cache: int | str | None = None, max_seq_len: int | None = None, kv_tokens: int | None = None,
-             progress: bool = False, **options: Any) -> Engine:
+             progress: bool = False, speculative: bool = False, **options: Any) -> Engine:
         """Loads `model` (an HF directory, a .gguf file, a cached HF repo id; default: the embedded SmolLM2).
         `expert_cache` keeps routed experts in host memory behind a device cache of that many bytes ("8GiB",
-        "auto"); other options go to the loader (`expert_policy`)."""
+        "auto"); `speculative` loads the model's multi-token-prediction layer and decodes with its drafts
+        (DeepSeek-V3 / GLM-4.5 checkpoints that carry one); other options go to the loader (`expert_policy`)."""
         import torch
 
         from freetoken.engine.loader import load_model
@@ -105,8 +109,9 @@ class Engine(Worker):
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         cache = parse_bytes(expert_cache) if isinstance(expert_cache, str) and expert_cache != "auto" \
             else expert_cache
-        lm = load_model(model, device=device, dtype=torch_dtype, expert_cache=cache, progress=progress, **options)
-        return cls(lm, max_seq_len=max_seq_len, kv_tokens=kv_tokens)
+        lm = load_model(model, device=device, dtype=torch_dtype, expert_cache=cache, progress=progress,
+                        mtp=speculative, **options)
+        return cls(lm, max_seq_len=max_seq_len, kv_tokens=kv_tokens, speculative=speculative)
 
     def session(self, system: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                 messages: Sequence[Mapping[str, Any]] = ()) -> Session:

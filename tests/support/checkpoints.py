@@ -13,16 +13,19 @@ and the router really discriminates between experts.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import random
 import re
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
@@ -326,6 +329,67 @@ def write_hf_checkpoint(family: str, path: Path, *, seed: int = 0, rope: str = "
     if legacy_rope_keys:
         _rewrite_rope_keys_legacy(path / "config.json")
     return model
+
+
+@dataclass
+class MtpReference:
+    """What a test needs to compute an MTP layer's logits with transformers: the layer's own tensors, and a
+    one-layer model whose layer is the MTP block, final norm the MTP head's norm and head the main model's."""
+
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor
+    block: PreTrainedModel
+
+    @torch.no_grad()
+    def logits(self, main: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+        """[T - 1, vocab]: at each position i < T - 1, the MTP layer's logits of the token at i + 2."""
+        hidden = main.model(torch.tensor([ids])).last_hidden_state[0]  # after the final norm
+
+        def rms(x, w):
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + main.config.rms_norm_eps))
+
+        embedded = main.model.embed_tokens(torch.tensor(ids[1:]))
+        x = torch.cat((rms(embedded, self.enorm), rms(hidden[:-1], self.hnorm)), dim=-1) @ self.eh_proj.T
+        return self.block(inputs_embeds=x[None]).logits[0].float()
+
+
+def add_mtp_layer(path: Path, main: PreTrainedModel, seed: int = 1) -> MtpReference:
+    """Appends a random multi-token-prediction layer to the deepseek_v3 or glm4_moe checkpoint at `path` as their
+    checkpoints carry it (`model.layers.{n}.*` in its own shard, `num_nextn_predict_layers: 1`), including the
+    copies of the embedding and head that the engine does not load."""
+    n, cfg = main.config.num_hidden_layers, copy.deepcopy(main.config)
+    cfg.num_hidden_layers, cfg.first_k_dense_replace = 1, 0  # its block is a routed layer
+    torch.manual_seed(seed)
+    block = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(block, seed)
+    with torch.no_grad():
+        block.lm_head.weight.copy_(main.lm_head.weight)
+    block.eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        block.save_pretrained(tmp)
+        saved = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            saved |= load_file(f)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = cfg.hidden_size
+    ref = MtpReference(1.0 + torch.randn(hidden, generator=gen) * _STD, 1.0 + torch.randn(hidden, generator=gen) * _STD,
+                       torch.randn(hidden, 2 * hidden, generator=gen) * _STD, block)
+    prefix = f"model.layers.{n}."
+    tensors = {prefix + k[len("model.layers.0."):]: v for k, v in saved.items() if k.startswith("model.layers.0.")}
+    tensors |= {prefix + "enorm.weight": ref.enorm, prefix + "hnorm.weight": ref.hnorm,
+                prefix + "eh_proj.weight": ref.eh_proj, prefix + "shared_head.norm.weight": saved["model.norm.weight"],
+                prefix + "shared_head.head.weight": main.lm_head.weight.detach().clone(),
+                prefix + "embed_tokens.weight": main.model.embed_tokens.weight.detach().clone()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model-mtp.safetensors")
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"] |= {k: "model-mtp.safetensors" for k in tensors}
+    index_file.write_text(json.dumps(index, indent=2))
+    config = json.loads((path / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return ref
 
 
 def _rewrite_rope_keys_legacy(config_json: Path) -> None:

@@ -141,14 +141,18 @@ class DecoderModel(nn.Module):
                 logits_for: str | torch.Tensor = "all") -> torch.Tensor:
         """tokens [T] at `ctx.positions` → logits [T, V] ("all"), [1, V] ("last") or [R, V] for the R row indices
         given as a tensor (a batch's last row of each sequence)."""
-        x = self.model.embed_tokens(tokens)
-        cos, sin = self.rotary(ctx.positions, x.dtype)
-        x = self.run_layers(x, cos, sin, ctx)
+        x = self.hidden_states(tokens, ctx)
         if isinstance(logits_for, torch.Tensor):
             x = x[logits_for]
         elif logits_for == "last":
             x = x[-1:]
         return F.linear(self.model.norm(x), self.output_weight())
+
+    def hidden_states(self, tokens: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """tokens [T] → the last layer's output [T, Hd], before the final norm."""
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary(ctx.positions, x.dtype)
+        return self.run_layers(x, cos, sin, ctx)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """The decoder layers in order (a family whose layers pass more than x along overrides this)."""

@@ -1,7 +1,7 @@
 """DeepSeek-V3 / R1 / V3.1-style MoE (`deepseek_v3`): multi-head latent
 attention (MLA), grouped sigmoid routing with a selection bias and routed scaling (moe.py), shared experts, the
-first `first_k_dense_replace` layers dense. The multi-token-prediction layers past `num_hidden_layers` are not
-loaded (speculative decoding is later work).
+first `first_k_dense_replace` layers dense. The multi-token-prediction layer past `num_hidden_layers` loads on
+request (`load_model(mtp=True)`: models/mtp.py) for speculative decoding; otherwise it is left out.
 
 MLA caches, per token, the compressed latent c (kv_lora_rank, after its RMSNorm) and the shared rotary key
 k_pe (qk_rope_head_dim), not per-head keys and values: 576 numbers instead of 128 × 320 for V3. Attention runs
@@ -26,9 +26,11 @@ from torch import nn
 
 from freetoken.engine.attention import KeySelection
 from freetoken.engine.config import MoESpec
+from freetoken.engine.models import mtp
 from freetoken.engine.models.common_args import decoder_args
 from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, RMSNorm
-from freetoken.engine.models.moe import QWEN_EXPERTS, GroupedRouting, without_layers_past
+from freetoken.engine.models.moe import QWEN_EXPERTS, GroupedRouting
+from freetoken.engine.models.mtp import MultiTokenPredictor
 from freetoken.engine.rope import RopeConfig, apply_rope
 
 MODEL_TYPE = "deepseek_v3"
@@ -53,6 +55,8 @@ class ModelArgs:
     latent: LatentArgs
     routing: GroupedRouting
     values_are_keys: bool = True  # the cache holds [latent, rotary key] once: attention reads it as both
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint appends (num_nextn_predict_layers)
+    mtp: bool = False  # the first of them loaded (with_mtp)
 
     @classmethod
     def from_config(cls, cfg: dict) -> ModelArgs:
@@ -68,7 +72,8 @@ class ModelArgs:
         # the cache's view: one KV "head" of [latent, rotary key]
         attention = dataclasses.replace(dec.attention, n_kv_heads=1, head_dim=r + p)
         dec = dataclasses.replace(dec, attention=attention, rope=rope)
-        return cls(dec, latent, GroupedRouting.from_config(cfg, dec.n_layers))
+        return cls(dec, latent, GroupedRouting.from_config(cfg, dec.n_layers),
+                   mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
 
     def moe_spec(self) -> MoESpec:
         return self.routing.moe_spec(self.decoder.hidden_size)
@@ -148,8 +153,14 @@ class Layer(nn.Module):
 class Model(DecoderModel):
     def __init__(self, args: ModelArgs):
         super().__init__(args.decoder, lambda i: Layer(args, i))
+        if args.mtp:
+            dec = args.decoder
+            self.mtp = MultiTokenPredictor(dec.hidden_size, dec.rms_norm_eps, Layer(args, dec.n_layers))
+
+
+with_mtp = mtp.with_mtp
 
 
 def checkpoint_name(name: str, args: ModelArgs) -> str | None:
-    """Layers past the model's (the multi-token prediction layers) are left out."""
-    return without_layers_past(name, args.decoder.n_layers)
+    """The multi-token-prediction layers past the model's are left out unless `args.mtp` (see models/mtp.py)."""
+    return mtp.checkpoint_name(name, args.decoder.n_layers, args.mtp)

@@ -1,0 +1,164 @@
+"""Multi-token prediction and speculative decoding on tiny deepseek_v3 and glm4_moe checkpoints with an MTP layer
+appended as DeepSeek-V3 and GLM-4.5 ship it: the layer's logits against transformers (its block run as a one-layer
+transformers model), and speculative decoding's tokens equal to plain greedy decoding's — with the random MTP
+layer (drafts mostly rejected), with drafts that are always right, and with experts offloaded below the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.generator import Generator
+from freetoken.engine.loader import load_model
+from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.speculative import MtpSpeculator
+from freetoken.errors import FreeTokenError, ModelLoadError
+from support.checkpoints import add_mtp_layer, hf_greedy, prompt_ids, write_hf_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def checkpoint(tmp_path_factory, request):
+    path = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    main = write_hf_checkpoint(request.param, path)
+    reference = add_mtp_layer(path, main)
+    return path, main, reference, hf_greedy(main, prompt_ids(), GREEDY.max_tokens)
+
+
+@pytest.fixture(scope="module")
+def lm(checkpoint):
+    return load_model(checkpoint[0], device="cpu", dtype=torch.float32, progress=False, mtp=True)
+
+
+def test_the_mtp_layer_loads_beside_the_model(checkpoint, lm):
+    """The layer's own tensors land under `mtp`, its routed experts as one more expert layer (n_layers); without
+    `mtp=True` nothing of it loads; the cache gets a row per token for it."""
+    n = lm.args.decoder.n_layers
+    assert lm.has_mtp and lm.moe_spec.moe_layers[-1] == n
+    assert torch.equal(lm.model.mtp.enorm.weight, checkpoint[2].enorm)
+    assert torch.equal(lm.model.mtp.eh_proj.weight, checkpoint[2].eh_proj)
+    assert len(lm.new_cache(initial_tokens=4).k) == n + 1
+    plain = load_model(checkpoint[0], device="cpu", dtype=torch.float32, progress=False)
+    assert not plain.has_mtp and n not in plain.moe_spec.moe_layers and len(plain.new_cache().k) == n
+    torch.testing.assert_close(plain.prefill_logits(prompt_ids()), lm.prefill_logits(prompt_ids()), atol=0, rtol=0)
+
+
+@torch.inference_mode()
+def test_mtp_logits_match_transformers(checkpoint, lm):
+    """At every prompt position (filled in two calls, so the second attends to the first's MTP rows), the MTP
+    layer's logits equal transformers' computation of the same layer within 1e-4."""
+    path, main, reference, _ = checkpoint
+    ids = prompt_ids()
+    cache = lm.new_cache(page_size=4, initial_tokens=len(ids))
+    seq = cache.new_sequence()
+    _, hidden = lm.forward_hidden(torch.tensor(ids), cache, seq)
+    cut = len(ids) // 2
+    tokens = torch.tensor(ids[1:])
+    got = torch.cat((lm.draft(hidden[:cut], tokens[:cut], cache, seq, 0),
+                     lm.draft(hidden[cut:-1], tokens[cut:], cache, seq, cut)))
+    torch.testing.assert_close(got, reference.logits(main, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_speculative_greedy_tokens_equal_plain_decoding(checkpoint, lm, chunk):
+    """The random MTP layer's drafts are checked each step; whatever it guesses, the tokens are transformers'
+    greedy ones (prefill whole or in chunks of 3, which the MTP rows follow one position behind)."""
+    gen = Generator(lm, speculative=True, prefill_chunk=chunk, page_size=4)
+    assert gen.generate_ids(prompt_ids(), GREEDY) == checkpoint[3]
+    stats = gen.draft_stats
+    assert stats.proposed > 0 and 0 <= stats.accepted <= stats.proposed
+
+
+def _oracle(expected: list[int], prompt_len: int, vocab: int, wrong: bool):
+    """A stand-in for the MTP layer's draft: the right token for the position (or always a wrong one)."""
+
+    def draft(self, hidden, next_ids, cache, seq, start):
+        self.lm.draft(hidden, torch.tensor(next_ids), cache, seq, start)  # the rows are still written
+        index = start + len(next_ids) + 1 - prompt_len  # the generated token the draft stands for
+        right = expected[index] if index < len(expected) else 0
+        return (right + 1) % vocab if wrong else right
+
+    return draft
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_accepted_and_rejected_drafts_give_the_same_tokens(checkpoint, lm, monkeypatch, wrong):
+    """Drafts that are always right are all accepted: two tokens a pass, half the passes; always wrong ones are
+    all rejected: one token a pass. The tokens are the same either way."""
+    expected, ids = checkpoint[3], prompt_ids()
+    monkeypatch.setattr(MtpSpeculator, "_draft", _oracle(expected, len(ids), lm.args.decoder.vocab_size, wrong))
+    gen = Generator(lm, speculative=True, page_size=4)
+    cache = gen.cache(len(ids) + GREEDY.max_tokens)
+    seq = cache.new_sequence()
+    assert [t for ev in gen.extend(seq, ids, GREEDY) for t in ev.token_ids] == expected
+    assert seq.length == len(ids) + len(expected) - 1  # every token but the last sampled one, as plain decoding
+    stats = gen.draft_stats
+    if wrong:
+        assert stats.accepted == 0 and stats.proposed == len(expected) - 1
+    else:
+        assert stats.accepted == stats.proposed and stats.proposed <= len(expected) // 2
+    # the cache rows are plain decoding's: continuing matches a fresh run of the history (the last token never fed)
+    more = [t for ev in gen.extend(seq, [7, 9], GREEDY) for t in ev.token_ids]
+    assert more == Generator(lm).generate_ids(ids + expected[:-1] + [7, 9], GREEDY)
+    cache.release(seq)
+
+
+def test_offloaded_speculative_decoding_keeps_the_tokens(checkpoint):
+    """Experts far below the pool (the MTP layer's among them, in the same cache): the same greedy tokens, and
+    the MTP layer's experts went through the executor."""
+    path, _, _, expected = checkpoint
+    resident = load_model(path, device="cpu", dtype=torch.float32, progress=False, mtp=True)
+    per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(path, device="cpu", dtype=torch.float32, progress=False, mtp=True, expert_cache=3 * per_expert)
+    layers, forward = [], lm.experts.forward
+
+    def recording(layer, *args, **kwargs):
+        layers.append(layer)
+        return forward(layer, *args, **kwargs)
+
+    lm.experts.forward = recording
+    gen = Generator(lm, speculative=True, page_size=4)
+    assert gen.generate_ids(prompt_ids(), GREEDY) == expected
+    n = lm.args.decoder.n_layers
+    # the MTP layer ran on the prompt, for the first draft and after every pass but the last (the reply ended)
+    assert n in lm.experts.host and layers.count(n) == 1 + 1 + gen.draft_stats.proposed - 1
+
+
+def test_clear_errors_without_an_mtp_layer(tmp_path, checkpoint):
+    if checkpoint[1].config.model_type != "deepseek_v3":
+        pytest.skip("one family is enough")
+    """A checkpoint without the layer, a family without MTP support, a model loaded without it: one clear
+    error each."""
+    write_hf_checkpoint("deepseek_v3", tmp_path / "plain")
+    with pytest.raises(ModelLoadError, match="no multi-token-prediction layer"):
+        load_model(tmp_path / "plain", progress=False, mtp=True)
+    write_hf_checkpoint("qwen3_moe", tmp_path / "qwen")
+    with pytest.raises(ModelLoadError, match="qwen3_moe models have no multi-token-prediction support"):
+        load_model(tmp_path / "qwen", progress=False, mtp=True)
+    plain = load_model(checkpoint[0], progress=False)
+    with pytest.raises(FreeTokenError, match="load it with mtp=True"):
+        Generator(plain, speculative=True)
+
+
+def test_sdk_sessions_decode_speculatively(checkpoint):
+    """`Engine.load(..., speculative=True)`: a session's replies, a fork's and a rollback's, are the plain
+    engine's."""
+    from freetoken.sdk import Engine
+
+    replies = []
+    for speculative in (False, True):
+        engine = Engine.load(str(checkpoint[0]), device="cpu", speculative=speculative)
+        try:
+            session = engine.session(system="be brief")
+            first = session.send("hello there", max_tokens=10).text
+            session.checkpoint("one")
+            second = session.send("and more", max_tokens=10).text
+            fork = session.fork().send("a branch", max_tokens=10).text
+            session.rollback("one")
+            again = session.send("and more", max_tokens=10).text
+            replies.append((first, second, fork, again))
+            assert (engine.generator.draft_stats is not None) == speculative
+        finally:
+            engine.close()
+    assert replies[0] == replies[1] and replies[1][1] == replies[1][3]
