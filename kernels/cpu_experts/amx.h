@@ -43,15 +43,8 @@ static void amx_configure(void) {
 }
 
 static uint16_t *amx_scratch(size_t elements) {  /* one job at a time: a growing buffer serves every job */
-    static uint16_t *buf;
-    static size_t capacity;
-    if (elements > capacity) {
-        free(buf);
-        capacity = elements + elements / 2;
-        buf = aligned_alloc(64, (capacity * 2 + 63) / 64 * 64);
-        if (!buf) capacity = 0;
-    }
-    return buf;
+    static growing_buffer scratch;
+    return grow_to(&scratch, elements * 2);
 }
 
 /* Expert e's tokens as B tiles: tile i of e holds its tokens 16i..16i+15 as [k/2][t][k%2] = x[token][k]. */
@@ -156,7 +149,7 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
 }
 
 /* A 16-row weight block as the tiles read it: block-format rows dequantized to bf16 rows first (block by block
-   into a scratch tile where that buffer cannot be had). Sets *type/*stride to how the returned rows are read. */
+   into a scratch tile where that buffer cannot be had). Sets *type and *stride to how the returned rows are read. */
 static const uint8_t *amx_block_rows(const uint8_t *w, int *type, size_t *stride, int k, int which) {
     if (*type == FT_BF16) return w;
     const uint8_t *rows = amx_dequant_rows(*type, w, *stride, k, which);

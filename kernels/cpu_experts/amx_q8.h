@@ -101,15 +101,8 @@ static void amx_q8_configure(void) {
 static int amx_q8_rows = 16;
 
 static uint8_t *amx_q8_scratch(size_t bytes) {  /* one job at a time: a growing buffer serves every job */
-    static uint8_t *buf;
-    static size_t capacity;
-    if (bytes > capacity) {
-        free(buf);
-        capacity = bytes + bytes / 2;
-        buf = aligned_alloc(64, (capacity + 63) / 64 * 64);
-        if (!buf) capacity = 0;
-    }
-    return buf;
+    static growing_buffer scratch;
+    return grow_to(&scratch, bytes);
 }
 
 /* One 32-block of one token's int16 activations into column t of a packed tile: hi and lo bytes, and the scale. */

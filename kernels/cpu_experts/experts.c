@@ -73,6 +73,20 @@ static size_t row_bytes(int type, int k) {
     return (size_t)k * (type == FT_BF16 ? 2 : 4);
 }
 
+/* A buffer that grows to the largest request seen (64-byte aligned, half again as much as asked, so slowly growing
+   jobs do not reallocate each time), for scratch that one job at a time uses; NULL when memory runs out. */
+typedef struct { void *buf; size_t capacity; } growing_buffer;
+
+static void *grow_to(growing_buffer *g, size_t bytes) {
+    if (bytes > g->capacity) {
+        free(g->buf);
+        g->capacity = bytes + bytes / 2;
+        g->buf = aligned_alloc(64, (g->capacity + 63) / 64 * 64);
+        if (!g->buf) g->capacity = 0;
+    }
+    return g->buf;
+}
+
 #include "pool.h"
 /* ---- one layer's experts ---- */
 
@@ -384,18 +398,11 @@ static void start_q16(moe_job *j, int tokens, int pairs) {
     int q8_gate_up = j->gate_type == j->up_type && (j->gate_type == FT_Q8_0 || j->gate_type == FT_MXFP4);
     int q8_down = j->down_type == FT_Q8_0 || j->down_type == FT_MXFP4;
     if (!q8_gate_up && !q8_down) return;
-    static uint8_t *buf;
-    static size_t capacity;
+    static growing_buffer scratch;
     size_t xq = (size_t)tokens * j->hidden * 2, xs = (size_t)tokens * (j->hidden / Q8_BLOCK) * 4;
     size_t aq = (size_t)pairs * j->inter * 2, as = (size_t)pairs * (j->inter / Q8_BLOCK) * 4;
-    size_t need = xq + xs + aq + as + 256;
-    if (need > capacity) {
-        free(buf);
-        capacity = need + need / 2;
-        buf = aligned_alloc(64, (capacity + 63) / 64 * 64);
-        if (!buf) { capacity = 0; return; }
-    }
-    uint8_t *at = buf;
+    uint8_t *at = grow_to(&scratch, xq + xs + aq + as + 256);
+    if (!at) return;
     if (q8_gate_up) {
         j->xq = (const int16_t *)at, at += (xq + 63) / 64 * 64;
         j->xqs = (const float *)at, at += (xs + 63) / 64 * 64;
