@@ -6,7 +6,8 @@ from freetoken.errors import FreeTokenError
 
 BENCHMARKS = {"decode": "freetoken.bench.decode", "prefill": "freetoken.bench.prefill",
               "cache": "freetoken.bench.cache_sim", "export": "freetoken.bench.export",
-              "serve": "freetoken.bench.serve", "reuse": "freetoken.bench.reuse"}
+              "serve": "freetoken.bench.serve", "reuse": "freetoken.bench.reuse",
+              "speculative": "freetoken.bench.speculative"}
 
 
 def main(verb: str, argv: list[str]) -> int:

@@ -233,19 +233,24 @@ def build_synthetic(shape: str, *, device: str | torch.device = "cpu", dtype: to
                     expert_cache: int | None = None, policy: str = "freq", miss_path: str = "auto",
                     layers: int | None = None, seed: int = 0, skew: float = 0.0,
                     expert_format: str = "dense", vocab_size: int | None = None,
-                    prefill_ahead: bool | None = None) -> LoadedModel:
+                    prefill_ahead: bool | None = None, mtp: bool = False) -> LoadedModel:
     """A seeded random model of `shape`; experts resident on `device`, or in host memory (pinned on CUDA)
     behind an expert cache of `expert_cache` bytes. `skew` > 0 makes expert popularity Zipf-like (see
     `_skew_router_`); 0 routes near-uniformly, the pessimistic case for a cache. `expert_format` "Q8_0" keeps
     offloaded experts as random Q8_0 blocks in host memory (as a Q8_0 GGUF would load). `vocab_size` overrides
     the shape's (to fit a real tokenizer to a small shape). `prefill_ahead`: as `load_model`'s (None: on for CUDA
-    devices, as `ft serve` runs), so benches built here measure what a served model does."""
+    devices, as `ft serve` runs), so benches built here measure what a served model does. `mtp`: with one random
+    multi-token-prediction layer (families that have one: deepseek_v3, glm4_moe)."""
     device = resolve_device(device)
     if prefill_ahead is None:
         prefill_ahead = device.type == "cuda" and gpu_paths.enabled("prefill-ahead")
     cfg = synthetic_config(shape, layers, vocab_size)
     family = family_for(cfg["model_type"])
-    args = family.ModelArgs.from_config(cfg)
+    args = family.ModelArgs.from_config({**cfg, "num_nextn_predict_layers": 1} if mtp else cfg)
+    if mtp:
+        if not hasattr(family, "with_mtp"):
+            raise ValueError(f"shape {shape!r} ({family.MODEL_TYPE}) has no multi-token-prediction layer here")
+        args = family.with_mtp(args)
     spec = args.moe_spec()
     model = empty_model(family, args, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)

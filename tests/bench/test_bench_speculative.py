@@ -1,0 +1,23 @@
+"""`ft bench speculative` on the tiny MLA shape (CPU): every row present, the forced acceptance is what the
+drafts got, and accepted drafts halve the main model's passes."""
+
+from __future__ import annotations
+
+from freetoken.bench.speculative import main
+
+
+def test_speculative_bench_writes_every_row(tmp_path):
+    out = tmp_path / "speculative.md"
+    argv = ["--shape", "tiny-mla", "--device", "cpu", "--dtype", "float32", "--context", "24", "--tokens", "12",
+            "--warmup", "2", "--budgets", "all,64KiB", "--acceptance", "0,1", "--out", str(out)]
+    assert main(argv) == 0
+    table = out.read_text()
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith(("| all", "| 64KiB"))]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("| all", "plain, eager"), ("| all", "speculative, 0% drafts right"), ("| all", "speculative, 100% drafts right"),
+        ("| 64KiB", "plain, eager"), ("| 64KiB", "speculative, 0% drafts right"),
+        ("| 64KiB", "speculative, 100% drafts right")]
+    passes = [int(r[3]) for r in rows]
+    assert passes == [12, 11, 6, 12, 11, 6]  # 12 tokens: one pass each; 11 failed checks; 6 passes of two
+    assert [r[2] for r in rows] == ["", "0%", "100%", "", "0%", "100%"]
+    assert all(float(r[4]) > 0 for r in rows) and "ft bench speculative" in table
