@@ -13,7 +13,7 @@ from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.speculative import MtpSpeculator
 from freetoken.errors import FreeTokenError, ModelLoadError
-from support.checkpoints import add_mtp_layer, hf_greedy, prompt_ids, write_hf_checkpoint
+from support.checkpoints import add_mtp_layer, hf_greedy, prompt_ids, write_gguf_from_hf, write_hf_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -58,6 +58,25 @@ def test_mtp_logits_match_transformers(checkpoint, lm):
     got = torch.cat((lm.draft(hidden[:cut], tokens[:cut], cache, seq, 0),
                      lm.draft(hidden[cut:-1], tokens[cut:], cache, seq, cut)))
     torch.testing.assert_close(got, reference.logits(main, ids), atol=1e-4, rtol=0)
+
+
+def test_a_gguf_files_nextn_block_is_the_mtp_layer(checkpoint, tmp_path):
+    """GLM-4.5 GGUFs carry the MTP layer as one more block (`blk.{n}.nextn.*` beside its ordinary tensors, the
+    block count and `nextn_predict_layers` counting it): loaded from an F32 GGUF written from the checkpoint, its
+    logits are transformers' and speculative decoding keeps the greedy tokens."""
+    path, main, reference, expected = checkpoint
+    if main.config.model_type != "glm4_moe":
+        pytest.skip("the GGUF writer of the tests covers glm4moe")
+    lm = load_model(write_gguf_from_hf(path, tmp_path / "mtp.gguf"), device="cpu", dtype=torch.float32,
+                    progress=False, mtp=True)
+    ids = prompt_ids()
+    with torch.inference_mode():
+        cache = lm.new_cache(initial_tokens=len(ids))
+        seq = cache.new_sequence()
+        _, hidden = lm.forward_hidden(torch.tensor(ids), cache, seq)
+        got = lm.draft(hidden[:-1], torch.tensor(ids[1:]), cache, seq, 0)
+    torch.testing.assert_close(got, reference.logits(main, ids), atol=1e-4, rtol=0)
+    assert Generator(lm, speculative=True).generate_ids(ids, GREEDY) == expected
 
 
 @pytest.mark.parametrize("chunk", [None, 3])

@@ -419,6 +419,10 @@ _LAYER_TENSORS = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# the multi-token-prediction block's own tensors (add_mtp_layer), as llama.cpp's converter names them
+_NEXTN_TENSORS = {"eh_proj": "nextn.eh_proj", "enorm": "nextn.enorm", "hnorm": "nextn.hnorm",
+                  "shared_head.norm": "nextn.shared_head_norm", "shared_head.head": "nextn.shared_head_head",
+                  "embed_tokens": "nextn.embed_tokens"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -453,7 +457,8 @@ def _gguf_tensors(cfg: PreTrainedConfig, hf: dict[str, np.ndarray], arch: str) -
         if e := _EXPERT_RE.fullmatch(module):
             experts.setdefault((layer, _EXPERT_PART[e[2]]), {})[int(e[1])] = w
             continue
-        gname = (_GLM_TENSORS.get(module) if arch == "glm4moe" else None) or _LAYER_TENSORS[module]
+        gname = (_GLM_TENSORS.get(module) if arch == "glm4moe" else None) or _NEXTN_TENSORS.get(module) \
+            or _LAYER_TENSORS[module]
         if arch == "llama" and gname == "attn_q":
             w = _permute_rows(w, cfg.num_attention_heads)
         elif arch == "llama" and gname == "attn_k":
@@ -463,7 +468,8 @@ def _gguf_tensors(cfg: PreTrainedConfig, hf: dict[str, np.ndarray], arch: str) -
         out[f"blk.{layer}.{gname}.{kind}"] = w
     for (layer, part), by_id in sorted(experts.items()):
         out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([by_id[i] for i in range(len(by_id))])
-    if arch == "glm4moe":  # the Hub's GGUFs carry one more block, for multi-token prediction
+    has_mtp = f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in hf  # written above, as a real block
+    if arch == "glm4moe" and not has_mtp:  # the Hub's GGUFs carry one more block, for multi-token prediction
         last, mtp = cfg.num_hidden_layers - 1, cfg.num_hidden_layers
         out |= {n.replace(f"blk.{last}.", f"blk.{mtp}.", 1): t for n, t in list(out.items())
                 if n.startswith(f"blk.{last}.")}

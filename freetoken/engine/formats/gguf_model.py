@@ -68,6 +68,12 @@ _DEEPSEEK_BLOCK_NAMES = {
     "indexer.attn_q_b": "self_attn.indexer.wq_b", "indexer.attn_k": "self_attn.indexer.wk",
     "indexer.k_norm": "self_attn.indexer.k_norm", "indexer.proj": "self_attn.indexer.weights_proj",
 }
+# The multi-token-prediction block's own tensors (GLM-4.5, DeepSeek-V3: models/mtp.py), beside its ordinary ones
+_NEXTN_NAMES = {
+    "nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
+    "nextn.shared_head_norm": "shared_head.norm", "nextn.shared_head_head": "shared_head.head",
+    "nextn.embed_tokens": "embed_tokens",
+}
 # Qwen3-Next (qwen3next): its Gated DeltaNet mixers; attn_qkv (with attn_gate) is the fused in_proj_qkvz
 _QWEN3NEXT_BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm.weight", "ssm_ba": "linear_attn.in_proj_ba.weight",
@@ -82,7 +88,7 @@ _QWEN35_BLOCK_NAMES = {
     "ssm_alpha": "linear_attn.in_proj_a.weight", "ssm_beta": "linear_attn.in_proj_b.weight",
 }
 _STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:indexer\.)?\w+?)(?:\.(weight|bias))?")  # (ssm_a has no suffix)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:indexer\.|nextn\.)?\w+?)(?:\.(weight|bias))?")  # (ssm_a has no suffix)
 
 
 def stacked_expert_name(layer: int, projection: str) -> str:
@@ -251,6 +257,7 @@ def _grouped_routing(get, cfg: dict) -> dict:
     their layer count without the multi-token-prediction blocks the block count includes."""
     return {
         "num_hidden_layers": cfg["num_hidden_layers"] - int(get("nextn_predict_layers", 0) or 0),
+        "num_nextn_predict_layers": int(get("nextn_predict_layers", 0) or 0),
         "n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
         "moe_intermediate_size": int(get("expert_feed_forward_length")),
         "n_shared_experts": int(get("expert_shared_count", 0) or 0),
@@ -328,6 +335,8 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
         return f"model.layers.{layer}.{_QWEN35_BLOCK_NAMES[part]}"
     if kind is None:
         return None
+    if part in _NEXTN_NAMES:
+        return f"model.layers.{layer}.{_NEXTN_NAMES[part]}.{kind}"
     if model_type in ("deepseek_v3", "glm_moe_dsa"):
         if part == "attn_v_b":
             return None  # read with attn_k_b

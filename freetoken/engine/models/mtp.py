@@ -70,7 +70,7 @@ def checkpoint_name(name: str, n_layers: int, load: bool) -> str | None:
     """The model's name for a checkpoint tensor where the MTP layer follows `n_layers` main layers: main layers'
     names unchanged; with `load`, the first MTP layer's own tensors under `mtp.`, its block under `mtp.layer.`,
     its routed experts unchanged (the expert loader files them as layer n_layers); everything else of the MTP
-    layers None (not loaded)."""
+    layers None (not loaded). GGUF files name them `blk.{n}.nextn.*` (formats/gguf_model.py maps those here)."""
     m = _LAYER.match(name)
     if m is None or int(m.group(1)) < n_layers:
         return name
@@ -79,6 +79,6 @@ def checkpoint_name(name: str, n_layers: int, load: bool) -> str | None:
         return None
     if rest.startswith(_OWN):
         return "mtp." + rest
-    if rest.startswith("mlp.experts."):
+    if rest.startswith(("mlp.experts.", "experts.")):  # per expert (safetensors) or stacked (GGUF)
         return name
     return "mtp.layer." + rest
