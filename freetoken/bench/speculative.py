@@ -60,6 +60,9 @@ class _ForcedReply:
     def __init__(self, tokens: list[int]):
         self.tokens, self.produced = tokens, 0
 
+    def prefilled(self) -> None:
+        pass
+
     def accept(self, logits: torch.Tensor) -> GenerationEvent:
         int(logits.argmax())
         token = self.tokens[self.produced]
@@ -106,16 +109,18 @@ def _plain(lm, prompt: torch.Tensor, stream: list[int], graphs: bool) -> tuple[f
 
 def _speculative(lm, prompt: torch.Tensor, stream: list[int], acceptance: float, seed: int
                  ) -> tuple[float, float, int]:
+    """Times the stream's tokens after the prompt's prefill and the first sampled token (`seed` picks which
+    drafts are right)."""
     cache = lm.new_cache(initial_tokens=prompt.shape[0] + len(stream) + 8,
                          max_tokens=prompt.shape[0] + len(stream) + 8)
     seq = cache.new_sequence()
-    speculator = _ForcedDrafts(lm, stream, prompt.shape[0], acceptance, seed)
-    logits, pending = speculator.prefill(prompt.tolist(), cache, seq, 2048)
-    # the prompt's last token is the stream's "sampled" first token: decode from the stream's second on
-    reply = _ForcedReply(stream)
+    first = (stream[0] + 1) % lm.args.decoder.vocab_size  # sampled after the prompt, before the timed stream
+    speculator = _ForcedDrafts(lm, [first, *stream], prompt.shape[0], acceptance, seed)
+    events = speculator.extend(_ForcedReply([first, *stream]), prompt.tolist(), cache, seq, 2048)
+    next(events)
     _sync(lm.device)
     t0 = time.perf_counter()
-    for _ in speculator.decode(reply, logits, pending, cache, seq):
+    for _ in events:
         pass
     elapsed = time.perf_counter() - t0
     cache.release(seq)

@@ -16,6 +16,10 @@ On CUDA a step of decode tokens only replays a CUDA graph: the single-sequence p
 step's for several (cuda_graphs.py; GPU path "batch-graphs"; the KV pool is then allocated at full size up front,
 as the graphs need; several sequences of a recurrent model step eagerly); a step with prefill chunks runs eagerly
 through `LoadedModel.forward_batch`.
+With `speculative` (a model with a multi-token-prediction layer: speculative.py) a request alone in the batch, the
+single agent's case, prefills with its MTP rows and decodes two tokens a pass where the draft is right; steps of
+several requests run as above (their MTP rows are not filled there: later drafts suffer, never tokens). All
+steps are eager then (no CUDA graphs yet).
 
 Shapes: B sequences in a step, V vocabulary.
 """
@@ -33,6 +37,7 @@ from freetoken.engine.kv_cache import SequenceKV
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.speculative import Drafting, MtpSpeculator
 from freetoken.engine.state_snapshots import StateSnapshots
 from freetoken.errors import FreeTokenError
 
@@ -58,6 +63,7 @@ class BatchRequest:
     fed: list[int] = field(default_factory=list)  # generated tokens written to the cache
     steps: list[int] = field(default_factory=list)  # batch sizes of the forwards this request took part in
     boundaries: list[int] = field(default_factory=list)  # recurrent models: prompt offsets to snapshot at
+    drafting: Drafting = field(default_factory=Drafting)  # speculative decoding's state (unused without it)
 
     @property
     def decoding(self) -> bool:
@@ -67,12 +73,19 @@ class BatchRequest:
 class BatchScheduler:
     def __init__(self, lm: LoadedModel, *, max_batch: int = 16, prefill_chunk: int | None = None,
                  max_seq_len: int | None = None, kv_tokens: int | None = None, page_size: int = 16,
-                 cuda_graphs: bool | None = None, prefix_cache: bool = True):
+                 cuda_graphs: bool | None = None, prefix_cache: bool = True, speculative: bool = False):
         """`max_seq_len`: tokens one request may hold (default: the model's context); `kv_tokens`: tokens all
         requests hold together (default: unbounded on the CPU, where the pool grows; on CUDA the pool is
         allocated up front, `max_seq_len` tokens by default). `prefix_cache`: keep finished requests' full
-        pages for later prompts with the same start."""
+        pages for later prompts with the same start. `speculative`: see the module docstring."""
         self.lm, self.max_batch = lm, max_batch
+        self.speculator = None
+        if speculative:
+            if not lm.has_mtp or lm.has_recurrent_state:
+                raise FreeTokenError("speculative decoding needs a model loaded with its multi-token-prediction "
+                                     "layer (mtp=True) and without recurrent layers")
+            self.speculator = MtpSpeculator(lm)
+            cuda_graphs = False
         self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
         self.request_limit = self.capacity  # tokens one request may hold, whatever the pool
         if self.use_graphs:
@@ -160,6 +173,9 @@ class BatchScheduler:
         prefilling = sorted((r for r in self.active if not r.decoding), key=lambda r: len(r.prompt_ids) - r.prefilled)
         if not decoding and not prefilling:
             return dropped
+        if self.speculator is not None and len(self.active) == 1:
+            self._speculative_step(self.active[0])
+            return dropped
         batch, tokens, counts = [], [], []
         for r in decoding:
             batch.append(r)
@@ -189,6 +205,7 @@ class BatchScheduler:
         self._flush()  # (held: the last step's events go out while this step's queued GPU work runs)
         for i, (req, n) in enumerate(zip(batch, counts, strict=True)):
             req.steps.append(len(batch))
+            req.drafting = Drafting()  # (speculative: no hidden states in this step, so no MTP rows)
             if not req.decoding:
                 req.prefilled += n
                 if req.boundaries and req.prefilled == req.boundaries[0]:
@@ -205,16 +222,58 @@ class BatchScheduler:
                 req.emit(e)
                 self._finish(req)
                 continue
-            if hold:
-                self._held.append((req, ev))
-            else:
-                req.emit(ev)
-            if ev.finish_reason is not None:
-                self._finish(req, reuse=True)
-            else:
-                req.next_token = ev.token_ids[0]
-                req.fed.append(req.next_token)  # written to the cache by the next step
+            self._deliver(req, ev, hold)
         return dropped
+
+    def _deliver(self, req: BatchRequest, ev: GenerationEvent, hold: bool = False) -> None:
+        """Hands `ev` to the request (held until the next launch with `hold`); ends it, or notes its token."""
+        if hold:
+            self._held.append((req, ev))
+        else:
+            req.emit(ev)
+        if ev.finish_reason is not None:
+            self._finish(req, reuse=True)
+        else:
+            req.next_token = ev.token_ids[0]
+            req.fed.append(req.next_token)  # written to the cache by the next step
+
+    def _speculative_step(self, req: BatchRequest) -> None:
+        """A lone request's step with speculative decoding: a prefill chunk whose MTP rows follow it, or a pass
+        over its sampled token and the draft after it (one event, or two where the draft is picked)."""
+        spec, state, seq = self.speculator, req.drafting, req.seq
+        if not req.decoding:
+            chunk = req.prompt_ids[req.prefilled:req.prefilled + self.prefill_chunk]
+            try:
+                self._make_room([req], [len(chunk)])
+            except KVCacheFull:
+                return
+            ids = torch.tensor(chunk, dtype=torch.long, device=self.lm.device)
+            logits = spec.prefill_chunk(state, ids, self.cache, seq)
+            self.forwards += 1
+            req.steps.append(1)
+            req.prefilled += len(chunk)
+            if req.prefilled < len(req.prompt_ids):
+                return
+            req.reply.prefilled()
+            events = iter([logits])
+        else:
+            if state.draft is None and state.pending is not None:
+                spec.sampled(state, req.next_token, self.cache, seq)
+            try:
+                self._make_room([req], [1 if state.draft is None else 2])
+            except KVCacheFull:
+                return
+            events = spec.verify(state, req.next_token, self.cache, seq, req.reply.accept)
+            self.forwards += 1
+            req.steps.append(1)
+        try:
+            for item in events:
+                ev = req.reply.accept(item) if isinstance(item, torch.Tensor) else item
+                self._deliver(req, ev)
+        except Exception as e:  # noqa: BLE001 - one request's sampling failure ends that request only
+            req.emit(e)
+            if req in self.active:
+                self._finish(req)
 
     def _holds(self, batch: list[BatchRequest], tokens: list[int]) -> bool:
         """Whether this step's events wait for the next step's launch (GPU path "emit-after-launch"): a decode step

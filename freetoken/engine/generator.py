@@ -155,9 +155,7 @@ class Generator:
         reply = Reply(self.lm, total, params, budget, decode_text)
         reply.cached_tokens = cached_tokens
         if self._speculator is not None:
-            logits, pending = self._speculator.prefill(new_ids, cache, seq, self.prefill_chunk)
-            reply.prefilled()
-            yield from self._speculator.decode(reply, logits, pending, cache, seq)
+            yield from self._speculator.extend(reply, new_ids, cache, seq, self.prefill_chunk)
             return
         logits = self._prefill(new_ids, cache, seq)
         reply.prefilled()

@@ -18,7 +18,7 @@ change later drafts, never a token (the main layers' rows are untouched).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ from freetoken.engine.loader import LoadedModel
 
 @dataclass(slots=True)
 class DraftStats:
-    proposed: int = 0  # verification passes (one draft each)
+    proposed: int = 0  # verification passes that carried a draft
     accepted: int = 0  # drafts the sampler picked too
 
     @property
@@ -37,65 +37,88 @@ class DraftStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+@dataclass(slots=True)
+class Drafting:
+    """One sequence's speculative state: the hidden state of its last fed position, whose MTP row waits for the
+    token after it (None once that row ran, or where it cannot: after a step that computed no hidden states), and
+    the draft of the token after the next one (None: the next pass checks no draft)."""
+
+    pending: torch.Tensor | None = None
+    draft: int | None = None
+
+
 class MtpSpeculator:
-    """Drives one sequence's prefill and decode through the MTP layer (`lm.has_mtp`); `Generator(speculative=True)`
-    owns one."""
+    """Speculative decoding's steps for sequences of one model with an MTP layer (`lm.has_mtp`), each sequence's
+    state in its own `Drafting`. `Generator(speculative=True)` drives one sequence through `extend`; the
+    continuous-batching scheduler drives `prefill_chunk`, `sampled` and `verify` itself."""
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
         self.stats = DraftStats()
 
-    def prefill(self, new_ids: list[int], cache: PagedKVCache, seq: SequenceKV, chunk: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends `new_ids` in chunks; the MTP layer fills its rows one position behind. Returns the last token's
-        logits [V] and its hidden state [1, Hd] (its MTP row waits for the sampled token)."""
-        tokens = torch.tensor(new_ids, dtype=torch.long, device=self.lm.device)
-        pending = None  # the hidden state of the last position appended, whose next token was not yet known
-        logits = None
-        for begin in range(0, len(new_ids), chunk):
-            part = tokens[begin:begin + chunk]
-            first = seq.length
-            logits, hidden = self.lm.forward_hidden(part, cache, seq, logits_for="last")
-            if pending is not None:  # rows first - 1 .. end - 2
-                self.lm.draft(torch.cat((pending, hidden[:-1])), part, cache, seq, first - 1)
-            elif part.shape[0] > 1:  # the sequence's earlier rows came from elsewhere: its MTP rows start here
-                self.lm.draft(hidden[:-1], part[1:], cache, seq, first)
-            pending = hidden[-1:]
-        return logits[0], pending
+    def prefill_chunk(self, state: Drafting, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV
+                      ) -> torch.Tensor:
+        """Appends prompt tokens [T]; the MTP layer fills its rows one position behind. Returns the last token's
+        logits [V] (its MTP row waits for the sampled token)."""
+        first = seq.length
+        logits, hidden = self.lm.forward_hidden(tokens, cache, seq, logits_for="last")
+        if state.pending is not None:  # rows first - 1 .. end - 2
+            self.lm.draft(torch.cat((state.pending, hidden[:-1])), tokens, cache, seq, first - 1)
+        elif tokens.shape[0] > 1:  # no hidden state for the row before: the MTP rows start here
+            self.lm.draft(hidden[:-1], tokens[1:], cache, seq, first)
+        state.pending, state.draft = hidden[-1:], None
+        return logits[0]
 
-    def decode(self, reply, first_logits: torch.Tensor, pending: torch.Tensor, cache: PagedKVCache,
-               seq: SequenceKV) -> Iterator:
-        """Yields the reply's events from the prompt's last logits on. On return `seq` holds every emitted token
-        but the last (never fed back), as plain decoding leaves it."""
-        lm = self.lm
-        ev = reply.accept(first_logits)
+    def sampled(self, state: Drafting, token: int, cache: PagedKVCache, seq: SequenceKV) -> None:
+        """`token` follows the sequence's last fed one: the waiting MTP row runs, drafting the token after it."""
+        state.draft = None
+        if state.pending is not None:
+            state.draft = self._draft(state.pending, [token], cache, seq, seq.length - 1)
+        state.pending = None
+
+    def verify(self, state: Drafting, token: int, cache: PagedKVCache, seq: SequenceKV, accept: Callable
+               ) -> Iterator:
+        """One pass over `token` (sampled, not yet fed) and the draft: yields the reply's events, `accept(logits)`
+        making each — the token after `token`, and after it the one after the draft if the draft was picked. On
+        return `seq` holds `token` and, if it was picked, the draft; `state` drafts for the last event's token."""
+        at, draft = seq.length, state.draft
+        ids = [token] if draft is None else [token, draft]
+        logits, hidden = self.lm.forward_hidden(torch.tensor(ids, device=self.lm.device), cache, seq)
+        ev = accept(logits[0])
+        right = draft is not None and ev.token_ids == [draft]
+        self.stats.proposed += draft is not None
+        self.stats.accepted += right
+        if draft is not None and (not right or ev.finish_reason is not None):
+            cache.truncate(seq, at + 1)  # the draft's row goes (a picked draft that ends the reply is not fed)
         yield ev
         if ev.finish_reason is not None:
             return
-        token = ev.token_ids[0]
-        draft = self._draft(pending, [token], cache, seq, seq.length - 1)
-        while True:
-            at = seq.length
-            logits, hidden = lm.forward_hidden(torch.tensor([token, draft], device=lm.device), cache, seq)
-            ev = reply.accept(logits[0])
-            right = ev.token_ids == [draft]
-            self.stats.proposed += 1
-            self.stats.accepted += right
-            yield ev
-            if ev.finish_reason is not None:
-                cache.truncate(seq, at + 1)
-                return
-            picked = ev.token_ids[0]
-            if not right:  # the draft's row goes; the MTP row at `at` gets the token picked instead
-                cache.truncate(seq, at + 1)
-                token, draft = picked, self._draft(hidden[:1], [picked], cache, seq, at)
-                continue
-            ev = reply.accept(logits[1])
-            yield ev
-            if ev.finish_reason is not None:
-                return
-            token = ev.token_ids[0]
-            draft = self._draft(hidden, [picked, token], cache, seq, at)
+        if not right:  # the MTP row at `at` gets the token picked
+            state.pending = hidden[:1]
+            self.sampled(state, ev.token_ids[0], cache, seq)
+            return
+        ev = accept(logits[1])
+        yield ev
+        state.pending = None
+        state.draft = None if ev.finish_reason is not None else \
+            self._draft(hidden, [draft, ev.token_ids[0]], cache, seq, at)
+
+    def extend(self, reply, new_ids: list[int], cache: PagedKVCache, seq: SequenceKV, chunk: int) -> Iterator:
+        """Prefills `new_ids` after what `seq` holds, then yields the reply's events to its end. On return `seq`
+        holds every emitted token but the last (never fed back), as plain decoding leaves it."""
+        state = Drafting()
+        tokens = torch.tensor(new_ids, dtype=torch.long, device=self.lm.device)
+        for begin in range(0, len(new_ids), chunk):
+            logits = self.prefill_chunk(state, tokens[begin:begin + chunk], cache, seq)
+        reply.prefilled()
+        ev = reply.accept(logits)
+        yield ev
+        while ev.finish_reason is None:
+            token = ev.token_ids[-1]
+            if state.draft is None and state.pending is not None:
+                self.sampled(state, token, cache, seq)
+            for ev in self.verify(state, token, cache, seq, reply.accept):
+                yield ev
 
     def _draft(self, hidden: torch.Tensor, next_ids: list[int], cache: PagedKVCache, seq: SequenceKV,
                start: int) -> int:

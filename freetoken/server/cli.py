@@ -27,7 +27,7 @@ _DEFAULT_URL = "http://127.0.0.1:1919"
 
 
 def serve(argv: list[str]) -> int:
-    from freetoken.engine.commands import _model_args
+    from freetoken.engine.commands import _model_args, _speculative_arg
 
     p = argparse.ArgumentParser(prog="ft serve", description="Serve a model over the OpenAI and Anthropic APIs.")
     _model_args(p)
@@ -48,6 +48,7 @@ def serve(argv: list[str]) -> int:
                         "hold the prompts)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt whole (no reuse across requests; for measuring what reuse saves)")
+    _speculative_arg(p)
     a = p.parse_args(argv)
     if not _loopback(a.host) and not a.api_key:
         raise FreeTokenError(f"binding {a.host} exposes the server beyond this machine; give --api-key KEY "
@@ -125,7 +126,8 @@ def _load_then_serve(a: argparse.Namespace, model_id: str, loading, server, stat
                 raise FreeTokenError(f"--kv-cache {a.kv_cache} holds only {kv_tokens} tokens of this model; "
                                      "give more")
         engine = state["engine"] = ServingEngine(lm, model_id, max_seq_len=kv_tokens, kv_tokens=kv_tokens,
-                                                 max_batch=a.max_batch, prefix_cache=not a.no_prefix_cache)
+                                                 max_batch=a.max_batch, prefix_cache=not a.no_prefix_cache,
+                                                 speculative=a.speculative)
         settings = ServerSettings(a.host, a.port, a.api_key, frozenset(a.served_name), record_dir=a.record)
         loading.ready(create_app(engine, settings))
     except Exception as e:  # noqa: BLE001 - every failure ends the server with one line

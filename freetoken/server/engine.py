@@ -194,10 +194,11 @@ SWITCH_INTERVAL_S = 0.0005
 
 class ServingEngine:
     def __init__(self, lm: LoadedModel, model_id: str, *, max_queue: int = 64, max_seq_len: int | None = None,
-                 kv_tokens: int | None = None, max_batch: int = 16, prefix_cache: bool = True):
+                 kv_tokens: int | None = None, max_batch: int = 16, prefix_cache: bool = True,
+                 speculative: bool = False):
         self.lm, self.model_id, self.max_queue = lm, model_id, max_queue
         self.scheduler = BatchScheduler(lm, max_batch=max_batch, max_seq_len=max_seq_len, kv_tokens=kv_tokens,
-                                        prefix_cache=prefix_cache)
+                                        prefix_cache=prefix_cache, speculative=speculative)
         self.counters = Counters()
         self.activity = Activity()
         self._running: dict[int, _Job] = {}  # activity id → job, while the scheduler holds it
@@ -260,10 +261,12 @@ class ServingEngine:
     def stats(self) -> dict[str, Any]:
         """JSON for /v1/stats: the engine snapshot (experts, KV pages) plus the request counters."""
         snap = snapshot(self.lm, self.scheduler.cache, self.scheduler.prefix, self.scheduler.snapshots)
+        speculator = self.scheduler.speculator
         return {"model": self.model_id, "context_length": self.context_length, "queued": self._jobs.qsize(),
                 "running": len(self.scheduler.active), "max_batch": self.scheduler.max_batch,
                 "forwards": self.scheduler.forwards, "requests": asdict(self.counters), "engine": asdict(snap),
-                "activity": self.activity.snapshot()}
+                "activity": self.activity.snapshot(),
+                "drafts": None if speculator is None else asdict(speculator.stats)}
 
     def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Runs `fn()` on the worker between two batch steps, where nothing else touches the model; the future

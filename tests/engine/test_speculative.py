@@ -181,3 +181,54 @@ def test_sdk_sessions_decode_speculatively(checkpoint):
         finally:
             engine.close()
     assert replies[0] == replies[1] and replies[1][1] == replies[1][3]
+
+
+def _run_scheduler(scheduler, prompts: list[list[int]], params, late: int | None = None):
+    """Each prompt's tokens through the scheduler; the prompt at index `late` joins once the others decode."""
+    from freetoken.engine.batching import BatchRequest
+
+    out = [[] for _ in prompts]
+    reqs = [BatchRequest(p, params, emit=lambda ev, i=i: out[i].extend(ev.token_ids)) for i, p in enumerate(prompts)]
+    for i, r in enumerate(reqs):
+        if i != late:
+            scheduler.add(r)
+    steps = 0
+    while scheduler.active or (late is not None and reqs[late].seq is None):
+        scheduler.step()
+        steps += 1
+        if late is not None and steps == 6:
+            scheduler.add(reqs[late])
+    return out
+
+
+def test_the_scheduler_decodes_a_lone_request_speculatively(checkpoint, lm, monkeypatch):
+    """`BatchScheduler(speculative=True)`: a request alone prefills in chunks with its MTP rows and decodes two
+    tokens a pass when the draft is right; requests that overlap share plain steps; every request gets the tokens
+    it gets alone without speculation, and every page comes back."""
+    from freetoken.engine.batching import BatchScheduler
+
+    expected, ids = checkpoint[3], prompt_ids()
+    others = [prompt_ids("Hi"), prompt_ids("The quick brown fox")]
+    plain = [Generator(lm).generate_ids(p, GREEDY) for p in [ids, *others]]
+    assert plain[0] == expected
+    scheduler = BatchScheduler(lm, prefill_chunk=5, speculative=True)
+    assert _run_scheduler(scheduler, [ids], GREEDY) == [expected]
+    alone = scheduler.forwards
+    monkeypatch.setattr(MtpSpeculator, "_draft", _oracle(expected, len(ids), lm.args.decoder.vocab_size, False))
+    scheduler = BatchScheduler(lm, prefill_chunk=5, speculative=True)
+    assert _run_scheduler(scheduler, [ids], GREEDY) == [expected]
+    stats = scheduler.speculator.stats
+    assert stats.accepted == stats.proposed > 0 and scheduler.forwards < alone - 8  # two tokens a pass
+    monkeypatch.undo()
+    scheduler = BatchScheduler(lm, prefill_chunk=5, speculative=True)
+    assert _run_scheduler(scheduler, [ids, *others], GREEDY, late=2) == plain
+    scheduler.prefix.clear()
+    allocator = scheduler.cache.allocator
+    assert allocator.num_free == allocator.num_pages
+
+
+def test_speculative_serving_needs_the_mtp_layer(checkpoint):
+    from freetoken.engine.batching import BatchScheduler
+
+    with pytest.raises(FreeTokenError, match="multi-token-prediction"):
+        BatchScheduler(load_model(checkpoint[0], progress=False), speculative=True)
