@@ -37,7 +37,7 @@ from freetoken.engine.kv_cache import SequenceKV
 from freetoken.engine.loader import LoadedModel
 from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.sampling import SamplingParams
-from freetoken.engine.speculative import Drafting, MtpSpeculator
+from freetoken.engine.speculative import Drafting, speculator_for
 from freetoken.engine.state_snapshots import StateSnapshots
 from freetoken.errors import FreeTokenError
 
@@ -79,12 +79,8 @@ class BatchScheduler:
         allocated up front, `max_seq_len` tokens by default). `prefix_cache`: keep finished requests' full
         pages for later prompts with the same start. `speculative`: see the module docstring."""
         self.lm, self.max_batch = lm, max_batch
-        self.speculator = None
+        self.speculator = speculator_for(lm) if speculative else None
         if speculative:
-            if not lm.has_mtp or lm.has_recurrent_state:
-                raise FreeTokenError("speculative decoding needs a model loaded with its multi-token-prediction "
-                                     "layer (mtp=True) and without recurrent layers")
-            self.speculator = MtpSpeculator(lm)
             cuda_graphs = False
         self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
         self.request_limit = self.capacity  # tokens one request may hold, whatever the pool
@@ -185,10 +181,7 @@ class BatchScheduler:
         for r in prefilling:
             if room <= 0:
                 break
-            end = r.prefilled + room
-            if r.boundaries and r.prefilled < r.boundaries[0] < end:
-                end = r.boundaries[0]  # the chunk stops there: the state after it is snapshotted
-            chunk = r.prompt_ids[r.prefilled:end]
+            chunk = self._next_chunk(r, room)
             batch.append(r)
             tokens += chunk
             counts.append(len(chunk))
@@ -206,16 +199,8 @@ class BatchScheduler:
         for i, (req, n) in enumerate(zip(batch, counts, strict=True)):
             req.steps.append(len(batch))
             req.drafting = Drafting()  # (speculative: no hidden states in this step, so no MTP rows)
-            if not req.decoding:
-                req.prefilled += n
-                if req.boundaries and req.prefilled == req.boundaries[0]:
-                    req.boundaries.pop(0)
-                    self.snapshots.snapshot(req.prompt_ids, req.seq)
-                if req.prefilled < len(req.prompt_ids):
-                    continue  # more prompt to go: these logits pick nothing
-                if self.snapshots is not None:
-                    self.snapshots.snapshot(req.prompt_ids, req.seq)
-                req.reply.prefilled()
+            if not req.decoding and not self._prefilled(req, n):
+                continue  # more prompt to go: these logits pick nothing
             try:
                 ev = req.reply.accept(logits[i])
             except Exception as e:  # noqa: BLE001 - one request's sampling failure ends that request only
@@ -224,6 +209,28 @@ class BatchScheduler:
                 continue
             self._deliver(req, ev, hold)
         return dropped
+
+    def _next_chunk(self, req: BatchRequest, room: int) -> list[int]:
+        """The request's next prompt tokens, at most `room`; a chunk stops at a boundary (the state after it is
+        snapshotted)."""
+        end = req.prefilled + room
+        if req.boundaries and req.prefilled < req.boundaries[0] < end:
+            end = req.boundaries[0]
+        return req.prompt_ids[req.prefilled:end]
+
+    def _prefilled(self, req: BatchRequest, n: int) -> bool:
+        """`n` more prompt tokens are in the cache (snapshotted at a boundary or the prompt's end); whether the
+        prompt is complete."""
+        req.prefilled += n
+        if req.boundaries and req.prefilled == req.boundaries[0]:
+            req.boundaries.pop(0)
+            self.snapshots.snapshot(req.prompt_ids, req.seq)
+        if req.prefilled < len(req.prompt_ids):
+            return False
+        if self.snapshots is not None:
+            self.snapshots.snapshot(req.prompt_ids, req.seq)
+        req.reply.prefilled()
+        return True
 
     def _deliver(self, req: BatchRequest, ev: GenerationEvent, hold: bool = False) -> None:
         """Hands `ev` to the request (held until the next launch with `hold`); ends it, or notes its token."""
@@ -242,7 +249,7 @@ class BatchScheduler:
         over its sampled token and the draft after it (one event, or two where the draft is picked)."""
         spec, state, seq = self.speculator, req.drafting, req.seq
         if not req.decoding:
-            chunk = req.prompt_ids[req.prefilled:req.prefilled + self.prefill_chunk]
+            chunk = self._next_chunk(req, self.prefill_chunk)
             try:
                 self._make_room([req], [len(chunk)])
             except KVCacheFull:
@@ -251,10 +258,8 @@ class BatchScheduler:
             logits = spec.prefill_chunk(state, ids, self.cache, seq)
             self.forwards += 1
             req.steps.append(1)
-            req.prefilled += len(chunk)
-            if req.prefilled < len(req.prompt_ids):
+            if not self._prefilled(req, len(chunk)):
                 return
-            req.reply.prefilled()
             events = iter([logits])
         else:
             if state.draft is None and state.pending is not None:

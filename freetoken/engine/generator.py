@@ -68,15 +68,9 @@ class Generator:
         self.lm, self.page_size = lm, page_size
         self._speculator = None
         if speculative:
-            if not lm.has_mtp:
-                raise FreeTokenError("speculative decoding needs the model's multi-token-prediction layer: load it "
-                                     "with mtp=True (a checkpoint that has one: DeepSeek-V3 style)")
-            if lm.has_recurrent_state:
-                raise FreeTokenError("speculative decoding cannot roll back recurrent layers' state yet; run this "
-                                     "model without it")
-            from freetoken.engine.speculative import MtpSpeculator
+            from freetoken.engine.speculative import speculator_for
 
-            self._speculator = MtpSpeculator(lm)
+            self._speculator = speculator_for(lm)
             cuda_graphs = False
         self.prefill_chunk, self.use_graphs, self.capacity = run_settings(lm, prefill_chunk, max_seq_len, cuda_graphs)
         self.pool_tokens = self.capacity if pool_tokens == 0 or (pool_tokens is None and self.use_graphs) \

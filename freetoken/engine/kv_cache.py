@@ -296,10 +296,13 @@ class PagedKVCache:
     def commit(self, seq: SequenceKV, n_new: int) -> None:
         seq.length += n_new
 
-    def truncate(self, seq: SequenceKV, length: int) -> None:
+    def truncate(self, seq: SequenceKV, length: int, recurrent: dict | None = None) -> None:
         """Drops tokens past `length` (rollback); frees pages no longer needed. A sequence with recurrent state
-        cannot go back (its state holds every token): restore a fork taken at the point instead."""
-        if seq.recurrent and length < seq.length:
+        cannot go back (its state holds every token): restore a fork taken at the point instead, or give the
+        layers' states at `length` as `recurrent` (speculative decoding keeps them across one pass)."""
+        if recurrent is not None:
+            seq.recurrent = dict(recurrent)
+        elif seq.recurrent and length < seq.length:
             raise RecurrentStateError(f"cannot roll a sequence with recurrent state back from {seq.length} to "
                                       f"{length} tokens; restore a snapshot (a fork) taken there instead")
         keep = -(-length // self.page_size)

@@ -79,8 +79,8 @@ class LoadedModel:
         pages = -(-initial_tokens // page_size)
         max_pages = None if max_tokens is None else -(-max_tokens // page_size)
         kv_layers = attention_layers(self.args)
-        if self.has_mtp:  # the MTP layer's rows are layer n_layers
-            kv_layers = None if kv_layers is None else (*kv_layers, n_layers)
+        if self.has_mtp:  # the MTP layer's rows are layer n_layers (hybrid families list it already)
+            kv_layers = None if kv_layers is None else tuple(sorted({*kv_layers, n_layers}))
             n_layers += 1
         return PagedKVCache(n_layers, a.n_kv_heads, a.head_dim, page_size=page_size,
                             dtype=self.dtype, device=self.device, initial_pages=pages, max_pages=max_pages,

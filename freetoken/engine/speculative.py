@@ -14,6 +14,10 @@ one position behind the main layers: after each forward, over the positions whos
 sequence extended after tokens it got elsewhere (an earlier turn, a shared prefix) has no MTP row for its last
 old position, and a row written at the end of a full page that a fork shares shows in the fork too: both only
 change later drafts, never a token (the main layers' rows are untouched).
+
+Layers with recurrent state (Qwen3-Next's Gated DeltaNet) cannot drop the draft's token from their state: for
+them a pass keeps the states from before it, and a rejected draft costs one more pass over the sampled token
+alone from there (`DraftStats.redone`), so they gain less from each draft than attention-only models.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import torch
 
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.loader import LoadedModel
+from freetoken.errors import FreeTokenError
 
 
 @dataclass(slots=True)
 class DraftStats:
     proposed: int = 0  # verification passes that carried a draft
     accepted: int = 0  # drafts the sampler picked too
+    redone: int = 0  # passes of one token again after a rejected draft (models with recurrent state)
 
     @property
     def acceptance(self) -> float:
@@ -45,6 +51,14 @@ class Drafting:
 
     pending: torch.Tensor | None = None
     draft: int | None = None
+
+
+def speculator_for(lm: LoadedModel) -> MtpSpeculator:
+    """The speculator of a model loaded with its multi-token-prediction layer, or a clear error."""
+    if not lm.has_mtp:
+        raise FreeTokenError("speculative decoding needs the model's multi-token-prediction layer: load it with "
+                             "mtp=True (a checkpoint that has one: DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5)")
+    return MtpSpeculator(lm)
 
 
 class MtpSpeculator:
@@ -83,13 +97,20 @@ class MtpSpeculator:
         return `seq` holds `token` and, if it was picked, the draft; `state` drafts for the last event's token."""
         at, draft = seq.length, state.draft
         ids = [token] if draft is None else [token, draft]
+        before = dict(seq.recurrent)  # layers' states are replaced by each forward, never changed in place
         logits, hidden = self.lm.forward_hidden(torch.tensor(ids, device=self.lm.device), cache, seq)
         ev = accept(logits[0])
         right = draft is not None and ev.token_ids == [draft]
         self.stats.proposed += draft is not None
         self.stats.accepted += right
         if draft is not None and (not right or ev.finish_reason is not None):
-            cache.truncate(seq, at + 1)  # the draft's row goes (a picked draft that ends the reply is not fed)
+            # the draft's row goes (a picked draft that ends the reply is not fed either)
+            if before:  # recurrent state holds the draft: back to before the pass, then `token` alone
+                cache.truncate(seq, at, recurrent=before)
+                _, hidden = self.lm.forward_hidden(torch.tensor([token], device=self.lm.device), cache, seq)
+                self.stats.redone += 1
+            else:
+                cache.truncate(seq, at + 1)
         yield ev
         if ev.finish_reason is not None:
             return

@@ -1,7 +1,8 @@
-"""Multi-token prediction and speculative decoding on tiny deepseek_v3 and glm4_moe checkpoints with an MTP layer
-appended as DeepSeek-V3 and GLM-4.5 ship it: the layer's logits against transformers (its block run as a one-layer
-transformers model), and speculative decoding's tokens equal to plain greedy decoding's — with the random MTP
-layer (drafts mostly rejected), with drafts that are always right, and with experts offloaded below the pool."""
+"""Multi-token prediction and speculative decoding on tiny deepseek_v3, glm4_moe and qwen3_next checkpoints with an
+MTP layer appended as DeepSeek-V3, GLM-4.5 and Qwen3-Next ship it: the layer's logits against transformers (its
+block run as a one-layer transformers model), and speculative decoding's tokens equal to plain greedy decoding's —
+with the random MTP layer (drafts mostly rejected), with drafts that are always right, and with experts offloaded
+below the pool. Qwen3-Next's recurrent layers cannot drop a rejected draft: their pass is redone without it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from support.checkpoints import add_mtp_layer, hf_greedy, prompt_ids, write_gguf
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"])
 def checkpoint(tmp_path_factory, request):
     path = tmp_path_factory.mktemp(f"{request.param}_mtp")
     main = write_hf_checkpoint(request.param, path)
@@ -47,7 +48,7 @@ def test_the_mtp_layer_loads_beside_the_model(checkpoint, lm):
 @torch.inference_mode()
 def test_mtp_logits_match_transformers(checkpoint, lm):
     """At every prompt position (filled in two calls, so the second attends to the first's MTP rows), the MTP
-    layer's logits equal transformers' computation of the same layer within 1e-4."""
+    layer's logits equal transformers' computation of the same layer within 1e-4 (+ 1e-4 relative)."""
     path, main, reference, _ = checkpoint
     ids = prompt_ids()
     cache = lm.new_cache(page_size=4, initial_tokens=len(ids))
@@ -57,7 +58,8 @@ def test_mtp_logits_match_transformers(checkpoint, lm):
     tokens = torch.tensor(ids[1:])
     got = torch.cat((lm.draft(hidden[:cut], tokens[:cut], cache, seq, 0),
                      lm.draft(hidden[cut:-1], tokens[cut:], cache, seq, cut)))
-    torch.testing.assert_close(got, reference.logits(main, ids), atol=1e-4, rtol=0)
+    # (the MTP layer stacks on the main model's hidden state: its rounding adds to the main model's 1e-4)
+    torch.testing.assert_close(got, reference.logits(main, ids), atol=1e-4, rtol=1e-4)
 
 
 def test_a_gguf_files_nextn_block_is_the_mtp_layer(checkpoint, tmp_path):
@@ -87,6 +89,10 @@ def test_speculative_greedy_tokens_equal_plain_decoding(checkpoint, lm, chunk):
     assert gen.generate_ids(prompt_ids(), GREEDY) == checkpoint[3]
     stats = gen.draft_stats
     assert stats.proposed > 0 and 0 <= stats.accepted <= stats.proposed
+    if lm.has_recurrent_state:  # each rejected draft's pass is redone without it
+        assert stats.redone >= stats.proposed - stats.accepted > 0
+    else:
+        assert stats.redone == 0
 
 
 def _oracle(expected: list[int], prompt_len: int, vocab: int, wrong: bool):
@@ -222,7 +228,7 @@ def test_the_scheduler_decodes_a_lone_request_speculatively(checkpoint, lm, monk
     monkeypatch.undo()
     scheduler = BatchScheduler(lm, prefill_chunk=5, speculative=True)
     assert _run_scheduler(scheduler, [ids, *others], GREEDY, late=2) == plain
-    scheduler.prefix.clear()
+    (scheduler.prefix or scheduler.snapshots).clear()  # what later prompts could reuse (recurrent: snapshots)
     allocator = scheduler.cache.allocator
     assert allocator.num_free == allocator.num_pages
 

@@ -340,6 +340,7 @@ class MtpReference:
     hnorm: torch.Tensor
     eh_proj: torch.Tensor
     block: PreTrainedModel
+    offset_norms: bool = False  # Qwen3-Next's norms scale by 1 + weight
 
     @torch.no_grad()
     def logits(self, main: PreTrainedModel, ids: list[int]) -> torch.Tensor:
@@ -347,7 +348,8 @@ class MtpReference:
         hidden = main.model(torch.tensor([ids])).last_hidden_state[0]  # after the final norm
 
         def rms(x, w):
-            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + main.config.rms_norm_eps))
+            scale = 1.0 + w if self.offset_norms else w
+            return scale * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + main.config.rms_norm_eps))
 
         embedded = main.model.embed_tokens(torch.tensor(ids[1:]))
         x = torch.cat((rms(embedded, self.enorm), rms(hidden[:-1], self.hnorm)), dim=-1) @ self.eh_proj.T
@@ -355,11 +357,18 @@ class MtpReference:
 
 
 def add_mtp_layer(path: Path, main: PreTrainedModel, seed: int = 1) -> MtpReference:
-    """Appends a random multi-token-prediction layer to the deepseek_v3 or glm4_moe checkpoint at `path` as their
-    checkpoints carry it (`model.layers.{n}.*` in its own shard, `num_nextn_predict_layers: 1`), including the
-    copies of the embedding and head that the engine does not load."""
+    """Appends a random multi-token-prediction layer to the deepseek_v3, glm4_moe, qwen3_next or qwen3_5_moe
+    checkpoint at `path` as their checkpoints carry it, in its own shard: DeepSeek-V3's and GLM-4.5's as
+    `model.layers.{n}.*` with `num_nextn_predict_layers: 1` (and the copies of the embedding and head the engine
+    does not load), Qwen3-Next's and Qwen3.5's as `mtp.*` (fc, pre_fc_norm_embedding / _hidden, norm, layers.0 a
+    full-attention routed layer)."""
     n, cfg = main.config.num_hidden_layers, copy.deepcopy(main.config)
-    cfg.num_hidden_layers, cfg.first_k_dense_replace = 1, 0  # its block is a routed layer
+    qwen = cfg.model_type in ("qwen3_next", "qwen3_5_moe_text")
+    cfg.num_hidden_layers = 1
+    if qwen:
+        cfg.layer_types, cfg.mlp_only_layers = ["full_attention"], []
+    else:
+        cfg.first_k_dense_replace = 0  # its block is a routed layer
     torch.manual_seed(seed)
     block = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(block, seed)
@@ -372,15 +381,20 @@ def add_mtp_layer(path: Path, main: PreTrainedModel, seed: int = 1) -> MtpRefere
         for f in sorted(Path(tmp).glob("*.safetensors")):
             saved |= load_file(f)
     gen = torch.Generator().manual_seed(seed)
-    hidden = cfg.hidden_size
-    ref = MtpReference(1.0 + torch.randn(hidden, generator=gen) * _STD, 1.0 + torch.randn(hidden, generator=gen) * _STD,
-                       torch.randn(hidden, 2 * hidden, generator=gen) * _STD, block)
-    prefix = f"model.layers.{n}."
+    hidden, base = cfg.hidden_size, 0.0 if qwen else 1.0  # (Qwen's norms scale by 1 + weight)
+    enorm, hnorm = (base + torch.randn(hidden, generator=gen) * _STD for _ in range(2))
+    ref = MtpReference(enorm, hnorm, torch.randn(hidden, 2 * hidden, generator=gen) * _STD, block, offset_norms=qwen)
+    prefix = "mtp.layers.0." if qwen else f"model.layers.{n}."
     tensors = {prefix + k[len("model.layers.0."):]: v for k, v in saved.items() if k.startswith("model.layers.0.")}
-    tensors |= {prefix + "enorm.weight": ref.enorm, prefix + "hnorm.weight": ref.hnorm,
-                prefix + "eh_proj.weight": ref.eh_proj, prefix + "shared_head.norm.weight": saved["model.norm.weight"],
-                prefix + "shared_head.head.weight": main.lm_head.weight.detach().clone(),
-                prefix + "embed_tokens.weight": main.model.embed_tokens.weight.detach().clone()}
+    if qwen:
+        tensors |= {"mtp.pre_fc_norm_embedding.weight": ref.enorm, "mtp.pre_fc_norm_hidden.weight": ref.hnorm,
+                    "mtp.fc.weight": ref.eh_proj, "mtp.norm.weight": saved["model.norm.weight"]}
+    else:
+        tensors |= {prefix + "enorm.weight": ref.enorm, prefix + "hnorm.weight": ref.hnorm,
+                    prefix + "eh_proj.weight": ref.eh_proj,
+                    prefix + "shared_head.norm.weight": saved["model.norm.weight"],
+                    prefix + "shared_head.head.weight": main.lm_head.weight.detach().clone(),
+                    prefix + "embed_tokens.weight": main.model.embed_tokens.weight.detach().clone()}
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model-mtp.safetensors")
     index_file = path / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())

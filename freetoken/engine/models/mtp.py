@@ -30,20 +30,21 @@ _SHARED = ("embed_tokens.", "shared_head.head.")  # copies of the main model's e
 
 
 class _SharedHead(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, norm: nn.Module):
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = norm
 
 
 class MultiTokenPredictor(nn.Module):
-    """`layer`: the family's decoder layer built for index `n_layers` (its attention and experts use it)."""
+    """`layer`: the family's decoder layer built for index `n_layers` (its attention and experts use it);
+    `norm`: the family's RMSNorm class (Qwen3-Next's scales by 1 + weight)."""
 
-    def __init__(self, hidden_size: int, eps: float, layer: nn.Module):
+    def __init__(self, hidden_size: int, eps: float, layer: nn.Module, norm: type[nn.Module] = RMSNorm):
         super().__init__()
-        self.enorm = RMSNorm(hidden_size, eps)
-        self.hnorm = RMSNorm(hidden_size, eps)
+        self.enorm = norm(hidden_size, eps)
+        self.hnorm = norm(hidden_size, eps)
         self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.shared_head = _SharedHead(hidden_size, eps)
+        self.shared_head = _SharedHead(norm(hidden_size, eps))
         self.layer = layer
 
     def forward(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor, ctx) -> torch.Tensor:
@@ -54,6 +55,31 @@ class MultiTokenPredictor(nn.Module):
         cos, sin = model.rotary(ctx.positions, x.dtype)
         x = self.layer(x, cos, sin, ctx)
         return F.linear(self.shared_head.norm(x), model.output_weight())
+
+
+# Qwen3-Next / Qwen3.5 name the same parts `mtp.*`: fc is eh_proj, the two pre-fc norms enorm and hnorm, norm the
+# head's norm, layers.0 the block
+_QWEN_OWN = {"mtp.fc.": "mtp.eh_proj.", "mtp.pre_fc_norm_embedding.": "mtp.enorm.",
+             "mtp.pre_fc_norm_hidden.": "mtp.hnorm.", "mtp.norm.": "mtp.shared_head.norm."}
+
+
+def qwen_checkpoint_name(name: str, n_layers: int, load: bool) -> str | None:
+    """`checkpoint_name` for Qwen3-Next's `mtp.*` tensors: None without `load`, its own tensors and block under
+    this module's names, its routed experts as layer n_layers's (`model.layers.{n}.mlp.experts.*`); others as
+    they are."""
+    if not name.startswith("mtp."):
+        return name
+    if not load:
+        return None
+    for old, new in _QWEN_OWN.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    if not name.startswith("mtp.layers.0."):
+        return None  # further depths
+    rest = name[len("mtp.layers.0."):]
+    if rest.startswith("mlp.experts."):
+        return f"model.layers.{n_layers}.{rest}"
+    return "mtp.layer." + rest
 
 
 def with_mtp(args):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.engine.models import qwen3_next
+from freetoken.engine.models import mtp, qwen3_next
 from freetoken.engine.models.moe import QWEN_EXPERTS
 
 MODEL_TYPE = "qwen3_5_moe"
@@ -54,10 +54,15 @@ class Model(qwen3_next.Model):
     DELTA_NET = SplitProjectionDeltaNet
 
 
+with_mtp = qwen3_next.with_mtp
+
+
 def checkpoint_name(name: str, args: qwen3_next.ModelArgs) -> str | None:
     """Vision-language checkpoints: the language model's tensors under the text model's names; the vision tower
-    and the multi-token-prediction head are left out."""
-    if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
+    is left out, the multi-token-prediction layer loaded only with `args.mtp` (models/mtp.py)."""
+    if name.startswith("model.visual."):
         return None
+    if name.startswith(("mtp.", "model.mtp.")):
+        return mtp.qwen_checkpoint_name(name.removeprefix("model."), args.decoder.n_layers, args.mtp)
     return "model." + name.removeprefix("model.language_model.") if name.startswith("model.language_model.") \
         else name

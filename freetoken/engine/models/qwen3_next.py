@@ -25,6 +25,7 @@ from torch import nn
 from freetoken.engine import gpu_paths
 from freetoken.engine.attention import sequence_rows
 from freetoken.engine.config import MoESpec
+from freetoken.engine.models import mtp
 from freetoken.engine.models.common_args import decoder_args, num_experts
 from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, DenseMLP
 from freetoken.engine.models.gated_delta import (
@@ -34,8 +35,10 @@ from freetoken.engine.models.gated_delta import (
     recurrent_gated_delta,
 )
 from freetoken.engine.models.moe import QWEN_EXPERTS, SparseMoeBlock
+from freetoken.engine.models.mtp import MultiTokenPredictor
 from freetoken.engine.models.qwen3_moe import sparse_layers
 from freetoken.engine.rope import RopeConfig, apply_rope
+from freetoken.errors import ModelLoadError
 
 MODEL_TYPE = "qwen3_next"
 EXPERT_NAMING = QWEN_EXPERTS
@@ -63,6 +66,8 @@ class ModelArgs:
     top_k: int
     norm_topk_prob: bool
     moe_layers: tuple[int, ...] = field(default_factory=tuple)
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint carries (`mtp.*`)
+    mtp: bool = False  # the first of them loaded (with_mtp)
 
     @classmethod
     def from_config(cls, cfg: dict) -> ModelArgs:
@@ -84,6 +89,8 @@ class ModelArgs:
             int(cfg.get("intermediate_size", 0)), int(cfg["moe_intermediate_size"]),
             int(cfg.get("shared_expert_intermediate_size") or 0), num_experts(cfg), int(cfg["num_experts_per_tok"]),
             bool(cfg.get("norm_topk_prob", True)), sparse_layers(cfg, n, num_experts(cfg)),
+            # (configs may not state it; a checkpoint without the tensors is refused when they are asked for)
+            int(cfg.get("num_nextn_predict_layers", cfg.get("mtp_num_hidden_layers", 1)) or 0),
         )
 
     def moe_spec(self) -> MoESpec:
@@ -284,9 +291,23 @@ class Model(DecoderModel):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args.decoder, lambda i: HybridLayer(args, i, self.DELTA_NET))
-        self.model.norm = OffsetRMSNorm(args.decoder.hidden_size, args.decoder.rms_norm_eps)
+        dec = args.decoder
+        self.model.norm = OffsetRMSNorm(dec.hidden_size, dec.rms_norm_eps)
+        if args.mtp:  # a full-attention routed layer past the model's (models/mtp.py)
+            self.mtp = MultiTokenPredictor(dec.hidden_size, dec.rms_norm_eps,
+                                           HybridLayer(args, dec.n_layers, self.DELTA_NET), norm=OffsetRMSNorm)
+
+
+def with_mtp(args: ModelArgs) -> ModelArgs:
+    """`args` with the multi-token-prediction layer: full attention and routed experts at index n_layers."""
+    if not args.mtp_layers:
+        raise ModelLoadError("this checkpoint has no multi-token-prediction layer; run it without speculative "
+                             "decoding")
+    n = args.decoder.n_layers
+    return dataclasses.replace(args, full_attention_layers=(*args.full_attention_layers, n),
+                               moe_layers=(*args.moe_layers, n), mtp=True)
 
 
 def checkpoint_name(name: str, args: ModelArgs) -> str | None:
-    """The multi-token-prediction head (`mtp.*`) is not loaded (kept for speculative decoding later)."""
-    return None if name.startswith("mtp.") else name
+    """The multi-token-prediction layer (`mtp.*`) loads only with `args.mtp` (models/mtp.py)."""
+    return mtp.qwen_checkpoint_name(name, args.decoder.n_layers, args.mtp)
