@@ -36,10 +36,12 @@ for part in "$@"; do
     # preallocated, and one thread
     kernel-phases) for args in "--threads 15" "--threads 15 --preallocated" "--threads 1 --batches 16 32 --experts 8"; do
              (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_phases.py" $args | tee -a "$OUT/kernel-phases.txt"); done ;;
-    # speculative decoding with an MTP layer (forced acceptance): GLM-4.5-Air's shape, 8 layers, resident and offloaded
-    speculative) ft bench speculative --shape glm-4.5-air --layers 8 --budgets all,0,2GiB --acceptance 0,0.5,0.8,0.9,1 \
+    # speculative decoding with an MTP layer (forced acceptance): GLM-4.5-Air's and Qwen3.5-35B-A3B's shapes (SPEC_SHAPES),
+    # 8 layers, resident and offloaded
+    speculative) for shape in ${SPEC_SHAPES:-glm-4.5-air qwen3.5-35b-a3b}; do
+               ft bench speculative --shape $shape --layers 8 --budgets all,0,2GiB --acceptance 0,0.5,0.8,0.9,1 \
                --tokens 64 --expert-format ${SPEC_FORMAT:-dense} --commit "$commit" \
-               --out "$OUT/speculative-glm-4.5-air-8l-${SPEC_FORMAT:-dense}.md" ;;
+               --out "$OUT/speculative-$shape-8l-${SPEC_FORMAT:-dense}.md"; done ;;
     kernel-prefill) (cd /tmp && FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench \
              --batches 1 8 16 32 64 | tee "$OUT/cpu-kernel-prefill-batches.txt") ;;
     serve-profile) export FREETOKEN_DEFAULT_MODEL=$PWD/.carry/tok/smollm2-tokenizer.gguf

@@ -125,7 +125,7 @@ def _speculative(lm, prompt: torch.Tensor, stream: list[int], acceptance: float,
     elapsed = time.perf_counter() - t0
     cache.release(seq)
     s = speculator.stats
-    return len(stream) / elapsed, s.acceptance, s.proposed
+    return len(stream) / elapsed, s.acceptance, s.proposed + s.redone  # (redone: recurrent layers' rejections)
 
 
 @contextmanager

@@ -104,8 +104,9 @@ def generate(argv: list[str]) -> int:
     if a.stats and last.timings:
         _print_stats(last)
         if (drafts := generator.draft_stats) is not None:
+            redone = f", {drafts.redone} passes redone (recurrent layers)" if drafts.redone else ""
             print(f"freetoken: {drafts.accepted} of {drafts.proposed} drafts accepted "
-                  f"({drafts.acceptance:.0%})", file=sys.stderr)
+                  f"({drafts.acceptance:.0%}){redone}", file=sys.stderr)
         ex = snapshot(lm).experts
         if ex.mode == "offloaded":
             print(f"freetoken: expert cache {ex.cached}/{ex.slots} slots, hit rate {ex.hit_rate:.1%} ({ex.hits} hits, "
