@@ -40,6 +40,8 @@ def describe(source: str | None) -> str:
         lines.append(f"token mixers   {len(full)} full-attention layers, {dec.n_layers - len(full)} Gated DeltaNet "
                      "(recurrent state)")
     lines.append(f"KV per token   {_size(kv_bytes_per_token(args, torch.bfloat16))} in bf16")
+    if (mtp := _mtp(ckpt, family)) is not None:
+        lines.append(f"MTP layer      {mtp}")
     if spec is None:
         lines.append(f"parameters     {_count(dense)} (dense)")
         return "\n".join(lines)
@@ -57,6 +59,16 @@ def describe(source: str | None) -> str:
         f"expert bytes   {_expert_bytes(ckpt, spec)}",
     ]
     return "\n".join(lines)
+
+
+def _mtp(ckpt: HFCheckpoint | GGUFCheckpoint, family) -> str | None:
+    """What the checkpoint's multi-token-prediction layer is good for here, or None without one."""
+    names = ckpt.file.tensors if isinstance(ckpt, GGUFCheckpoint) else ckpt.shards
+    if not any(".nextn." in n or ".eh_proj." in n or n.startswith(("mtp.", "model.mtp.")) for n in names):
+        return None
+    if hasattr(family, "with_mtp"):
+        return "present: --speculative drafts with it (ft generate, ft chat, ft serve)"
+    return "present, not used (no speculative decoding for this family yet)"
 
 
 def _attention(args) -> str:

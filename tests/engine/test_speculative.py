@@ -150,6 +150,16 @@ def test_offloaded_speculative_decoding_keeps_the_tokens(checkpoint):
     assert n in lm.experts.host and layers.count(n) == 1 + 1 + gen.draft_stats.proposed - 1
 
 
+def test_ft_info_names_the_mtp_layer(checkpoint, tmp_path):
+    from freetoken.engine.model_info import describe
+
+    assert "MTP layer      present: --speculative" in describe(str(checkpoint[0]))
+    plain = tmp_path / "plain"
+    model_type = checkpoint[1].config.model_type
+    write_hf_checkpoint({"qwen3_5_moe_text": "qwen3_5_moe"}.get(model_type, model_type), plain)
+    assert "MTP layer" not in describe(str(plain))
+
+
 def test_clear_errors_without_an_mtp_layer(tmp_path, checkpoint):
     if checkpoint[1].config.model_type != "deepseek_v3":
         pytest.skip("one family is enough")
