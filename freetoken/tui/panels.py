@@ -136,10 +136,16 @@ class ThroughputPanel(Panel):
             text.append(sparkline(rates.series[name], width) + "\n", style="cyan")
         activity = dig(stats, "activity", default={})
         requests = dig(stats, "requests", default={})
-        return text.append(f"TTFT p50 {fmt(dig(activity, 'ttft_p50_s'), '.2f', ' s')}  "
-                           f"p95 {fmt(dig(activity, 'ttft_p95_s'), '.2f', ' s')}   "
-                           f"done {fmt(dig(requests, 'completed'), '.0f')}  "
-                           f"failed {fmt(dig(requests, 'failed'), '.0f')}")
+        text.append(f"TTFT p50 {fmt(dig(activity, 'ttft_p50_s'), '.2f', ' s')}  "
+                    f"p95 {fmt(dig(activity, 'ttft_p95_s'), '.2f', ' s')}   "
+                    f"done {fmt(dig(requests, 'completed'), '.0f')}  "
+                    f"failed {fmt(dig(requests, 'failed'), '.0f')}")
+        drafts = dig(stats, "drafts")
+        if isinstance(drafts, dict):  # `ft serve --speculative`: how often the MTP layer's draft was picked
+            proposed, accepted = num(drafts.get("proposed")) or 0, num(drafts.get("accepted")) or 0
+            share = f" ({accepted / proposed:.0%})" if proposed else ""
+            text.append(f"\ndrafts {accepted:.0f}/{proposed:.0f} accepted{share}")
+        return text
 
 
 class TrafficPanel(Panel):

@@ -49,10 +49,12 @@ MALFORMED = [
                   "tokens_generated": "lots"}},
     {"engine": {"experts": {"mode": "none"}, "memory": {"total": 0}}, "activity": {}},  # a dense model
     [1, 2, 3],
+    {**RECORDED[1], "drafts": {"proposed": "x", "accepted": None}},
 ]
 
 
-@pytest.mark.parametrize("frame", MALFORMED, ids=["empty", "wrong-types", "partial", "dense", "not-an-object"])
+@pytest.mark.parametrize("frame", MALFORMED,
+                         ids=["empty", "wrong-types", "partial", "dense", "not-an-object", "bad-drafts"])
 def test_missing_or_malformed_stats_never_crash_a_panel(frame):
     async def scenario():
         app = _app([RECORDED[0], frame, RECORDED[1]])
@@ -117,5 +119,16 @@ def test_an_answer_arriving_after_the_app_quit_is_dropped(answer):
             await asyncio.sleep(0.05)
         release.set()  # the app's widgets are gone by now
         await late
+
+    asyncio.run(scenario())
+
+
+def test_a_speculative_servers_drafts_show_under_throughput():
+    async def scenario():
+        app = _app([RECORDED[0], {**RECORDED[1], "drafts": {"proposed": 40, "accepted": 31, "redone": 0}}])
+        async with app.run_test(size=(120, 40)) as pilot:
+            await app.poll()
+            await pilot.pause()
+            assert "drafts 31/40 accepted (78%)" in app.query_one(ThroughputPanel).text.plain
 
     asyncio.run(scenario())
