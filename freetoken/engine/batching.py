@@ -16,10 +16,10 @@ On CUDA a step of decode tokens only replays a CUDA graph: the single-sequence p
 step's for several (cuda_graphs.py; GPU path "batch-graphs"; the KV pool is then allocated at full size up front,
 as the graphs need; several sequences of a recurrent model step eagerly); a step with prefill chunks runs eagerly
 through `LoadedModel.forward_batch`.
-With `speculative` (a model with a multi-token-prediction layer: speculative.py) a request alone in the batch, the
-single agent's case, prefills with its MTP rows and decodes two tokens a pass where the draft is right; steps of
-several requests run as above (their MTP rows are not filled there: later drafts suffer, never tokens). All
-steps are eager then (no CUDA graphs yet).
+With `speculative` (a model with a multi-token-prediction layer: speculative.py) every decoding request brings its
+sampled token and its draft to the step (two rows; two tokens out where the draft is picked), prefill chunks
+fill their MTP rows, and each request's MTP layer runs after the step. All steps are eager then (no CUDA graphs
+yet).
 
 Shapes: B sequences in a step, V vocabulary.
 """
@@ -169,23 +169,10 @@ class BatchScheduler:
         prefilling = sorted((r for r in self.active if not r.decoding), key=lambda r: len(r.prompt_ids) - r.prefilled)
         if not decoding and not prefilling:
             return dropped
-        if self.speculator is not None and len(self.active) == 1:
-            self._speculative_step(self.active[0])
+        if self.speculator is not None:
+            self._speculative_step(decoding, prefilling)
             return dropped
-        batch, tokens, counts = [], [], []
-        for r in decoding:
-            batch.append(r)
-            tokens.append(r.next_token)
-            counts.append(1)
-        room = self.prefill_chunk
-        for r in prefilling:
-            if room <= 0:
-                break
-            chunk = self._next_chunk(r, room)
-            batch.append(r)
-            tokens += chunk
-            counts.append(len(chunk))
-            room -= len(chunk)
+        batch, tokens, counts = self._plan(decoding, prefilling, lambda r: [r.next_token])
         hold = self._holds(batch, tokens)
         if not hold:
             self._flush()
@@ -198,7 +185,6 @@ class BatchScheduler:
         self._flush()  # (held: the last step's events go out while this step's queued GPU work runs)
         for i, (req, n) in enumerate(zip(batch, counts, strict=True)):
             req.steps.append(len(batch))
-            req.drafting = Drafting()  # (speculative: no hidden states in this step, so no MTP rows)
             if not req.decoding and not self._prefilled(req, n):
                 continue  # more prompt to go: these logits pick nothing
             try:
@@ -209,6 +195,27 @@ class BatchScheduler:
                 continue
             self._deliver(req, ev, hold)
         return dropped
+
+    def _plan(self, decoding: list[BatchRequest], prefilling: list[BatchRequest],
+              decode_rows: Callable[[BatchRequest], list[int]]) -> tuple[list[BatchRequest], list[int], list[int]]:
+        """A step's requests, tokens and token counts: each decoding request's rows, then prefill chunks (the
+        fewest prompt tokens left first) up to `prefill_chunk` tokens in all."""
+        batch, tokens, counts = [], [], []
+        for r in decoding:
+            rows = decode_rows(r)
+            batch.append(r)
+            tokens += rows
+            counts.append(len(rows))
+        room = self.prefill_chunk
+        for r in prefilling:
+            if room <= 0:
+                break
+            chunk = self._next_chunk(r, room)
+            batch.append(r)
+            tokens += chunk
+            counts.append(len(chunk))
+            room -= len(chunk)
+        return batch, tokens, counts
 
     def _next_chunk(self, req: BatchRequest, room: int) -> list[int]:
         """The request's next prompt tokens, at most `room`; a chunk stops at a boundary (the state after it is
@@ -244,41 +251,48 @@ class BatchScheduler:
             req.next_token = ev.token_ids[0]
             req.fed.append(req.next_token)  # written to the cache by the next step
 
-    def _speculative_step(self, req: BatchRequest) -> None:
-        """A lone request's step with speculative decoding: a prefill chunk whose MTP rows follow it, or a pass
-        over its sampled token and the draft after it (one event, or two where the draft is picked)."""
-        spec, state, seq = self.speculator, req.drafting, req.seq
-        if not req.decoding:
-            chunk = self._next_chunk(req, self.prefill_chunk)
-            try:
-                self._make_room([req], [len(chunk)])
-            except KVCacheFull:
-                return
-            ids = torch.tensor(chunk, dtype=torch.long, device=self.lm.device)
-            logits = spec.prefill_chunk(state, ids, self.cache, seq)
-            self.forwards += 1
-            req.steps.append(1)
-            if not self._prefilled(req, len(chunk)):
-                return
-            events = iter([logits])
-        else:
-            if state.draft is None and state.pending is not None:
-                spec.sampled(state, req.next_token, self.cache, seq)
-            try:
-                self._make_room([req], [1 if state.draft is None else 2])
-            except KVCacheFull:
-                return
-            events = spec.verify(state, req.next_token, self.cache, seq, req.reply.accept)
-            self.forwards += 1
-            req.steps.append(1)
+    def _speculative_step(self, decoding: list[BatchRequest], prefilling: list[BatchRequest]) -> None:
+        """A step with speculative decoding: each decoding request's sampled token and draft (one row, or two),
+        then prefill chunks, in one forward; then per request the checks, events and MTP rows (speculative.py)."""
+        spec, cache = self.speculator, self.cache
+        for r in decoding:
+            if r.drafting.draft is None and r.drafting.pending is not None:
+                spec.sampled(r.drafting, r.next_token, cache, r.seq)
+        batch, ids, counts = self._plan(decoding, prefilling, lambda r: [r.next_token] if r.drafting.draft is None
+                                        else [r.next_token, r.drafting.draft])
         try:
-            for item in events:
-                ev = req.reply.accept(item) if isinstance(item, torch.Tensor) else item
-                self._deliver(req, ev)
-        except Exception as e:  # noqa: BLE001 - one request's sampling failure ends that request only
-            req.emit(e)
-            if req in self.active:
-                self._finish(req)
+            self._make_room(batch, counts)
+        except KVCacheFull:
+            return
+        starts, befores = [r.seq.length for r in batch], [dict(r.seq.recurrent) for r in batch]
+        firsts = [sum(counts[:i]) for i in range(len(batch))]
+        decodes = [r.decoding for r in batch]
+        # logits of a decoding request's rows (its token and draft), of a prefill chunk's last row
+        rows = [i for lo, n, d in zip(firsts, counts, decodes, strict=True)
+                for i in (range(lo, lo + n) if d else [lo + n - 1])]
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.lm.device)
+        logits, hidden = self.lm.forward_batch_hidden(tokens, cache, [r.seq for r in batch], counts, rows)
+        self.forwards += 1
+        at = 0
+        for r, lo, n, decode, start, before in zip(batch, firsts, counts, decodes, starts, befores, strict=True):
+            r.steps.append(len(batch))
+            picked = logits[at:at + (n if decode else 1)]
+            at += n if decode else 1
+            if decode:
+                events = spec.checked(r.drafting, r.next_token, picked, hidden[lo:lo + n], start, before, cache,
+                                      r.seq, r.reply.accept)
+            else:
+                spec.prefilled(r.drafting, tokens[lo:lo + n], hidden[lo:lo + n], start, cache, r.seq)
+                if not self._prefilled(r, n):
+                    continue
+                events = (r.reply.accept(row) for row in picked)
+            try:
+                for ev in events:
+                    self._deliver(r, ev)
+            except Exception as e:  # noqa: BLE001 - one request's sampling failure ends that request only
+                r.emit(e)
+                if r in self.active:
+                    self._finish(r)
 
     def _holds(self, batch: list[BatchRequest], tokens: list[int]) -> bool:
         """Whether this step's events wait for the next step's launch (GPU path "emit-after-launch"): a decode step

@@ -104,6 +104,16 @@ class LoadedModel:
         ctx.commit()
         return logits, hidden
 
+    def forward_batch_hidden(self, tokens: torch.Tensor, cache: PagedKVCache, seqs: list[SequenceKV],
+                             counts: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_batch` returning the logits of the given rows [R, V] and every row's final hidden state after
+        the final norm [sum(counts), Hd]."""
+        ctx = BatchAttention(cache, seqs, counts, self.device)
+        hidden = self.model.model.norm(self.model.hidden_states(tokens, ctx))
+        logits = F.linear(hidden[torch.tensor(rows, device=self.device)], self.model.output_weight())
+        ctx.commit()
+        return logits, hidden
+
     def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
               start: int) -> torch.Tensor:
         """The multi-token-prediction layer at positions [start, start + T) that `seq` holds: hidden [T, Hd] from

@@ -64,7 +64,8 @@ def speculator_for(lm: LoadedModel) -> MtpSpeculator:
 class MtpSpeculator:
     """Speculative decoding's steps for sequences of one model with an MTP layer (`lm.has_mtp`), each sequence's
     state in its own `Drafting`. `Generator(speculative=True)` drives one sequence through `extend`; the
-    continuous-batching scheduler drives `prefill_chunk`, `sampled` and `verify` itself."""
+    continuous-batching scheduler runs one forward for several sequences and hands each its rows (`prefilled`,
+    `checked`)."""
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
@@ -76,12 +77,18 @@ class MtpSpeculator:
         logits [V] (its MTP row waits for the sampled token)."""
         first = seq.length
         logits, hidden = self.lm.forward_hidden(tokens, cache, seq, logits_for="last")
+        self.prefilled(state, tokens, hidden, first, cache, seq)
+        return logits[0]
+
+    def prefilled(self, state: Drafting, tokens: torch.Tensor, hidden: torch.Tensor, first: int,
+                  cache: PagedKVCache, seq: SequenceKV) -> None:
+        """After a forward appended prompt tokens [T] at `first` (their hidden states [T, Hd]): the MTP rows whose
+        next token is now known."""
         if state.pending is not None:  # rows first - 1 .. end - 2
             self.lm.draft(torch.cat((state.pending, hidden[:-1])), tokens, cache, seq, first - 1)
         elif tokens.shape[0] > 1:  # no hidden state for the row before: the MTP rows start here
             self.lm.draft(hidden[:-1], tokens[1:], cache, seq, first)
         state.pending, state.draft = hidden[-1:], None
-        return logits[0]
 
     def sampled(self, state: Drafting, token: int, cache: PagedKVCache, seq: SequenceKV) -> None:
         """`token` follows the sequence's last fed one: the waiting MTP row runs, drafting the token after it."""
@@ -95,10 +102,17 @@ class MtpSpeculator:
         """One pass over `token` (sampled, not yet fed) and the draft: yields the reply's events, `accept(logits)`
         making each — the token after `token`, and after it the one after the draft if the draft was picked. On
         return `seq` holds `token` and, if it was picked, the draft; `state` drafts for the last event's token."""
-        at, draft = seq.length, state.draft
-        ids = [token] if draft is None else [token, draft]
+        at = seq.length
+        ids = [token] if state.draft is None else [token, state.draft]
         before = dict(seq.recurrent)  # layers' states are replaced by each forward, never changed in place
         logits, hidden = self.lm.forward_hidden(torch.tensor(ids, device=self.lm.device), cache, seq)
+        yield from self.checked(state, token, logits, hidden, at, before, cache, seq, accept)
+
+    def checked(self, state: Drafting, token: int, logits: torch.Tensor, hidden: torch.Tensor, at: int,
+                before: dict, cache: PagedKVCache, seq: SequenceKV, accept: Callable) -> Iterator:
+        """`verify` after its forward: `logits`, `hidden` the rows of `token` at `at` and of the draft (if any),
+        `before` the recurrent states from before the pass."""
+        draft = state.draft
         ev = accept(logits[0])
         right = draft is not None and ev.token_ids == [draft]
         self.stats.proposed += draft is not None
