@@ -6,6 +6,8 @@ below the pool. Qwen3-Next's recurrent layers cannot drop a rejected draft: thei
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -279,3 +281,27 @@ def test_concurrent_requests_each_decode_two_tokens_a_pass(checkpoint, lm, monke
     assert out == expected
     stats = scheduler.speculator.stats
     assert stats.accepted == stats.proposed > 0 and scheduler.forwards <= plain.forwards // 2 + 2
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=40),  # EOS may end it
+    SamplingParams(temperature=0.8, max_tokens=20, seed=7, top_k=20),  # the sampler's own draws, in order
+    SamplingParams(temperature=0.0, max_tokens=30, json_object=True),  # constrained: one JSON object
+], ids=["one-token", "two-tokens", "eos", "sampled", "json"])
+def test_every_way_a_reply_ends_is_plain_decodings(checkpoint, lm, params, monkeypatch):
+    """Budgets of one and two tokens, EOS, a seeded sampler and a constrained one: with drafts always right (so
+    passes end mid-pair) the reply's text and tokens are plain decoding's; a stop string cuts it the same way."""
+    ids = prompt_ids()
+    plain_text, plain_last = Generator(lm).generate_text(ids, params)
+    plain_ids = Generator(lm).generate_ids(ids, params)
+    monkeypatch.setattr(MtpSpeculator, "_draft", _oracle(plain_ids, len(ids), lm.args.decoder.vocab_size, False))
+    gen = Generator(lm, speculative=True)
+    assert gen.generate_ids(ids, params) == plain_ids
+    text, last = Generator(lm, speculative=True).generate_text(ids, params)
+    assert (text, last.finish_reason, last.completion_tokens) == (plain_text, plain_last.finish_reason,
+                                                                 plain_last.completion_tokens)
+    if len(plain_text) > 4:
+        stop = dataclasses.replace(params, stop=(plain_text[2:4],))
+        assert Generator(lm, speculative=True).generate_text(ids, stop)[0] == Generator(lm).generate_text(ids, stop)[0]
