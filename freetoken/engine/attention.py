@@ -69,9 +69,14 @@ class TrailingAttention:
         self.cache, self.seq, self.start = cache, seq, start
         self.positions = torch.arange(start, start + n, device=device)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               select: KeySelection | None = None) -> torch.Tensor:
+        """`select`: each row sees only the keys the selection picks (a sparse-attention layer's indexer)."""
         keys, values = self.cache.update(layer, self.seq, k, v, start=self.start)
-        return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.start)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if select is not None:
+            return selected_attention(q, keys, values, self.start, select, 0)
+        return causal_attention(q, keys, values, past=self.start)
 
 
 class SequenceRows:

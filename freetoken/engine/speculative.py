@@ -57,7 +57,7 @@ def speculator_for(lm: LoadedModel) -> MtpSpeculator:
     """The speculator of a model loaded with its multi-token-prediction layer, or a clear error."""
     if not lm.has_mtp:
         raise FreeTokenError("speculative decoding needs the model's multi-token-prediction layer: load it with "
-                             "mtp=True (a checkpoint that has one: DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5)")
+                             "mtp=True (a checkpoint that has one: DeepSeek-V3, GLM-4.5/5, Qwen3-Next, Qwen3.5)")
     return MtpSpeculator(lm)
 
 

@@ -21,7 +21,7 @@ from support.checkpoints import add_mtp_layer, hf_greedy, prompt_ids, write_gguf
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe"])
 def checkpoint(tmp_path_factory, request):
     path = tmp_path_factory.mktemp(f"{request.param}_mtp")
     main = write_hf_checkpoint(request.param, path)

@@ -13,7 +13,6 @@ and the router really discriminates between experts.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import random
@@ -357,18 +356,25 @@ class MtpReference:
 
 
 def add_mtp_layer(path: Path, main: PreTrainedModel, seed: int = 1) -> MtpReference:
-    """Appends a random multi-token-prediction layer to the deepseek_v3, glm4_moe, qwen3_next or qwen3_5_moe
-    checkpoint at `path` as their checkpoints carry it, in its own shard: DeepSeek-V3's and GLM-4.5's as
+    """Appends a random multi-token-prediction layer to the deepseek_v3, glm4_moe, glm_moe_dsa, qwen3_next or
+    qwen3_5_moe checkpoint at `path` as their checkpoints carry it, in its own shard: DeepSeek-V3's and GLM's as
     `model.layers.{n}.*` with `num_nextn_predict_layers: 1` (and the copies of the embedding and head the engine
     does not load), Qwen3-Next's and Qwen3.5's as `mtp.*` (fc, pre_fc_norm_embedding / _hidden, norm, layers.0 a
     full-attention routed layer)."""
-    n, cfg = main.config.num_hidden_layers, copy.deepcopy(main.config)
-    qwen = cfg.model_type in ("qwen3_next", "qwen3_5_moe_text")
-    cfg.num_hidden_layers = 1
+    n, model_type = main.config.num_hidden_layers, main.config.model_type
+    qwen = model_type in ("qwen3_next", "qwen3_5_moe_text")
+    one_layer = {"num_hidden_layers": 1}  # a routed full-attention layer (GLM-5's with its own indexer)
     if qwen:
-        cfg.layer_types, cfg.mlp_only_layers = ["full_attention"], []
+        one_layer |= {"layer_types": ["full_attention"], "mlp_only_layers": []}
     else:
-        cfg.first_k_dense_replace = 0  # its block is a routed layer
+        one_layer |= {"first_k_dense_replace": 0}
+        if getattr(main.config, "layer_types", None):
+            one_layer["layer_types"] = main.config.layer_types[:1]
+        if getattr(main.config, "mlp_layer_types", None):
+            one_layer["mlp_layer_types"] = ["sparse"]
+        if model_type == "glm_moe_dsa":
+            one_layer["indexer_types"] = ["full"]
+    cfg = type(main.config).from_dict({**main.config.to_dict(), **one_layer})
     torch.manual_seed(seed)
     block = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(block, seed)

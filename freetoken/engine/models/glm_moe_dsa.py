@@ -10,7 +10,7 @@ the selection is an `attention.KeySelection` every attention path applies as a m
 `indexer_types` have no indexer and reuse the previous full layer's selection (GLM-5's cross-layer sharing).
 While a sequence holds at most `index_topk` tokens every key is selected: dense attention.
 
-The multi-token-prediction layers past `num_hidden_layers` are not loaded (as in deepseek_v3.py).
+The multi-token-prediction layer past `num_hidden_layers` loads on request (as in deepseek_v3.py).
 
 Shapes: T tokens, Hi indexer heads, Di indexer head dim, L cached keys.
 """
@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from freetoken.engine.config import MoESpec
-from freetoken.engine.models import deepseek_v3
+from freetoken.engine.models import deepseek_v3, mtp
 from freetoken.engine.models.decoder import AttentionContext, DecoderArgs, DecoderModel, RMSNorm
-from freetoken.engine.models.moe import QWEN_EXPERTS, GroupedRouting, without_layers_past
+from freetoken.engine.models.moe import QWEN_EXPERTS, GroupedRouting
+from freetoken.engine.models.mtp import MultiTokenPredictor
 from freetoken.engine.rope import apply_rope
 
 MODEL_TYPE = "glm_moe_dsa"
@@ -50,6 +51,8 @@ class ModelArgs:
     routing: GroupedRouting
     indexer: IndexerArgs
     values_are_keys: bool = True
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint appends (num_nextn_predict_layers)
+    mtp: bool = False  # the first of them loaded (with_mtp): a layer with its own indexer
 
     @classmethod
     def from_config(cls, cfg: dict) -> ModelArgs:
@@ -63,7 +66,8 @@ class ModelArgs:
         # the cache's one KV "head": [latent, rotary key, indexer key]
         a = base.decoder.attention
         attention = dataclasses.replace(a, head_dim=a.head_dim + indexer.dim)
-        return cls(dataclasses.replace(base.decoder, attention=attention), base.latent, base.routing, indexer)
+        return cls(dataclasses.replace(base.decoder, attention=attention), base.latent, base.routing, indexer,
+                   mtp_layers=base.mtp_layers)
 
     def moe_spec(self) -> MoESpec:
         return self.routing.moe_spec(self.decoder.hidden_size)
@@ -180,9 +184,19 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), selection
 
 
+class SparseMultiTokenPredictor(MultiTokenPredictor):
+    """GLM-5's MTP layer: a DSA layer with its own indexer (it reuses no other layer's selection)."""
+
+    def run_layer(self, x, cos, sin, ctx):
+        return self.layer(x, cos, sin, ctx, None)[0]
+
+
 class Model(DecoderModel):
     def __init__(self, args: ModelArgs):
         super().__init__(args.decoder, lambda i: Layer(args, i))
+        if args.mtp:
+            dec = args.decoder
+            self.mtp = SparseMultiTokenPredictor(dec.hidden_size, dec.rms_norm_eps, Layer(args, dec.n_layers))
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         selection = None
@@ -191,6 +205,12 @@ class Model(DecoderModel):
         return x
 
 
+def with_mtp(args: ModelArgs) -> ModelArgs:
+    """`args` with the multi-token-prediction layer: routed, with its own indexer, at index n_layers."""
+    args = mtp.with_mtp(args)
+    return dataclasses.replace(args, indexer=dataclasses.replace(args.indexer, full=(*args.indexer.full, True)))
+
+
 def checkpoint_name(name: str, args: ModelArgs) -> str | None:
-    """Layers past the model's (the multi-token prediction layers) are left out."""
-    return without_layers_past(name, args.decoder.n_layers)
+    """The multi-token-prediction layers past the model's are left out unless `args.mtp` (see models/mtp.py)."""
+    return mtp.checkpoint_name(name, args.decoder.n_layers, args.mtp)

@@ -53,8 +53,12 @@ class MultiTokenPredictor(nn.Module):
         embedded = model.model.embed_tokens(next_tokens)
         x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden.to(embedded.dtype))), dim=-1))
         cos, sin = model.rotary(ctx.positions, x.dtype)
-        x = self.layer(x, cos, sin, ctx)
+        x = self.run_layer(x, cos, sin, ctx)
         return F.linear(self.shared_head.norm(x), model.output_weight())
+
+    def run_layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """The block (a family whose layers take or return more than x overrides this)."""
+        return self.layer(x, cos, sin, ctx)
 
 
 # Qwen3-Next / Qwen3.5 name the same parts `mtp.*`: fc is eh_proj, the two pre-fc norms enorm and hnorm, norm the
