@@ -9,8 +9,9 @@ positions, written after the main layers (`TrailingAttention`). The embedding an
 model's, which DeepSeek-V3 shares with its MTP layer, so the checkpoint's copies are not loaded. Its routed
 experts are layer `n_layers` of the expert executor (offloaded like any other layer's).
 
-Checkpoints append the layer as `model.layers.{n_layers}.*` (`num_nextn_predict_layers` of them; the first is
-used)."""
+DeepSeek-V3, GLM-4.5 and GLM-5 checkpoints append the layer as `model.layers.{n_layers}.*`
+(`num_nextn_predict_layers` of them; the first is used), their GGUFs as `blk.{n_layers}.nextn.*`; Qwen3-Next and
+Qwen3.5 name the same parts `mtp.*` (`qwen_checkpoint_name`), with norms that scale by 1 + weight."""
 
 from __future__ import annotations
 
