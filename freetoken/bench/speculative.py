@@ -1,7 +1,7 @@
 """`ft bench speculative`: what speculative decoding with a multi-token-prediction layer (engine/speculative.py)
 gains over plain decoding on a synthetic real-shape model, resident or offloaded, by the drafts' acceptance.
 
-    ft bench speculative [--shape deepseek-v3] [--layers 8] [--budgets all,0,8GiB] [--acceptance 0,0.5,0.8,1]
+    ft bench speculative [--shape glm-4.5-air] [--layers 8] [--budgets all,0,8GiB] [--acceptance 0,0.5,0.8,1]
                          [--context 1024] [--tokens 64]
 
 A random model cannot show a real acceptance rate: its MTP layer's drafts are almost never right, and its own
@@ -211,7 +211,7 @@ def render(rows: list[Row], a: argparse.Namespace) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ft bench speculative", description=__doc__.splitlines()[0])
     add_model_args(p)
-    p.set_defaults(shape="deepseek-v3")
+    p.set_defaults(shape="glm-4.5-air")  # (a family with an MTP layer, the size of a local model)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--warmup", type=int, default=32, help="untimed plain decode tokens per budget first")
