@@ -36,10 +36,11 @@ from freetoken.bench.decode import (
     emit,
     result_header,
 )
-from freetoken.bench.synthetic import build_synthetic
+from freetoken.bench.synthetic import SHAPES, build_synthetic
 from freetoken.engine.experts import ResidentExpertExecutor
 from freetoken.engine.generator import GenerationEvent
 from freetoken.engine.loader import attach_experts, build_executor
+from freetoken.engine.models import family_for
 from freetoken.engine.speculative import MtpSpeculator
 from freetoken.units import parse_bytes
 
@@ -223,4 +224,8 @@ def main(argv: list[str]) -> int:
     a.acceptance = [float(x) for x in a.acceptance.split(",")]
     if any(not 0 <= x <= 1 for x in a.acceptance):
         p.error(f"--acceptance takes shares between 0 and 1, got {a.acceptance}")
+    family = family_for(SHAPES[a.shape]["model_type"])
+    if not hasattr(family, "with_mtp"):
+        p.error(f"--shape {a.shape} ({family.MODEL_TYPE}) has no multi-token-prediction layer; take a shape of "
+                "deepseek_v3, glm4_moe, glm_moe_dsa, qwen3_next or qwen3_5_moe")
     return emit(render(bench(a), a), a.out)

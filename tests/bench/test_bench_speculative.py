@@ -19,3 +19,11 @@ def test_speculative_bench_writes_every_row(tmp_path):
     assert passes == [12, 12, 6, 12, 12, 6]  # 12 timed tokens: a pass each, plain or every draft wrong; 6 of two
     assert [r[2] for r in rows] == ["", "0%", "100%", "", "0%", "100%"]
     assert all(float(r[4]) > 0 for r in rows) and "ft bench speculative" in table
+
+
+def test_a_shape_without_an_mtp_layer_is_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--shape", "qwen3-30b-a3b", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "no multi-token-prediction layer" in capsys.readouterr().err
