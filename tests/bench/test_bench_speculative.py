@@ -3,6 +3,8 @@ drafts got, and accepted drafts halve the main model's passes."""
 
 from __future__ import annotations
 
+import pytest
+
 from freetoken.bench.speculative import main
 
 
@@ -22,8 +24,6 @@ def test_speculative_bench_writes_every_row(tmp_path):
 
 
 def test_a_shape_without_an_mtp_layer_is_refused(capsys):
-    import pytest
-
     with pytest.raises(SystemExit) as exit_info:
         main(["--shape", "qwen3-30b-a3b", "--device", "cpu"])
     assert exit_info.value.code == 2 and "no multi-token-prediction layer" in capsys.readouterr().err
