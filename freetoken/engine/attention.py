@@ -69,6 +69,13 @@ class TrailingAttention:
         self.cache, self.seq, self.start = cache, seq, start
         self.positions = torch.arange(start, start + n, device=device)
 
+    def recurrent_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """The layer's own state (DeepSeek-V4 keeps its attention window there), after its last rows."""
+        return self.seq.recurrent.get(layer)
+
+    def set_recurrent_state(self, layer: int, state: tuple[torch.Tensor, ...]) -> None:
+        self.seq.recurrent[layer] = state  # at once: the main layers committed these positions already
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                select: KeySelection | None = None) -> torch.Tensor:
         """`select`: each row sees only the keys the selection picks (a sparse-attention layer's indexer)."""

@@ -60,7 +60,7 @@ def _device(name: str) -> str:
 
 def _speculative_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", action="store_true",
-                   help="decode with the model's multi-token-prediction layer drafting the next token (DeepSeek-V3, "
+                   help="decode with the model's multi-token-prediction layer drafting the next token (DeepSeek-V3/V4, "
                         "GLM-4.5/5, Qwen3-Next and Qwen3.5 checkpoints that carry one): up to two tokens a pass, the "
                         "same output")
 

@@ -96,11 +96,11 @@ class LoadedModel:
 
     def forward_hidden(self, tokens: torch.Tensor, cache: PagedKVCache, seq: SequenceKV,
                        logits_for: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`, also returning every token's final hidden state after the final norm [T, Hd] (what the
-        multi-token-prediction layer reads)."""
+        """`forward`, also returning every token's final hidden state (what the multi-token-prediction layer
+        reads: after the final norm [T, Hd]; DeepSeek-V4's streams [T, N·Hd])."""
         ctx = SequenceAttention(cache, seq, tokens.shape[0], self.device)
-        hidden = self.model.model.norm(self.model.hidden_states(tokens, ctx))
-        logits = F.linear(hidden[-1:] if logits_for == "last" else hidden, self.model.output_weight())
+        normed, hidden = self.model.final_states(tokens, ctx)
+        logits = F.linear(normed[-1:] if logits_for == "last" else normed, self.model.output_weight())
         ctx.commit()
         return logits, hidden
 
@@ -109,8 +109,8 @@ class LoadedModel:
         """`forward_batch` returning the logits of the given rows [R, V] and every row's final hidden state after
         the final norm [sum(counts), Hd]."""
         ctx = BatchAttention(cache, seqs, counts, self.device)
-        hidden = self.model.model.norm(self.model.hidden_states(tokens, ctx))
-        logits = F.linear(hidden[torch.tensor(rows, device=self.device)], self.model.output_weight())
+        normed, hidden = self.model.final_states(tokens, ctx)
+        logits = F.linear(normed[torch.tensor(rows, device=self.device)], self.model.output_weight())
         ctx.commit()
         return logits, hidden
 

@@ -15,9 +15,10 @@ sequence extended after tokens it got elsewhere (an earlier turn, a shared prefi
 old position, and a row written at the end of a full page that a fork shares shows in the fork too: both only
 change later drafts, never a token (the main layers' rows are untouched).
 
-Layers with recurrent state (Qwen3-Next's Gated DeltaNet) cannot drop the draft's token from their state: for
-them a pass keeps the states from before it, and a rejected draft costs one more pass over the sampled token
-alone from there (`DraftStats.redone`), so they gain less from each draft than attention-only models.
+Layers with recurrent state (Qwen3-Next's Gated DeltaNet, DeepSeek-V4's attention windows) cannot drop the draft's
+token from their state: for them a pass keeps the states from before it, and a rejected draft costs one more pass
+over the sampled token alone from there (`DraftStats.redone`), so they gain less from each draft than
+attention-only models.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def speculator_for(lm: LoadedModel) -> MtpSpeculator:
     """The speculator of a model loaded with its multi-token-prediction layer, or a clear error."""
     if not lm.has_mtp:
         raise FreeTokenError("speculative decoding needs the model's multi-token-prediction layer: load it with "
-                             "mtp=True (a checkpoint that has one: DeepSeek-V3, GLM-4.5/5, Qwen3-Next, Qwen3.5)")
+                             "mtp=True (a checkpoint that has one: DeepSeek-V3/V4, GLM-4.5/5, Qwen3-Next, Qwen3.5)")
     return MtpSpeculator(lm)
 
 

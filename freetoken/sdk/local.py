@@ -98,7 +98,7 @@ class Engine(Worker):
         """Loads `model` (an HF directory, a .gguf file, a cached HF repo id; default: the embedded SmolLM2).
         `expert_cache` keeps routed experts in host memory behind a device cache of that many bytes ("8GiB",
         "auto"); `speculative` loads the model's multi-token-prediction layer and decodes with its drafts
-        (DeepSeek-V3, GLM-4.5/5, Qwen3-Next, Qwen3.5 checkpoints that carry one); other options go to the loader
+        (DeepSeek-V3/V4, GLM-4.5/5, Qwen3-Next, Qwen3.5 checkpoints that carry one); other options go to the loader
         (`expert_policy`)."""
         import torch
 

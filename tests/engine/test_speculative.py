@@ -21,7 +21,8 @@ from support.checkpoints import add_mtp_layer, hf_greedy, prompt_ids, write_gguf
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4", "glm4_moe", "glm_moe_dsa", "qwen3_next",
+                                                 "qwen3_5_moe"])
 def checkpoint(tmp_path_factory, request):
     path = tmp_path_factory.mktemp(f"{request.param}_mtp")
     main = write_hf_checkpoint(request.param, path)
@@ -40,7 +41,8 @@ def test_the_mtp_layer_loads_beside_the_model(checkpoint, lm):
     n = lm.args.decoder.n_layers
     assert lm.has_mtp and lm.moe_spec.moe_layers[-1] == n
     assert torch.equal(lm.model.mtp.enorm.weight, checkpoint[2].enorm)
-    assert torch.equal(lm.model.mtp.eh_proj.weight, checkpoint[2].eh_proj)
+    mtp = lm.model.mtp
+    assert torch.equal((mtp.e_proj if hasattr(mtp, "e_proj") else mtp.eh_proj).weight, checkpoint[2].eh_proj)
     assert len(lm.new_cache(initial_tokens=4).k) == n + 1
     plain = load_model(checkpoint[0], device="cpu", dtype=torch.float32, progress=False)
     assert not plain.has_mtp and n not in plain.moe_spec.moe_layers and len(plain.new_cache().k) == n

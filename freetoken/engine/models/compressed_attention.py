@@ -30,7 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from freetoken.engine.attention import SequenceAttention, SequenceRows, sequence_rows, sink_attention
+from freetoken.engine.attention import (
+    SequenceAttention,
+    SequenceRows,
+    TrailingAttention,
+    sequence_rows,
+    sink_attention,
+)
 from freetoken.engine.models.decoder import RMSNorm
 from freetoken.engine.rope import RopeConfig, inverse_frequencies
 from freetoken.errors import UnsupportedArchitectureError
@@ -180,14 +186,14 @@ class Attention(nn.Module):
         """`ropes`: cos, sin of the tokens' positions under the "main" and the "compress" RoPE. In a batched
         forward each sequence's rows attend through its own state."""
         parts = sequence_rows(ctx, x.shape[0])
-        if len(parts) == 1:
-            return self._forward(x, ropes, ctx)
+        if len(parts) == 1:  # (a batch of one sequence: its rows' context)
+            return self._forward(x, ropes, parts[0][2])
         return torch.cat([self._forward(x[lo:hi], {name: (c[lo:hi], s[lo:hi]) for name, (c, s) in ropes.items()}, rows)
                           for lo, hi, rows in parts])
 
     def _forward(self, x: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], ctx) -> torch.Tensor:
         a, t = self.a, x.shape[0]
-        if not isinstance(ctx, (SequenceAttention, SequenceRows)):
+        if not isinstance(ctx, (SequenceAttention, SequenceRows, TrailingAttention)):
             raise UnsupportedArchitectureError("deepseek_v4 decodes eagerly (its attention state changes shape as "
                                                "windows close): no captured decode steps")
         cos, sin = ropes["main" if self.kind == SLIDING else "compress"]

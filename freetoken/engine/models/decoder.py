@@ -148,6 +148,12 @@ class DecoderModel(nn.Module):
             x = x[-1:]
         return F.linear(self.model.norm(x), self.output_weight())
 
+    def final_states(self, tokens: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [T] → (what the output head reads [T, Hd]: after the final norm, what a multi-token-prediction
+        layer reads [T, ...]: the same here; DeepSeek-V4's MTP reads its streams)."""
+        x = self.model.norm(self.hidden_states(tokens, ctx))
+        return x, x
+
     def hidden_states(self, tokens: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """tokens [T] → the last layer's output [T, Hd], before the final norm."""
         x = self.model.embed_tokens(tokens)

@@ -10,7 +10,7 @@ scaled. The first "hash_moe" layers choose their experts by token id (`tid2eid[t
 the scores plus a selection bias. Experts and the one shared expert use a SwiGLU clamped at `swiglu_limit`.
 
 Weight names are DeepSeek's own (`attn.wq_a`, `ffn.experts.N.w1`, `hc_attn_fn`: what transformers writes back).
-The multi-token-prediction layers are not loaded.
+The multi-token-prediction layer (`mtp.0.*`) loads on request (`load_model(mtp=True)`, `MultiTokenPredictor`).
 
 Shapes: T tokens, N streams, Hd hidden, H heads, D head dim, r rope dims, n compressed entries, m compress rate,
 Hi / Di indexer heads / head dim, G output groups.
@@ -73,6 +73,8 @@ class ModelArgs:
     hc_eps: float
     full_attention_layers: tuple[int, ...] = ()  # the paged cache holds no layer's rows (see the module doc)
     values_are_keys: bool = True
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint carries (`mtp.N.*`)
+    mtp: bool = False  # the first of them loaded (with_mtp): a sliding-window layer at index n_layers
 
     @classmethod
     def from_config(cls, cfg: dict) -> ModelArgs:
@@ -101,7 +103,8 @@ class ModelArgs:
                                                f"{', '.join(_SCORES)}")
         dec = dataclasses.replace(dec, rope=main)
         return cls(dec, attention, routing, int(cfg.get("hc_mult") or 4),
-                   int(cfg.get("hc_sinkhorn_iters") or 20), float(cfg.get("hc_eps") or 1e-6))
+                   int(cfg.get("hc_sinkhorn_iters") or 20), float(cfg.get("hc_eps") or 1e-6),
+                   mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
 
     def token_mixers(self) -> str:
         """What `ft info` says of the attention layers and the per-sequence state they keep."""
@@ -116,8 +119,9 @@ class ModelArgs:
 
     def moe_spec(self) -> MoESpec:
         r = self.routing
-        return MoESpec(tuple(range(self.decoder.n_layers)), r.num_experts, r.top_k, self.decoder.hidden_size,
-                       r.intermediate_size, r.n_shared, r.intermediate_size if r.n_shared else 0)
+        return MoESpec(tuple(range(self.decoder.n_layers + self.mtp)), r.num_experts, r.top_k,
+                       self.decoder.hidden_size, r.intermediate_size, r.n_shared,
+                       r.intermediate_size if r.n_shared else 0)
 
 
 def _ropes(cfg: dict, rope_dim: int, max_pos: int) -> tuple[RopeConfig, RopeConfig]:
@@ -241,27 +245,69 @@ class Layer(nn.Module):
         return self._around("ffn", streams, lambda x: self.ffn(self.ffn_norm(x), tokens))
 
 
+class MultiTokenPredictor(nn.Module):
+    """V4's MTP layer (DeepSeek's `mtp.0.*`): the main model's last streams (before its hc_head) at position i,
+    each through hnorm and h_proj, plus enorm and e_proj of the embedding of the token at i + 1, run as streams
+    through one more layer (sliding window, routed) and collapsed by the layer's own hc_head; its norm and the
+    main head give the logits of the token at i + 2 (models/mtp.py has the other families')."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dec = args.decoder
+        self.enorm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
+        self.hnorm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
+        self.e_proj = nn.Linear(dec.hidden_size, dec.hidden_size, bias=False)
+        self.h_proj = nn.Linear(dec.hidden_size, dec.hidden_size, bias=False)
+        self.norm = RMSNorm(dec.hidden_size, dec.rms_norm_eps)
+        self.hc_head = HyperHead(dec.hidden_size, args.hc_mult, args.hc_eps, dec.rms_norm_eps)
+        self.layer = Layer(args, dec.n_layers)
+        self.hc_mult = args.hc_mult
+
+    def forward(self, model: Model, hidden: torch.Tensor, next_tokens: torch.Tensor, ctx) -> torch.Tensor:
+        """hidden [T, N·Hd]: the main model's streams at `ctx.positions`; next_tokens [T] → logits [T, V]."""
+        t = hidden.shape[0]
+        embedded = model.model.embed_tokens(next_tokens)
+        streams = self.h_proj(self.hnorm(hidden.view(t, self.hc_mult, -1).to(embedded.dtype)))
+        streams = streams + self.e_proj(self.enorm(embedded))[:, None, :]
+        streams = self.layer(streams, model.ropes(ctx.positions, embedded.dtype), ctx, next_tokens)
+        return F.linear(self.norm(self.hc_head(streams)), model.output_weight())
+
+
 class Model(DecoderModel):
     def __init__(self, args: ModelArgs):
         super().__init__(args.decoder, lambda i: Layer(args, i))
         self.v4 = args
         dec = args.decoder
         self.model.hc_head = HyperHead(dec.hidden_size, args.hc_mult, args.hc_eps, dec.rms_norm_eps)
+        if args.mtp:
+            self.mtp = MultiTokenPredictor(args)
 
     def expert_forms(self) -> dict[int, ExpertForm]:
-        """Every layer's experts clamp their SwiGLU."""
+        """Every layer's experts clamp their SwiGLU (the MTP layer's too)."""
         limit = self.v4.routing.swiglu_limit
-        return {i: clamped_swiglu(limit) for i in range(self.v4.decoder.n_layers)} if limit else {}
+        return {i: clamped_swiglu(limit) for i in range(self.v4.decoder.n_layers + self.v4.mtp)} if limit else {}
 
-    def forward(self, tokens: torch.Tensor, ctx: SequenceAttention | BatchAttention,
-                logits_for: str | torch.Tensor = "all") -> torch.Tensor:
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """cos, sin of the positions under the "main" RoPE (sliding layers) and the "compress" one."""
+        return {"main": rope_tables(self.v4.decoder.rope, positions, dtype),
+                "compress": rope_tables(self.v4.attention.compress_rope, positions, dtype)}
+
+    def streams(self, tokens: torch.Tensor, ctx: SequenceAttention | BatchAttention) -> torch.Tensor:
+        """tokens [T] → the last layer's streams [T, N, Hd] (before the hc_head)."""
         x = self.model.embed_tokens(tokens)
-        ropes = {"main": rope_tables(self.v4.decoder.rope, ctx.positions, x.dtype),
-                 "compress": rope_tables(self.v4.attention.compress_rope, ctx.positions, x.dtype)}
+        ropes = self.ropes(ctx.positions, x.dtype)
         streams = x[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()
         for layer in self.model.layers:
             streams = layer(streams, ropes, ctx, tokens)
-        x = self.model.hc_head(streams)
+        return streams
+
+    def final_states(self, tokens: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        streams = self.streams(tokens, ctx)
+        return self.model.norm(self.model.hc_head(streams)), streams.flatten(1)
+
+    def forward(self, tokens: torch.Tensor, ctx: SequenceAttention | BatchAttention,
+                logits_for: str | torch.Tensor = "all") -> torch.Tensor:
+        x = self.model.hc_head(self.streams(tokens, ctx))
         if isinstance(logits_for, torch.Tensor):
             x = x[logits_for]
         elif logits_for == "last":
@@ -275,11 +321,39 @@ _TOP_LEVEL = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_he
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
 
 
+def with_mtp(args: ModelArgs) -> ModelArgs:
+    """`args` with the multi-token-prediction layer: a sliding-window layer, routed by top-k, at index n_layers."""
+    if not args.mtp_layers:
+        raise ModelLoadError("this checkpoint has no multi-token-prediction layer (num_nextn_predict_layers is 0); "
+                             "run it without speculative decoding")
+    attention = dataclasses.replace(args.attention, kinds=(*args.attention.kinds, SLIDING))
+    return dataclasses.replace(args, attention=attention, mtp=True)
+
+
+# the MTP layer's own tensors beside its block (`mtp.0.` stripped) → this module's names; None: not loaded (the
+# checkpoint's copies of the embedding and head)
+_MTP_OWN = {"e_proj.": "mtp.e_proj.", "h_proj.": "mtp.h_proj.", "enorm.": "mtp.enorm.", "hnorm.": "mtp.hnorm.",
+            "norm.": "mtp.norm.", "hc_head_fn": "mtp.hc_head.hc_fn", "hc_head_base": "mtp.hc_head.hc_base",
+            "hc_head_scale": "mtp.hc_head.hc_scale", "emb.": None, "embed": None, "head.": None}
+
+
+def _mtp_name(name: str, args: ModelArgs) -> str | None:
+    if not args.mtp or not name.startswith("mtp.0."):
+        return None
+    rest = name[len("mtp.0."):]
+    for prefix, target in _MTP_OWN.items():
+        if rest.startswith(prefix):
+            return None if target is None else target + rest[len(prefix):]
+    if rest.startswith("ffn.experts."):  # the expert loader files them as layer n_layers's
+        return f"model.layers.{args.decoder.n_layers}.{rest}"
+    return "mtp.layer." + rest
+
+
 def checkpoint_name(name: str, args: ModelArgs) -> str | None:
     """DeepSeek's names (transformers writes them back on save), with or without the `model.` prefix; the
-    multi-token-prediction layers (`mtp.*`, or layers past the model's) are left out."""
+    multi-token-prediction layer (`mtp.0.*`) only with `args.mtp`, layers past the model's never."""
     if name.startswith("mtp."):
-        return None
+        return _mtp_name(name, args)
     if name.endswith((".scale", "_scale_inv")):  # the checkpoint reader consumes them under an fp8 config
         raise ModelLoadError(f"{name}: block scales, but config.json has no quantization_config with quant_method "
                              "fp8 and a weight_block_size; the checkpoint's config is incomplete")
