@@ -307,3 +307,18 @@ def test_every_way_a_reply_ends_is_plain_decodings(checkpoint, lm, params, monke
     if len(plain_text) > 4:
         stop = dataclasses.replace(params, stop=(plain_text[2:4],))
         assert Generator(lm, speculative=True).generate_text(ids, stop)[0] == Generator(lm).generate_text(ids, stop)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("offload", [False, True])
+def test_on_cuda_speculative_tokens_equal_plain_decoding(checkpoint, offload):
+    """On the GPU (fp32): speculative decoding's greedy tokens are those of plain decoding through CUDA graphs,
+    resident and with experts offloaded below the pool."""
+    path, _, _, expected = checkpoint
+    options = {}
+    if offload:
+        probe = load_model(path, progress=False)
+        options["expert_cache"] = 3 * probe.moe_spec.bytes_per_expert(torch.float32)
+    lm = load_model(path, device="cuda", dtype=torch.float32, progress=False, mtp=True, **options)
+    plain = Generator(lm).generate_ids(prompt_ids(), GREEDY)
+    assert Generator(lm, speculative=True).generate_ids(prompt_ids(), GREEDY) == plain
