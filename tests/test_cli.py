@@ -142,7 +142,8 @@ def test_generate_with_an_expert_cache_smaller_than_the_experts(tmp_path):
 def test_generate_speculative_prints_the_same_completion_and_the_drafts(tmp_path):
     """`--speculative` on a checkpoint with an MTP layer: the plain run's greedy completion, and with `--stats`
     how many drafts were accepted."""
-    from support.checkpoints import add_mtp_layer, write_hf_checkpoint
+    from support.checkpoints import write_hf_checkpoint
+    from support.mtp_checkpoints import add_mtp_layer
 
     add_mtp_layer(tmp_path, write_hf_checkpoint("deepseek_v3", tmp_path))
     args = ["generate", "--model", str(tmp_path), "--raw", "--max-tokens", "12", "--temperature", "0", "--stats"]

@@ -26,6 +26,7 @@ Shapes: B sequences in a step, V vocabulary.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -256,8 +257,7 @@ class BatchScheduler:
         then prefill chunks, in one forward; then per request the checks, events and MTP rows (speculative.py)."""
         spec, cache = self.speculator, self.cache
         for r in decoding:
-            if r.drafting.draft is None and r.drafting.pending is not None:
-                spec.sampled(r.drafting, r.next_token, cache, r.seq)
+            spec.ready(r.drafting, r.next_token, cache, r.seq)
         batch, ids, counts = self._plan(decoding, prefilling, lambda r: [r.next_token] if r.drafting.draft is None
                                         else [r.next_token, r.drafting.draft])
         try:
@@ -265,7 +265,7 @@ class BatchScheduler:
         except KVCacheFull:
             return
         starts, befores = [r.seq.length for r in batch], [dict(r.seq.recurrent) for r in batch]
-        firsts = [sum(counts[:i]) for i in range(len(batch))]
+        firsts = [0, *itertools.accumulate(counts)][:-1]  # each request's first row
         decodes = [r.decoding for r in batch]
         # logits of a decoding request's rows (its token and draft), of a prefill chunk's last row
         rows = [i for lo, n, d in zip(firsts, counts, decodes, strict=True)

@@ -98,19 +98,20 @@ class LoadedModel:
                        logits_for: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, also returning every token's final hidden state (what the multi-token-prediction layer
         reads: after the final norm [T, Hd]; DeepSeek-V4's streams [T, N·Hd])."""
-        ctx = SequenceAttention(cache, seq, tokens.shape[0], self.device)
-        normed, hidden = self.model.final_states(tokens, ctx)
-        logits = F.linear(normed[-1:] if logits_for == "last" else normed, self.model.output_weight())
-        ctx.commit()
-        return logits, hidden
+        rows = slice(-1, None) if logits_for == "last" else slice(None)
+        return self._with_hidden(SequenceAttention(cache, seq, tokens.shape[0], self.device), tokens, rows)
 
     def forward_batch_hidden(self, tokens: torch.Tensor, cache: PagedKVCache, seqs: list[SequenceKV],
                              counts: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward_batch` returning the logits of the given rows [R, V] and every row's final hidden state after
-        the final norm [sum(counts), Hd]."""
+        """`forward_batch` returning the logits of the given rows [R, V] and every row's final hidden state (as
+        `forward_hidden`)."""
         ctx = BatchAttention(cache, seqs, counts, self.device)
+        return self._with_hidden(ctx, tokens, torch.tensor(rows, device=self.device))
+
+    def _with_hidden(self, ctx, tokens: torch.Tensor, rows: slice | torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         normed, hidden = self.model.final_states(tokens, ctx)
-        logits = F.linear(normed[torch.tensor(rows, device=self.device)], self.model.output_weight())
+        logits = F.linear(normed[rows], self.model.output_weight())
         ctx.commit()
         return logits, hidden
 

@@ -65,8 +65,8 @@ def speculator_for(lm: LoadedModel) -> MtpSpeculator:
 class MtpSpeculator:
     """Speculative decoding's steps for sequences of one model with an MTP layer (`lm.has_mtp`), each sequence's
     state in its own `Drafting`. `Generator(speculative=True)` drives one sequence through `extend`; the
-    continuous-batching scheduler runs one forward for several sequences and hands each its rows (`prefilled`,
-    `checked`)."""
+    continuous-batching scheduler runs one forward for several sequences and hands each its rows (`ready`,
+    `prefilled`, `checked`)."""
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
@@ -90,6 +90,11 @@ class MtpSpeculator:
         elif tokens.shape[0] > 1:  # no hidden state for the row before: the MTP rows start here
             self.lm.draft(hidden[:-1], tokens[1:], cache, seq, first)
         state.pending, state.draft = hidden[-1:], None
+
+    def ready(self, state: Drafting, token: int, cache: PagedKVCache, seq: SequenceKV) -> None:
+        """Before a pass over `token`: the draft after it, where the last step left an MTP row waiting."""
+        if state.draft is None and state.pending is not None:
+            self.sampled(state, token, cache, seq)
 
     def sampled(self, state: Drafting, token: int, cache: PagedKVCache, seq: SequenceKV) -> None:
         """`token` follows the sequence's last fed one: the waiting MTP row runs, drafting the token after it."""
@@ -151,8 +156,7 @@ class MtpSpeculator:
         yield ev
         while ev.finish_reason is None:
             token = ev.token_ids[-1]
-            if state.draft is None and state.pending is not None:
-                self.sampled(state, token, cache, seq)
+            self.ready(state, token, cache, seq)
             for ev in self.verify(state, token, cache, seq, reply.accept):
                 yield ev
 

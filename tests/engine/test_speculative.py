@@ -16,7 +16,8 @@ from freetoken.engine.loader import load_model
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.speculative import MtpSpeculator
 from freetoken.errors import FreeTokenError, ModelLoadError
-from support.checkpoints import add_mtp_layer, hf_greedy, prompt_ids, write_gguf_from_hf, write_hf_checkpoint
+from support.checkpoints import hf_greedy, prompt_ids, write_gguf_from_hf, write_hf_checkpoint
+from support.mtp_checkpoints import add_mtp_layer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

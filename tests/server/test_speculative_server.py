@@ -17,7 +17,8 @@ except ImportError:
     import httpx
 
 from freetoken.engine.loader import load_model
-from support.checkpoints import add_mtp_layer, write_hf_checkpoint
+from support.checkpoints import write_hf_checkpoint
+from support.mtp_checkpoints import add_mtp_layer
 from support.servers import start_server
 
 TURNS = ["Hello there", "Tell me more", "And then?"]
