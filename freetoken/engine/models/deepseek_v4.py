@@ -29,6 +29,7 @@ from torch import nn
 from freetoken.engine.attention import BatchAttention, SequenceAttention
 from freetoken.engine.config import MoESpec
 from freetoken.engine.experts import ExpertExecutor, ExpertForm
+from freetoken.engine.models import mtp
 from freetoken.engine.models.common_args import decoder_args
 from freetoken.engine.models.compressed_attention import (
     CSA,
@@ -323,9 +324,7 @@ _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
 
 def with_mtp(args: ModelArgs) -> ModelArgs:
     """`args` with the multi-token-prediction layer: a sliding-window layer, routed by top-k, at index n_layers."""
-    if not args.mtp_layers:
-        raise ModelLoadError("this checkpoint has no multi-token-prediction layer (num_nextn_predict_layers is 0); "
-                             "run it without speculative decoding")
+    mtp.require_layer(args)
     attention = dataclasses.replace(args.attention, kinds=(*args.attention.kinds, SLIDING))
     return dataclasses.replace(args, attention=attention, mtp=True)
 

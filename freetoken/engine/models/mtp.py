@@ -87,12 +87,17 @@ def qwen_checkpoint_name(name: str, n_layers: int, load: bool) -> str | None:
     return "mtp.layer." + rest
 
 
-def with_mtp(args):
-    """A family's `args` (`decoder`, `routing`: moe.GroupedRouting, `mtp_layers`, `mtp`) with the first
-    multi-token-prediction layer: a routed layer at index n_layers (DeepSeek-V3's and GLM-4.5's are)."""
+def require_layer(args) -> None:
+    """A clear error where the config states no multi-token-prediction layer (`args.mtp_layers` 0)."""
     if not args.mtp_layers:
         raise ModelLoadError("this checkpoint has no multi-token-prediction layer (num_nextn_predict_layers is "
                              "0); run it without speculative decoding")
+
+
+def with_mtp(args):
+    """A family's `args` (`decoder`, `routing`: moe.GroupedRouting, `mtp_layers`, `mtp`) with the first
+    multi-token-prediction layer: a routed layer at index n_layers (DeepSeek-V3's and GLM-4.5's are)."""
+    require_layer(args)
     routing = dataclasses.replace(args.routing, moe_layers=(*args.routing.moe_layers, args.decoder.n_layers))
     return dataclasses.replace(args, routing=routing, mtp=True)
 

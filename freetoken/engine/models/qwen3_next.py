@@ -38,7 +38,6 @@ from freetoken.engine.models.moe import QWEN_EXPERTS, SparseMoeBlock
 from freetoken.engine.models.mtp import MultiTokenPredictor
 from freetoken.engine.models.qwen3_moe import sparse_layers
 from freetoken.engine.rope import RopeConfig, apply_rope
-from freetoken.errors import ModelLoadError
 
 MODEL_TYPE = "qwen3_next"
 EXPERT_NAMING = QWEN_EXPERTS
@@ -300,9 +299,7 @@ class Model(DecoderModel):
 
 def with_mtp(args: ModelArgs) -> ModelArgs:
     """`args` with the multi-token-prediction layer: full attention and routed experts at index n_layers."""
-    if not args.mtp_layers:
-        raise ModelLoadError("this checkpoint has no multi-token-prediction layer; run it without speculative "
-                             "decoding")
+    mtp.require_layer(args)
     n = args.decoder.n_layers
     return dataclasses.replace(args, full_attention_layers=(*args.full_attention_layers, n),
                                moe_layers=(*args.moe_layers, n), mtp=True)
