@@ -223,8 +223,9 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
         # The cpu path never admits into the cache, so only its budget-0 form (CPU-only) is meaningful.
         budgets = {"resident": ["all"], "resident-graphs": ["all"], "cpu": ["0"]}.get(strategy, a.budgets)
         policies = a.policies if strategy in ("copy", "auto") else a.policies[:1]
+        shares = getattr(a, "block_shares", [None]) if strategy in ("copy", "auto") else [None]
         miss_path = strategy.removesuffix("-noprefetch").removesuffix("-noguard")
-        for budget, policy in ((b, p) for b in budgets for p in policies):
+        for budget, policy, share in ((b, p, s) for b in budgets for p in policies for s in shares):
             if strategy == "hf-accelerate":
                 from freetoken.bench.hf_baseline import hf_decode
 
@@ -237,7 +238,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             if strategy.startswith("resident"):
                 executor = ResidentExpertExecutor({layer: _on_device(le, device, dtype) for layer, le in host.items()})
             else:
-                executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, miss_path)
+                executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, miss_path,
+                                          block_share=share)
                 executor.prefetch = strategy in ("auto", "auto-noguard")
                 if ceilings.h2d and ceilings.cpu_experts > 0:  # seed the planner with this run's measurements
                     executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts,
@@ -252,6 +254,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
             if reference is None:
                 reference, reference_margins = produced, margins
             label = f"{strategy} ({policy})" if strategy in ("copy", "auto") and len(policies) > 1 else strategy
+            if len(shares) > 1:
+                label += f" (blocks {getattr(executor, 'block_share', 0.0):g})"
             rows.append(_row(label, budget, tok_s, before, after, a.tokens, ceilings, executor))
             rows[-1].same_tokens = produced == reference
             rows[-1].divergence = _divergence(produced, margins, reference, reference_margins)
@@ -335,9 +339,12 @@ def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, exe
     # a hit on an expert that a prefetch admitted for that very step cost this token its bytes: the floor counts it
     # as the miss it was (without cache slots a used prefetch is counted a miss already)
     prefetch_hits = after.prefetch_hits - before.prefetch_hits
+    # slot misses (and prefetches) the block store served cost no host bytes: on the device, like hits
+    stored = after.store_hits - before.store_hits
+    hits, misses = hits + stored, misses - stored
     copied = (after.bytes_copied - before.bytes_copied) / tokens
     cpu = (after.cpu_experts - before.cpu_experts) * executor.expert_bytes / tokens
-    miss_bytes = (misses + prefetch_hits) * executor.expert_bytes / tokens
+    miss_bytes = max(misses + prefetch_hits, 0) * executor.expert_bytes / tokens
     floor = ceilings.miss_gb_s() * 1e9 / miss_bytes if miss_bytes and ceilings.miss_gb_s() > 0 else None
     copy_s, cpu_s = after.copy_seconds - before.copy_seconds, after.cpu_seconds - before.cpu_seconds
     prefetched, used = after.prefetched - before.prefetched, after.prefetch_used - before.prefetch_used
@@ -471,6 +478,9 @@ def main(argv: list[str]) -> int:
                         "auto-noguard (the planner's split always, no path guard), "
                         "hf-accelerate (transformers + accelerate offload of the same weights; writes them to disk)")
     p.add_argument("--policies", default="freq", help="comma-separated expert-cache policies: freq, lru")
+    p.add_argument("--block-shares", default="default",
+                   help="comma-separated shares of the budget that keep quantized experts in their block format on "
+                        "the device (0 to 1; 'default': the engine's), one row each for copy and auto")
     add_run_args(p)
     p.add_argument("--skew", type=float, default=0.0,
                    help="Zipf exponent of expert popularity (0: near-uniform routing, the pessimistic case)")
@@ -479,5 +489,6 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     a.argv, a.budgets, a.strategies = argv, a.budgets.split(","), a.strategies.split(",")
     a.policies = a.policies.split(",")
+    a.block_shares = [None if v == "default" else float(v) for v in a.block_shares.split(",")]
     rows, ceilings = bench(a)
     return emit(render(rows, a, ceilings), a.out)

@@ -32,6 +32,20 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "default: all experts on the device")
     p.add_argument("--expert-policy", default="freq", choices=["freq", "freq-admit", "lru"],
                    help="expert-cache eviction policy (default: freq)")
+    p.add_argument("--block-cache", type=_share, default=None, metavar="SHARE",
+                   help="share of --expert-cache (0 to 1) that keeps quantized experts (GGUF Q8_0, MXFP4, FP8) in "
+                        "their block format on the device: about twice the experts per byte for Q8_0, dequantized "
+                        "when a step needs them (default 0, or 1 with FREETOKEN_EXPERIMENTAL=block-store)")
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is no share: give a fraction from 0 to 1, e.g. 0.5")
+    return value
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -71,7 +85,7 @@ def _load(a: argparse.Namespace, on_progress=None):
     cache = a.expert_cache if a.expert_cache in (None, "auto") else parse_bytes(a.expert_cache)
     return load_model(a.model, device=_device(a.device), dtype=_DTYPES[a.dtype], expert_cache=cache,
                       expert_policy=a.expert_policy, on_progress=on_progress,
-                      mtp=getattr(a, "speculative", False))
+                      mtp=getattr(a, "speculative", False), block_share=a.block_cache)
 
 
 def _messages(system: str | None, history: list[dict]) -> list[dict]:

@@ -26,10 +26,11 @@ from freetoken.engine.experts import ExpertExecutor, ResidentExpertExecutor
 from freetoken.engine.kv_cache import PagedKVCache, SequenceKV
 from freetoken.engine.models import family_for
 from freetoken.engine.models.decoder import DecoderModel
-from freetoken.engine.offload.budget import resolve_auto, staging_slots_for
+from freetoken.engine.offload.budget import resolve_auto, split_expert_budget, staging_slots_for
 from freetoken.engine.offload.calibrate import load_profile
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.offload.planner import MissPlanner
+from freetoken.engine.offload.quantized import QuantizedExperts
 from freetoken.engine.rope import RotaryEmbedding
 from freetoken.engine.sources import resolve_model_source
 from freetoken.engine.weights import STACKED_EXPERT, WeightPlacer
@@ -148,13 +149,14 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, progress: bool = True, expert_cache: int | str | None = None,
                expert_policy: str = "freq", prefill_ahead: bool | None = None, mtp: bool = False,
-               on_progress=None) -> LoadedModel:
+               on_progress=None, block_share: float | None = None) -> LoadedModel:
     """Loads a model onto `device`. `expert_cache` (bytes) keeps routed experts in host memory with a cache
     of that many bytes on the device; "auto" sizes it from free device memory (resident when all fit); None
     keeps every expert resident on the device. `prefill_ahead`: offloaded prefill chunks stream the next layer's
     experts while each layer computes (a staging ring of two layers' experts; see OffloadedExpertExecutor);
     None: on for CUDA devices (GPU path "prefill-ahead", see gpu_paths). `mtp`: also load the checkpoint's
-    multi-token-prediction layer (models/mtp.py), for speculative decoding.
+    multi-token-prediction layer (models/mtp.py), for speculative decoding. `block_share`: the fraction of the
+    expert cache that keeps quantized experts in their block format (see `build_executor`).
     `on_progress(done, total)` is called as tensors land (from the loading threads too)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
@@ -217,7 +219,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
         for layer, form in model.expert_forms().items():
             layers[layer].form = form
     experts = build_executor(layers, spec, dtype, device, expert_cache if offload else None, expert_policy,
-                             prefill_ahead=prefill_ahead)
+                             prefill_ahead=prefill_ahead, block_share=block_share)
     attach_experts(model, experts)
     model.eval()
     log.info("loaded %s (%s, %s) on %s in %.1fs", path.name, family.MODEL_TYPE, ckpt.format, device,
@@ -272,20 +274,34 @@ def place_all(placer: WeightPlacer, items: list, parallel, done) -> None:
 
 
 def build_executor(layers, spec: MoESpec | None, dtype: torch.dtype, device: torch.device, cache_bytes: int | None,
-                   policy: str = "freq", miss_path: str = "auto", prefill_ahead: bool = False) -> ExpertExecutor | None:
+                   policy: str = "freq", miss_path: str = "auto", prefill_ahead: bool = False,
+                   block_share: float | None = None) -> ExpertExecutor | None:
+    """`block_share`: the fraction of `cache_bytes` that keeps quantized experts in their block format on the
+    device (a block store, block_store.py); None: `default_block_share()`. Dense experts ignore it."""
     if layers is None:
         return None
     if cache_bytes is None:
         return ResidentExpertExecutor(layers)
     per_expert = spec.bytes_per_expert(dtype)
-    slots = min(cache_bytes // per_expert, spec.total_routed_experts)
-    log.info("expert cache: %d of %d experts on %s (%.1f MiB), the rest in host memory (%.1f MiB)", slots,
+    first = next(iter(layers.values()))
+    row_bytes = first.expert_nbytes() if isinstance(first, QuantizedExperts) else None
+    share = default_block_share() if block_share is None else block_share
+    slots, rows = split_expert_budget(cache_bytes, share, per_expert, row_bytes, spec.total_routed_experts)
+    log.info("expert cache: %d of %d experts on %s (%.1f MiB)%s, the rest in host memory (%.1f MiB)", slots,
              spec.total_routed_experts, device, slots * per_expert / 2**20,
-             spec.total_routed_experts * per_expert / 2**20)
+             f" and {rows} in their block format ({rows * row_bytes / 2**20:.1f} MiB)" if rows else "",
+             spec.total_routed_experts * (row_bytes or per_expert) / 2**20)
     executor = OffloadedExpertExecutor(layers, device, slots, policy, miss_path, dtype, planner_for(device),
-                                       staging_slots_for(spec, per_expert, prefill_ahead))
+                                       staging_slots_for(spec, per_expert, prefill_ahead), rows)
+    executor.block_share = share if rows else 0.0
     executor.prefill_ahead = prefill_ahead
     return executor
+
+
+def default_block_share() -> float:
+    """How much of an expert cache keeps quantized experts in their block format: all of it with the GPU path
+    "block-store", else none (every cached expert dequantized, as before the store existed)."""
+    return 1.0 if gpu_paths.enabled("block-store") else 0.0
 
 
 def planner_for(device: torch.device) -> MissPlanner | None:

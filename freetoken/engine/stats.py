@@ -46,6 +46,11 @@ class ExpertStats:
     pinned_layers: list[int] = field(default_factory=list)  # layers whose experts are kept on the device
     grid_layers: list[int] = field(default_factory=list)  # the model layer of each grid row
     guard_bias: int = 0  # experts a step the guard's search moves to the CPU beyond the planner's split (auto)
+    # the block store (quantized experts kept in their block format on the device): rows, experts held, and the
+    # slot misses it served (counted in `misses` too: no link bytes, a dequantizing launch)
+    block_rows: int = 0
+    block_cached: int = 0
+    store_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -97,6 +102,14 @@ class EngineStats:
         return d
 
 
+def _block_store(ex: OffloadedExpertExecutor) -> dict[str, int]:
+    store = ex.copier.store
+    if store is None:
+        return {}
+    return {"block_rows": store.capacity, "block_cached": len(store.cache.slot_of),
+            "store_hits": ex.counters.store_hits}
+
+
 def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None) -> EngineStats:
     """`prefix`: the prefix cache, or `snapshots` (recurrent models' StateSnapshots) where there is none."""
     spec, ex = lm.moe_spec, lm.experts
@@ -112,9 +125,11 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
                               c.cpu_starts, c.cpu_start_delay_seconds, c.step_cpu_experts, c.step_cpu_seconds,
                               ex.miss_path,
                               guard.best if guard is not None and ex.miss_path == "auto" else "",
-                              dict(guard.seconds_per_miss) if guard is not None else {}, *_grid(spec, ex.cache),
+                              dict(guard.seconds_per_miss) if guard is not None else {},
+                              *_grid(spec, ex.cache, ex.copier.store),
                               sorted({key[0] for key in tuple(ex.cache.pinned)}), list(spec.moe_layers),
-                              guard_bias=guard.best_bias if guard is not None and ex.miss_path == "auto" else 0)
+                              guard_bias=guard.best_bias if guard is not None and ex.miss_path == "auto" else 0,
+                              **_block_store(ex))
     else:
         total = spec.total_routed_experts
         experts = ExpertStats("resident", total, total, total, spec.bytes_per_expert(lm.dtype),
@@ -136,14 +151,17 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
 HOT_TOKENS = 16
 
 
-def _grid(spec, cache) -> tuple[list[str], list[float]]:
+def _grid(spec, cache, store=None) -> tuple[list[str], list[float]]:
+    """`store`: the block store, whose experts are on the device too."""
     hot_after = cache.steps - HOT_TOKENS * len(spec.moe_layers)
+    stored = store.cache.slot_of if store is not None else {}
     grid, rates = [], []
     for layer in spec.moe_layers:
         row = []
         for e in range(spec.num_experts):
             key = (layer, e)
-            row.append("#" if key in cache.slot_of else "+" if cache.last_used.get(key, -1) > hot_after else ".")
+            on_device = key in cache.slot_of or key in stored
+            row.append("#" if on_device else "+" if cache.last_used.get(key, -1) > hot_after else ".")
         grid.append("".join(row))
         hits, misses = cache.layer_counts.get(layer, (0, 0))
         rates.append(hits / (hits + misses) if hits + misses else 0.0)
@@ -156,7 +174,8 @@ def memory_stats(lm, experts: ExpertStats, cache: PagedKVCache | None) -> Memory
     from freetoken.engine.offload.budget import kv_bytes_per_token
 
     weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-    expert_bytes = experts.slots * experts.slot_bytes if experts.mode != "none" else 0
+    expert_bytes = experts.slots * experts.slot_bytes + experts.block_rows * experts.host_bytes_per_expert \
+        if experts.mode != "none" else 0
     kv = cache.allocator.num_pages * cache.page_size * kv_bytes_per_token(lm.args, lm.dtype) if cache else 0
     ours = weights + expert_bytes + kv
     if lm.device.type == "cuda":

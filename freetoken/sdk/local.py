@@ -99,7 +99,7 @@ class Engine(Worker):
         `expert_cache` keeps routed experts in host memory behind a device cache of that many bytes ("8GiB",
         "auto"); `speculative` loads the model's multi-token-prediction layer and decodes with its drafts
         (DeepSeek-V3/V4, GLM-4.5/5, Qwen3-Next, Qwen3.5 checkpoints that carry one); other options go to the loader
-        (`expert_policy`)."""
+        (`expert_policy`, `block_share`)."""
         import torch
 
         from freetoken.engine.loader import load_model

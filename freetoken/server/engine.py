@@ -27,6 +27,7 @@ from freetoken.engine.call_languages import CALL_MARKERS, opening_of
 from freetoken.engine.generator import GenerationEvent
 from freetoken.engine.json_schema import SchemaError, compile_schema
 from freetoken.engine.loader import LoadedModel
+from freetoken.engine.offload.budget import split_expert_budget
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
@@ -282,14 +283,24 @@ class ServingEngine:
         if not isinstance(ex, OffloadedExpertExecutor):
             raise FreeTokenError("this model's experts are not offloaded; start the server with --expert-cache "
                                  "SIZE to get a resizable cache")
-        per_slot = spec.bytes_per_expert(ex.dtype)
-        slots = min(nbytes // per_slot, spec.total_routed_experts)
+        per_slot, store = spec.bytes_per_expert(ex.dtype), ex.copier.store
+        slots, rows = split_expert_budget(nbytes, ex.block_share if store is not None else 0.0, per_slot,
+                                          ex.expert_bytes if store is not None else None, spec.total_routed_experts)
+        if store is not None and not rows:
+            raise FreeTokenError(f"{nbytes} bytes hold no expert in its block format ({ex.expert_bytes} bytes "
+                                 "each); give the cache more bytes")
         try:
             ex.resize(slots)
+            if store is not None:
+                ex.resize_store(rows)
         except ValueError as e:  # below the pinned experts
             raise FreeTokenError(str(e)) from None
-        return {"slots": slots, "bytes": slots * per_slot, "cached": len(ex.cache.slot_of),
+        info = {"slots": slots, "bytes": slots * per_slot, "cached": len(ex.cache.slot_of),
                 "total_experts": spec.total_routed_experts}
+        if store is not None:
+            info.update(block_rows=rows, bytes=info["bytes"] + rows * ex.expert_bytes,
+                        block_cached=len(store.cache.slot_of))
+        return info
 
     def pin_layer(self, layer: int, pinned: bool) -> dict[str, object]:
         """On the worker: keeps a MoE layer's experts on the device (or lets them go), without reloading weights."""

@@ -48,6 +48,15 @@ if triton is not None:
         return out + row * out_stride
 
     @triton.jit
+    def _raw_row(raw_ptr, raw_stride, src_ptr, i, USE_SRC: tl.constexpr):
+        """Where raw row i starts: row src[i] of raw (rows gathered from a store), else row i."""
+        if USE_SRC:
+            row = tl.load(src_ptr + i).to(tl.int64)
+        else:
+            row = i.to(tl.int64)
+        return raw_ptr + row * raw_stride
+
+    @triton.jit
     def _cast(values, TO_BF16: tl.constexpr):
         """fp32 → the destination's dtype. bf16 rounds to nearest even by hand: Triton's interpreter (the CPU
         tests) truncates in `.to`. A NaN stays NaN: the GPU's own NaN (0x7FFFFFFF) would round over into -0."""
@@ -59,14 +68,15 @@ if triton is not None:
         return values
 
     @triton.jit(do_not_specialize=["fixed_row"])  # a slot number: one compiled kernel for all of them
-    def _q8_0_rows(raw_ptr, raw_stride, out0_ptr, out1_ptr, out2_ptr, out_stride, rows_ptr, fixed_row, n_blocks,
-                   USE_ROWS: tl.constexpr, TO_BF16: tl.constexpr, BLOCKS: tl.constexpr):
+    def _q8_0_rows(raw_ptr, raw_stride, out0_ptr, out1_ptr, out2_ptr, out_stride, rows_ptr, fixed_row, src_ptr,
+                   n_blocks, USE_ROWS: tl.constexpr, USE_SRC: tl.constexpr, TO_BF16: tl.constexpr,
+                   BLOCKS: tl.constexpr):
         """Program (chunk, m, i): blocks [chunk*BLOCKS, +BLOCKS) of matrix m of raw row i → row rows[i] of out m.
         A block: fp16 d, 32 int8 q; x = d * q."""
         chunk, m, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         block = chunk * BLOCKS + tl.arange(0, BLOCKS)
         live = block < n_blocks
-        src = raw_ptr + i.to(tl.int64) * raw_stride + m * (n_blocks * 34) + block * 34
+        src = _raw_row(raw_ptr, raw_stride, src_ptr, i, USE_SRC) + m * (n_blocks * 34) + block * 34
         lo = tl.load(src, mask=live, other=0).to(tl.uint16)
         hi = tl.load(src + 1, mask=live, other=0).to(tl.uint16)
         scale = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
@@ -77,15 +87,16 @@ if triton is not None:
         tl.store(out + block[:, None] * 32 + lane[None, :], values.to(out.dtype.element_ty), mask=live[:, None])
 
     @triton.jit(do_not_specialize=["fixed_row"])
-    def _mxfp4_rows(raw_ptr, raw_stride, out0_ptr, out1_ptr, out2_ptr, out_stride, rows_ptr, fixed_row, n_blocks,
-                    USE_ROWS: tl.constexpr, TO_BF16: tl.constexpr, BLOCKS: tl.constexpr):
+    def _mxfp4_rows(raw_ptr, raw_stride, out0_ptr, out1_ptr, out2_ptr, out_stride, rows_ptr, fixed_row, src_ptr,
+                    n_blocks, USE_ROWS: tl.constexpr, USE_SRC: tl.constexpr, TO_BF16: tl.constexpr,
+                    BLOCKS: tl.constexpr):
         """As `_q8_0_rows` for ggml's MXFP4: an E8M0 byte e, 16 bytes of 4-bit codes (value j in the low nibble of
         byte j, value j + 16 in its high nibble); x = 2^(e-128) * KVALUES[code], KVALUES = ±{0,1,2,3,4,6,8,12}
         (e2m1 doubled): computed, not looked up, and exact."""
         chunk, m, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         block = chunk * BLOCKS + tl.arange(0, BLOCKS)
         live = block < n_blocks
-        src = raw_ptr + i.to(tl.int64) * raw_stride + m * (n_blocks * 17) + block * 17
+        src = _raw_row(raw_ptr, raw_stride, src_ptr, i, USE_SRC) + m * (n_blocks * 17) + block * 17
         e = tl.load(src, mask=live, other=0).to(tl.int32)
         # 2^(e-128) as fp32 bits: a normal number from e = 2 on, below that the subnormals 2^-127 and 2^-128
         scale = tl.where(e >= 2, (e - 1) << 23, 0x00200000 << e).to(tl.float32, bitcast=True)
@@ -102,14 +113,15 @@ if triton is not None:
             tl.store(dest, values.to(out.dtype.element_ty), mask=live[:, None])
 
     @triton.jit(do_not_specialize=["fixed_row"])
-    def _fp8_b32_rows(raw_ptr, raw_stride, out0_ptr, out1_ptr, out2_ptr, out_stride, rows_ptr, fixed_row, n_blocks,
-                      USE_ROWS: tl.constexpr, TO_BF16: tl.constexpr, BLOCKS: tl.constexpr):
+    def _fp8_b32_rows(raw_ptr, raw_stride, out0_ptr, out1_ptr, out2_ptr, out_stride, rows_ptr, fixed_row, src_ptr,
+                      n_blocks, USE_ROWS: tl.constexpr, USE_SRC: tl.constexpr, TO_BF16: tl.constexpr,
+                    BLOCKS: tl.constexpr):
         """As `_q8_0_rows` for FP8_B32: an fp32 scale s, 32 e4m3 bytes; x = s * q. e4m3 (bias 7, no infinities,
         0x7F and 0xFF NaN) is decoded by hand, exactly: Triton's interpreter has no fp8."""
         chunk, m, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         block = chunk * BLOCKS + tl.arange(0, BLOCKS)
         live = block < n_blocks
-        src = raw_ptr + i.to(tl.int64) * raw_stride + m * (n_blocks * 36) + block * 36
+        src = _raw_row(raw_ptr, raw_stride, src_ptr, i, USE_SRC) + m * (n_blocks * 36) + block * 36
         byte = tl.arange(0, 4)
         s = tl.load(src[:, None] + byte[None, :], mask=live[:, None], other=0).to(tl.uint32)
         scale = tl.sum(s << (8 * byte[None, :]).to(tl.uint32), axis=1).to(tl.float32, bitcast=True)
@@ -132,12 +144,14 @@ _VALUES = 32  # per block, in every supported format
 
 
 def dequantize_into(raw: torch.Tensor, type_name: str, outs: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                    rows: torch.Tensor | int) -> None:
+                    rows: torch.Tensor | int, sources: torch.Tensor | None = None) -> None:
     """outs[m][rows[i]] = dequantize(matrix m of raw[i]) for every i and m, in one launch on the current stream.
 
     raw: [N, M * B] uint8, each row holding an expert's M matrices back to back (or [M * B] for one expert);
     outs: M contiguous tensors [S, ...] of one float dtype whose rows hold B's values each; rows: an int64 tensor
-    [N] on raw's device, or one int when N is 1 (no index tensor to copy to the device).
+    [N] on raw's device, or one int when N is 1 (no index tensor to copy to the device). `sources`: an int64
+    tensor [n] on raw's device: then the launch converts n rows, row i from raw[sources[i]] (experts kept in
+    their block format on the device, any of raw's rows), and `rows` must be a tensor of n too.
     """
     if type_name not in SUPPORTED:
         raise ValueError(f"no fused kernel for {type_name!r} (fused: {', '.join(sorted(SUPPORTED))})")
@@ -156,9 +170,14 @@ def dequantize_into(raw: torch.Tensor, type_name: str, outs: list[torch.Tensor] 
     if any(o.dtype != outs[0].dtype or not o.is_contiguous() or math.prod(o.shape[1:]) != per_row for o in outs):
         raise ValueError("outputs must be contiguous, of one dtype and one row size")
     use_rows = isinstance(rows, torch.Tensor)
-    if not use_rows and n != 1:
+    if sources is not None:
+        if not use_rows or rows.shape != sources.shape:
+            raise ValueError("sources need a destination row tensor of the same length")
+        n = sources.shape[0]
+    elif not use_rows and n != 1:
         raise ValueError("one destination row given for several raw rows")
     padded = (*outs, *(outs[0],) * (3 - m))  # unused pointer arguments: never dereferenced
     grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM), m, n)
     kernel[grid](raw2, raw2.stride(0), *padded, per_row, rows if use_rows else raw2, 0 if use_rows else rows,
-                     n_blocks, USE_ROWS=use_rows, TO_BF16=outs[0].dtype == torch.bfloat16, BLOCKS=_BLOCKS_PER_PROGRAM)
+                 raw2 if sources is None else sources, n_blocks, USE_ROWS=use_rows, USE_SRC=sources is not None,
+                 TO_BF16=outs[0].dtype == torch.bfloat16, BLOCKS=_BLOCKS_PER_PROGRAM)

@@ -199,6 +199,33 @@ def test_the_floor_counts_hits_a_prefetch_made_for_their_step_as_misses():
     assert "| 40.0% (30.0%) |" in _format_row(row)
 
 
+def test_the_floor_moves_no_bytes_for_misses_the_block_store_served():
+    """A slot miss dequantized from the block store never crossed the link: a hit for the floor and the rate."""
+    from types import SimpleNamespace
+
+    from freetoken.bench.decode import Ceilings, _row
+    from freetoken.engine.offload.expert_cache import CacheCounters
+
+    after = CacheCounters(hits=40, misses=60, store_hits=25, bytes_copied=15 * 10**6, cpu_experts=20)
+    ceilings = Ceilings(h2d=50.0, dram_read=100.0, cpu_experts=80.0)
+    row = _row("auto", "8GiB", 10.0, CacheCounters(), after, 2, ceilings, SimpleNamespace(expert_bytes=10**6))
+    assert row.miss_gb_per_token == pytest.approx(35 * 10**6 / 2 / 1e9)
+    assert row.hit_rate == pytest.approx(0.65)
+
+
+def test_bench_decode_compares_block_shares_row_by_row(tmp_path):
+    out = tmp_path / "d1.md"
+    argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--context", "48", "--tokens", "4",
+            "--budgets", "64KiB", "--strategies", "resident,copy", "--expert-format", "Q8_0", "--block-shares",
+            "0,1", "--probe-mib", "64", "--out", str(out)]
+    assert main(argv) == 0
+    rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| copy")]
+    assert [r[1].strip() for r in rows] == ["copy (blocks 0)", "copy (blocks 1)"]
+    assert all(r[12].strip() == "yes" for r in rows)
+    stored, plain = float(rows[1][4].strip().split("%")[0]), float(rows[0][4].strip().split("%")[0])
+    assert stored > plain  # about twice the experts in the same bytes
+
+
 def test_resident_rows_that_cannot_fit_the_device_are_refused_before_the_build():
     """gpt-oss-120b's MXFP4 experts are 230 GB dequantized to bf16: the resident rows are refused with the fix
     named, whatever fits; without them, or with fewer layers, nothing is refused."""

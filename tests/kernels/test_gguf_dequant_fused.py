@@ -47,6 +47,13 @@ CHECK = textwrap.dedent("""
                 want = dequantize(part, "Q8_0", 1600, dtype).view(shape)
                 assert torch.equal(outs[m][row].cpu(), want), (dtype, row, m)
         assert all(bool((o[1] == 7).all() and (o[3] == 7).all()) for o in outs), "rows outside the table changed"
+        # rows gathered from a store: raw rows 2 and 0 (in that order) into destination rows 1 and 3
+        gathered = [torch.full((6, *shape), 7.0, dtype=dtype, device=device) for _ in range(3)]
+        fused.dequantize_into(raw, "Q8_0", gathered, torch.tensor([1, 3], device=device),
+                              sources=torch.tensor([2, 0], device=device))
+        for m in range(3):
+            assert torch.equal(gathered[m][1], outs[m][2]) and torch.equal(gathered[m][3], outs[m][4]), (dtype, m)
+            assert bool((gathered[m][0] == 7).all() and (gathered[m][2] == 7).all()), "rows outside the table"
         two = [torch.zeros((1, *shape), dtype=dtype, device=device) for _ in range(2)]
         fused.dequantize_into(raw[2][: 2 * n_blocks * 34], "Q8_0", two, 0)  # fewer matrices per expert
         assert torch.equal(two[1][0], outs[1][2])
@@ -73,6 +80,10 @@ CHECK = textwrap.dedent("""
             raw = torch.stack(experts).to(device)
             outs = [torch.full((4, *shape), 7.0, dtype=dtype, device=device) for _ in range(3)]
             fused.dequantize_into(raw, type_name, outs, torch.tensor([3, 0], device=device))
+            picked = [torch.full((4, *shape), 7.0, dtype=dtype, device=device) for _ in range(3)]
+            fused.dequantize_into(raw, type_name, picked, torch.tensor([2], device=device),
+                                  sources=torch.tensor([1], device=device))
+            assert all(same(picked[m][2], outs[m][0]) for m in range(3)), (type_name, dtype)
             for row, expert in ((3, 0), (0, 1)):
                 for m in range(3):
                     part = experts[expert][m * n_blocks * block_bytes:(m + 1) * n_blocks * block_bytes]
@@ -100,4 +111,7 @@ def test_rejects_what_it_cannot_decode():
         fused.dequantize_into(torch.zeros(60, dtype=torch.uint8), "Q8_0", outs, 0)
     with pytest.raises(ValueError, match="one destination row given for several raw rows"):
         fused.dequantize_into(torch.zeros(2, 68, dtype=torch.uint8), "Q8_0", outs, 0)
+    with pytest.raises(ValueError, match="sources need a destination row tensor of the same length"):
+        fused.dequantize_into(torch.zeros(2, 68, dtype=torch.uint8), "Q8_0", outs, torch.zeros(2, dtype=torch.long),
+                              sources=torch.zeros(1, dtype=torch.long))
     assert not fused.available(torch.device("cpu"))

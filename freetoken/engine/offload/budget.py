@@ -31,6 +31,20 @@ def staging_slots_for(spec: MoESpec, expert_bytes: int, prefill_ahead: bool = Fa
     return max(2, decode, prefill)
 
 
+def split_expert_budget(nbytes: int, block_share: float, slot_bytes: int, row_bytes: int | None,
+                        total: int) -> tuple[int, int]:
+    """(dequantized slots, block-store rows) for an expert cache of `nbytes`: `block_share` of it keeps experts in
+    their block format (`row_bytes` each; None for dense experts, which have none), the rest dequantized. Neither
+    holds more than every expert."""
+    if not 0.0 <= block_share <= 1.0:
+        raise ValueError(f"the block share of the expert cache is a fraction from 0 to 1, got {block_share}")
+    if row_bytes is None:
+        block_share = 0.0
+    rows = min(int(nbytes * block_share) // row_bytes, total) if block_share else 0
+    slots = min((nbytes - rows * (row_bytes or 0)) // slot_bytes, total) if block_share < 1 else 0
+    return slots, rows
+
+
 def auto_expert_cache(free_bytes: int, dense_bytes: int, kv_bytes: int, expert_bytes: int,
                       activation_reserve: int = ACTIVATION_RESERVE) -> int | None:
     """Expert-cache bytes for the free device memory, or None when every expert fits (keep them resident)."""

@@ -8,7 +8,10 @@ of two paths, both reading host DRAM, run at the same time:
 - cpu: computed on the host where it lives by the native kernel's threads, started as soon as the layer's copies
   are queued, so both run at once; only activations cross.
 `miss_path` "copy" or "cpu" forces one path (the naive and CPU-only baselines); "auto" lets the `MissPlanner`
-split each layer's misses from bandwidths it keeps measuring. Decode (small batches, on CUDA) gathers every
+split each layer's misses from bandwidths it keeps measuring. Quantized experts may also keep a block store on the
+device (`store_rows`, block_store.py): a second tier in their block format, about twice the experts per byte for
+Q8_0; a miss of the slots that the store holds is dequantized from it, never sent to the CPU or over the link.
+Decode (small batches, on CUDA) gathers every
 expert of the step from one slot tensor [cache | staging | zero slot] in a single batched matmul; larger batches
 (prefill) compute expert by expert, each as soon as its copy lands. Next-layer prefetch starts copies of the
 experts layer L+1's router would pick for layer L's input, into cache slots, or with no cache (budget 0) into
@@ -68,16 +71,18 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
 
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, num_slots: int,
                  policy: str = "freq", miss_path: str = "auto", dtype: torch.dtype | None = None,
-                 planner: MissPlanner | None = None, staging_slots: int = 16):
+                 planner: MissPlanner | None = None, staging_slots: int = 16, store_rows: int = 0):
         if miss_path not in self.MISS_PATHS:
             raise ValueError(f"miss_path must be one of {self.MISS_PATHS}, got {miss_path!r}")
         first = next(iter(host.values()))
         self.host, self.device, self.miss_path = host, torch.device(device), miss_path
         self.num_experts = first.num_experts
         self.dtype = dtype or first.gate_proj.dtype
-        self.copier = ExpertCopier(host, self.device, self.dtype, max(2, staging_slots))
-        self.expert_bytes = self.copier.expert_bytes
         self.cache = ExpertCache(num_slots, make_policy(policy))
+        self.copier = ExpertCopier(host, self.device, self.dtype, max(2, staging_slots), self.cache.counters,
+                                   store_rows, policy)
+        self.expert_bytes = self.copier.expert_bytes
+        self.block_share = 1.0 if store_rows else 0.0  # of the budget, in the store (build_executor sets it)
         self.slots = self._allocate_slots(num_slots)
         self.planner = planner or MissPlanner(DEFAULT_COPY_GB_S, DEFAULT_CPU_GB_S)
         self._link_known = planner is not None or self.device.type != "cuda"  # else timed on first use
@@ -181,7 +186,9 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         setup)."""
         self._link_known = True
         n = min(4, self.copier.staging_slots, self.num_experts)
-        rounds = []
+        rounds, counted = [], self.counters.bytes_copied  # a measurement, not traffic of any step
+        # past the block store: its rows would serve the second and third rounds without the link
+        store, self.copier.store = self.copier.store, None
         for _ in range(3):
             torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
@@ -191,6 +198,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             self.copier.end()
             torch.cuda.synchronize(self.device)
             rounds.append(time.perf_counter() - t0)
+        self.counters.bytes_copied, self.copier.store = counted, store
         self.planner.copy.per_byte = min(rounds) / (n * self.expert_bytes)
         log.debug("expert link measured: %.1f GB/s", self.planner.copy.gb_s)
 
@@ -257,7 +265,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         ahead = self._take_staged_ahead(layer)
         self._observe_prefetch_lead(layer)
         cached = self.cache.slot_of
-        slot_of, misses, staged, prefetched_hits = {}, [], [], 0
+        slot_of, misses, near, staged, prefetched_hits = {}, [], [], [], 0
         for e in pairs_of:
             slot = cached.get((layer, e))
             if slot is not None:
@@ -267,6 +275,8 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             elif e in ahead:  # a miss of the cache, already copied by the previous layer's prefetch
                 slot_of[e] = self.staging_first + ahead[e]
                 staged.append(ahead[e])
+            elif self.copier.stored(layer, e):  # on the device in its block format: dequantized, never split
+                near.append(e)
             else:
                 misses.append(e)
         # The guard's unit: the experts the step found missing before any prefetch. A prefetched expert is a cache
@@ -276,6 +286,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         self._step_misses = len(misses) + len(staged) + prefetched_hits
         self.counters.prefetch_hits += prefetched_hits
         to_copy, to_cpu = self._plan(misses, lambda e: len(pairs_of[e]), self._copy_backlog())
+        to_copy = near + to_copy
         # GPU path "cpu-first" (on by default): the CPU share starts before the copies are queued (50-150 µs a
         # batch on the H200 host). Queued first, they delayed its start to 154-258 µs after the routing at 8-16 GiB
         # (68-80 with it), and auto ran 6-17% slower (d1-qwen3-30b-a3b-bf16-1k-h200.md). The planner charges
@@ -315,13 +326,13 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
                 staged.append(ring)
             else:
                 slot_of[e] = admitted[0]
+        fetched = sum(not copier.stored(layer, e) for e in to_copy)
         copier.to_slots(layer, to_copy, self.slots, [slot_of[e] for e in to_copy])
         now = time.perf_counter()
         if copier.batch_is_sample:
             self.planner.observe_issue(len(to_copy), now - t_issue)
         copier.end()
-        self._link.queued(now, self.planner.copy.predict(len(to_copy) * self.expert_bytes))
-        self.counters.bytes_copied += len(to_copy) * self.expert_bytes
+        self._link.queued(now, self.planner.copy.predict(fetched * self.expert_bytes))
 
     def _start_cpu(self, layer: int, x, to_cpu: list[int], pairs_of: dict, weights, x_bf16, cpu_out):
         on_cpu = self.cpu.start_pairs(layer, x, to_cpu, [pairs_of[e] for e in to_cpu], weights, x_bf16=x_bf16,
@@ -386,6 +397,10 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         Without cache slots (budget 0) at most `room` go to staging slots, held until `layer` runs. `after`: an
         event on the compute stream past the last reader of the slots (instead of all the compute queued)."""
         missing = sorted(e for e in experts if (layer, e) not in self.cache.slot_of)
+        copier = self.copier
+        near = [e for e in missing if copier.stored(layer, e)]  # no link bytes: always made present
+        if near:
+            missing = [e for e in missing if e not in near]
         if self.miss_path == "auto":
             lead = gpu_paths.enabled("prefetch-lead")
             # with "prefetch-lead" the copies are credited with their head start over the CPU share (which starts
@@ -395,9 +410,9 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             missing = self.planner.split(missing, self.expert_bytes, observe=False, copy_busy_s=busy,
                                          cpu_first=lead).copy
             missing = missing[:len(missing) - self.planner.held_for_probe()]
+        missing = near + missing  # the near ones first: they cost a launch, not the link
         if not missing:
             return
-        copier = self.copier
         # staging slots wait for their own last reader; cache slots for the compute queued so far, or `after`
         copier.begin(wait_compute=bool(self.cache.capacity) and after is None)
         if after is not None and self.cache.capacity:
@@ -425,11 +440,11 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         copier.end()
         if experts:
             now = time.perf_counter()
-            self._link.queued(now, self.planner.copy.predict(len(experts) * self.expert_bytes))
+            fetched = max(0, len(experts) - len(near))
+            self._link.queued(now, self.planner.copy.predict(fetched * self.expert_bytes))
             self._prefetch_queued = (layer, now)
         self._prefetched.update((layer, e) for e in experts)
         self.counters.prefetched += len(experts)
-        self.counters.bytes_copied += len(experts) * self.expert_bytes
 
     LEAD_DECAY = 0.8  # weight of the previous mean in `prefetch_lead_s`
     MAX_LEAD_S = 2e-3  # a longer gap (a prefill, an idle server between steps) says nothing of decode's lead
@@ -511,7 +526,6 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             self.copier.end()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.counters.bytes_copied += len(admitted) * self.expert_bytes
         return len(self.cache.pinned)
 
     def resize(self, num_slots: int) -> None:
@@ -528,3 +542,11 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
                 d.copy_(s)
         self.slots = new
         self.slots_version += 1
+
+    def resize_store(self, rows: int) -> None:
+        """Changes the block store's rows while serving (see `resize`); experts it keeps are moved on the device."""
+        if self.copier.store is None:
+            raise ValueError("this executor keeps no block store (its experts are dense, or none was asked for)")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy or launch may still touch the old rows
+        self.copier.store.resize(rows)  # the dequantizing graphs see the new rows' address and recapture

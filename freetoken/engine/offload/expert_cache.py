@@ -18,7 +18,8 @@ class CacheCounters:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    bytes_copied: int = 0
+    bytes_copied: int = 0  # over the link
+    store_hits: int = 0  # experts made present from the block store's rows instead of over the link
     cpu_experts: int = 0  # misses computed on the host instead of copied
     rejected: int = 0  # misses the policy streamed rather than admit (admission control)
     copy_seconds: float = 0.0  # time the copy stream spent on copies (completed ones)

@@ -62,7 +62,7 @@ class PrefillPath:
         ahead = self._take_chunk_ahead(layer)
         self._count_prefetch_use(layer, [g.expert for g in groups])
         self.cache.begin_step((layer, g.expert) for g in groups)
-        hits, misses, streamed = [], [], []
+        hits, misses, near, streamed = [], [], [], []
         for g in groups:
             slot = self.cache.lookup((layer, g.expert))
             if g.expert in ahead:  # copied while the previous layer computed (into staging or a free slot)
@@ -72,11 +72,13 @@ class PrefillPath:
             elif g.expert in staged_ahead:
                 streamed.append((g, _Ahead(self.staging_first + staged_ahead[g.expert], staged_ahead.pop(g.expert),
                                            self._prefetch_done[0] if self._prefetch_done else None)))
+            elif self.copier.stored(layer, g.expert):  # in the block store: dequantized on the device
+                near.append(g)
             else:
                 misses.append(g)
         # streamed ahead for nothing: staging slots are free again (an admitted one stays cached, unused)
         self.copier.release(*staged_ahead.values(), *(a.ring for a in ahead.values() if a.ring is not None))
-        if not misses and grouped_mm_available(hidden):  # every expert is on the device (or on its way)
+        if not misses and not near and grouped_mm_available(hidden):  # every expert is on the device (or on its way)
             out = self._compute_sorted(hidden, topk_ids, topk_weights, hits, streamed)
             if self._streams_ahead(topk_ids):
                 self._stream_next_layer(layer)
@@ -87,7 +89,7 @@ class PrefillPath:
         planner = self._prefill_planner()
         to_copy, to_cpu = self._plan([g for g in misses if len(g.tokens) <= limit], lambda g: len(g.tokens),
                                      planner=planner)
-        to_copy += [g for g in misses if len(g.tokens) > limit]
+        to_copy = near + to_copy + [g for g in misses if len(g.tokens) > limit]
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
         out = self._copy_and_compute(layer, hidden, hits, to_copy, streamed,
                                      evict=hidden.shape[0] < self.PREFILL_TOKENS)
@@ -170,7 +172,7 @@ class PrefillPath:
         # "ahead-batches": copies go AHEAD_BATCH experts at a time, since the host's cost per expert (runtime
         # calls, a dequantizing launch for block formats) may bound a layer of small (Q8_0) experts below the link.
         batch = self.AHEAD_BATCH if gpu_paths.enabled("ahead-batches") else 1
-        copier.begin(wait_compute=False, prefill=True)
+        copier.begin(wait_compute=False, prefill=True, store_evicts=False)
         for i in range(0, len(cached), batch):
             part = cached[i:i + batch]
             done = copier.to_slots_marked(next_layer, [e for e, _ in part], self.slots, [slot for _, slot in part])
@@ -183,7 +185,6 @@ class PrefillPath:
         self._chunk_ahead = (next_layer, ahead)
         self._prefetched.update((next_layer, e) for e in ahead)
         self.counters.prefetched += len(ahead)
-        self.counters.bytes_copied += len(ahead) * self.expert_bytes
 
     def _take_chunk_ahead(self, layer: int) -> dict[int, _Ahead]:
         """expert → where the previous layer streamed it, for `layer`; streamed for another layer (a forward cut
@@ -221,7 +222,7 @@ class PrefillPath:
         # paced by compute freeing staging slots: the prefill planner's copy sample. Only a chunk that may evict
         # waits for the compute queued so far (a victim's slot may still be read); free slots and staging slots
         # (their own release events) need no wait, which would hold the link behind this layer's experts.
-        copier.begin(wait_compute=evict, prefill=True)
+        copier.begin(wait_compute=evict, prefill=True, store_evicts=evict)
         cached, staged = [], []
         for g in to_copy:
             # a prefill chunk takes free slots only: it touches nearly every expert once, so evicting for it would
@@ -251,7 +252,6 @@ class PrefillPath:
             in_flight += [copier.to_staging(layer, g.expert, self.slots, self.staging_first)
                           for g in staged[i + ring:i + ring + step]]
         copier.end()  # the copy stream holds only copies, so this marks the last one's completion
-        self.counters.bytes_copied += len(to_copy) * self.expert_bytes
         return out
 
     def _compute_group(self, groups: list[ExpertGroup]) -> int:

@@ -7,7 +7,8 @@ into a staging slot waits for the compute that last read it, through an event re
 The staging slots are the executor's, placed after the cache slots in one tensor so one gather reaches both.
 Quantized experts cross the link in their block format and are dequantized on the copy stream, into the slot
 (Q8_0, MXFP4 and FP8_B32 by one fused Triton launch per expert or batch, other types by the plain-torch
-reference). Experts in pinned
+reference). With a block store (block_store.py) their bytes land in its rows, and experts a row already holds
+are dequantized from it without crossing the link at all. Experts in pinned
 memory are copied through the CUDA runtime directly (`cudart`): the host thread issuing the copies is the decode
 step's critical path. On the CPU (tests, CI) the same calls run synchronously with no
 streams.
@@ -26,6 +27,8 @@ import torch
 from freetoken.engine import gpu_paths
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.offload import cudart
+from freetoken.engine.offload.block_store import BlockStore
+from freetoken.engine.offload.expert_cache import CacheCounters
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.kernels.gguf_dequant import fused
 from freetoken.kernels.gguf_dequant.reference import dequantize
@@ -54,14 +57,21 @@ class ExpertCopier:
     MARKS = 4  # events handed out by mark_compute / mark_copies before one is re-recorded
 
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], device: torch.device, dtype: torch.dtype,
-                 staging_slots: int = 2):
+                 staging_slots: int = 2, counters: CacheCounters | None = None, store_rows: int = 0,
+                 store_policy: str = "freq"):
         first = next(iter(host.values()))
         self.host, self.device, self.dtype = host, device, dtype
+        # bytes over the link and experts dequantized from the block store are counted here, where they move
+        self.counters = counters if counters is not None else CacheCounters()
         self.shapes = dict(first.shapes) if isinstance(first, QuantizedExperts) else \
             {p: tuple(getattr(first, p).shape[1:]) for p in PROJECTIONS}
         self.quantized = isinstance(first, QuantizedExperts)
         self.expert_bytes = first.expert_nbytes() if self.quantized else \
             sum(first.weights_of(0)[i].numel() for i in range(3)) * dtype.itemsize
+        if store_rows and not self.quantized:
+            raise ValueError("a block store keeps quantized experts' block bytes; these experts are dense")
+        self.store = BlockStore(store_rows, self.expert_bytes, device, store_policy) if store_rows else None
+        self._store_evicts = True  # this batch's copies may displace the store's rows (see `begin`)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # pinned experts (dense ones of the slots' dtype): raw byte copies through the runtime, no torch dispatch
         sources = [t for le in host.values() for t in (le.raw.values() if self.quantized else
@@ -93,8 +103,9 @@ class ExpertCopier:
             self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
         self._raw_batches: dict[str, torch.Tensor] = {}  # the same for several experts at once (to_slots)
         self._rows: torch.Tensor | None = None  # fused path: [n, expert bytes] on the device
-        self._dequant_graphs: dict[int, tuple] = {}  # n → (pointers, graph, its exec handle or None)
-        self._launched: set[bool] = set()  # kernel variants compiled: reading slot numbers from the device or not
+        # (n, from the store) → (pointers, graph, its exec handle or None)
+        self._dequant_graphs: dict[tuple[int, bool], tuple] = {}
+        self._launched: set[tuple[bool, bool]] = set()  # kernel variants compiled: (slot numbers read, from store)
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
         # the compute stream while a decode boundary runs (the executor pins it: `torch.cuda.current_stream` costs
@@ -143,13 +154,16 @@ class ExpertCopier:
 
     # -- one layer-step: begin, any number of copies, end --
 
-    def begin(self, wait_compute: bool = True, sample: bool = True, prefill: bool = False) -> None:
+    def begin(self, wait_compute: bool = True, sample: bool = True, prefill: bool = False,
+              store_evicts: bool = True) -> None:
         """Before the step's copies: slots about to be overwritten may still be read by queued compute.
         `wait_compute=False` when every copy goes to staging slots (their release events order them) or the
         caller orders them itself. `sample=False`: copies whose timing says nothing about the link.
         `prefill=True`: a prefill chunk's copies, paced by its staging ring and compute — what the copy path
-        costs a prefill, not the link's speed; reported apart (see `finished_timings`)."""
+        costs a prefill, not the link's speed; reported apart (see `finished_timings`). `store_evicts=False`:
+        experts new to the block store take free rows only (a prefill chunk's, see `BlockStore.place`)."""
         self._batch = _Batch(sample=sample, prefill=prefill)
+        self._store_evicts = store_evicts
         if self.stream is None or not wait_compute:
             return
         if self._direct:
@@ -215,6 +229,9 @@ class ExpertCopier:
                 for e, slot in zip(experts, slots, strict=True):
                     self._copy(layer, e, dest, slot)
             return
+        if self.store is not None:
+            self._store_copies(layer, experts, dest, slots)
+            return
         if self.fused:  # enters the copy stream only where torch launches something
             self._fused_copies(layer, experts, dest, slots)
             return
@@ -255,11 +272,12 @@ class ExpertCopier:
         # more rows than copies the staging ring can have in flight: a prefill streaming a whole layer ahead queues
         # one batch per expert, and a row still unread would hold the host until the link caught up
         rows = 2 * self.staging_slots + 8
-        self._index_host = torch.empty((rows, most), dtype=torch.int64, pin_memory=True)
+        # a row: a batch's slot numbers, then (from the block store) its source rows
+        self._index_host = torch.empty((rows, 2 * most), dtype=torch.int64, pin_memory=True)
         self._index_rows = self._index_host.numpy()
         self._index_read = [self._new_event() for _ in range(rows)]
         self._index_next = 0
-        self._index_device = torch.empty(most, dtype=torch.int64, device=self.device)  # read in stream order
+        self._index_device = torch.empty(2 * most, dtype=torch.int64, device=self.device)  # read in stream order
 
     def _fused_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """On the copy stream: the experts' block bytes into rows of the device buffer (three runtime calls
@@ -277,6 +295,64 @@ class ExpertCopier:
         self._queue_copies(copies, stream)
         self._dequantize_rows(n, dest, slots)
         self._finish_timing(n)
+
+    def stored(self, layer: int, expert: int) -> bool:
+        """Whether the block store holds the expert: then making it present costs no link bytes."""
+        return self.store is not None and (layer, expert) in self.store.cache.slot_of
+
+    def _store_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
+        """Quantized experts through the block store: those it holds are dequantized from their rows; the others'
+        bytes cross the link into the rows it admits them to (else into transient rows) and are dequantized from
+        there. One launch for the transient rows, one for the store's, on the copy stream."""
+        self._start_timing()
+        placed = self.store.place(layer, experts, self._store_evicts)
+        fetched = sum(fetch for _, fetch in placed)
+        if self.fused:
+            self._fused_store_copies(layer, experts, dest, slots, placed)
+        else:
+            with self._on_copy_stream():
+                self._plain_store_copies(layer, experts, dest, slots, placed)
+        self.counters.store_hits += len(experts) - fetched
+        self._finish_timing(fetched)
+
+    def _fused_store_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int],
+                            placed: list[tuple[int | None, bool]]) -> None:
+        sources, store = self._block_sources[layer], self.store.rows
+        transient = [(e, slot) for e, slot, (row, _) in zip(experts, slots, placed, strict=True) if row is None]
+        kept = [(e, slot, row, fetch) for e, slot, (row, fetch) in zip(experts, slots, placed, strict=True)
+                if row is not None]
+        copies = []
+        at = self._raw_rows(len(transient)).data_ptr() if transient else 0
+        for e, _ in transient:
+            for address, nbytes in sources:
+                copies.append((at, address + e * nbytes, nbytes))
+                at += nbytes
+        for e, _, row, fetch in kept:
+            if fetch:
+                at = store.data_ptr() + row * store.stride(0)
+                for address, nbytes in sources:
+                    copies.append((at, address + e * nbytes, nbytes))
+                    at += nbytes
+        if copies:
+            self._queue_copies(copies, self.stream.cuda_stream)
+        if transient:
+            self._dequantize_rows(len(transient), dest, [slot for _, slot in transient])
+        if kept:
+            self._dequantize_rows(len(kept), dest, [slot for _, slot, _, _ in kept], [row for _, _, row, _ in kept])
+
+    def _plain_store_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int],
+                            placed: list[tuple[int | None, bool]]) -> None:
+        """The same expert by expert through the plain-torch reference (no fused kernel: the CPU, other types)."""
+        src = self.host[layer]
+        for e, slot, (row, fetch) in zip(experts, slots, placed, strict=True):
+            buf = self._raw_rows(1)[0] if row is None else self.store.rows[row]
+            at = 0
+            for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
+                part = buf[at:at + src.raw[p].shape[1]]
+                if fetch:
+                    part.copy_(src.raw[p][e], non_blocking=True)  # only the block-format bytes cross the link
+                d.copy_(src.dequantized(e, p, self.dtype, part))
+                at += part.shape[0]
 
     def _dense_batch(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """Pinned dense experts into their slots, every projection of every expert in one batch (GPU path
@@ -303,40 +379,48 @@ class ExpertCopier:
         for dst, src, nbytes in copies:
             cudart.copy_to_device(dst, src, nbytes, stream)
 
-    def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int]) -> None:
-        """Rows [0, n) into their slots on the copy stream. Triton's launcher costs the host tens of µs per call,
+    def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int], sources: list[int] | None = None) -> None:
+        """Rows [0, n) (or the block store's rows `sources`) into their slots on the copy stream. Triton's
+        launcher costs the host tens of µs per call,
         and this host thread is the decode step's critical path; a graph replay costs a few. The first launch
         compiles the kernel, each batch size's first use captures its graph (capturing runs nothing, so it is
         safe whatever the slots hold), and a cache resize (the slots move) recaptures. Those batches are no
         samples of the link's speed (see `finished_timings`). Replays go through the runtime where torch gives
         the graph's handle (no stream context to enter)."""
-        stacks = _stacks(dest)
-        use_rows = DEQUANT_GRAPHS or n > 1  # a graph reads its slot numbers from the device, like a batch
-        compiles = use_rows not in self._launched
+        stacks, stored = _stacks(dest), sources is not None
+        raw = self.store.rows if stored else self._rows[:n]
+        # a graph reads its slot numbers from the device, like a batch, and so does a launch from the store
+        use_rows = DEQUANT_GRAPHS or n > 1 or stored
+        compiles = (use_rows, stored) not in self._launched
         if not DEQUANT_GRAPHS or compiles:
             self._batch.sample &= not compiles
-            self._launched.add(use_rows)
-            index = self._slot_index(slots) if use_rows else slots[0]
+            self._launched.add((use_rows, stored))
+            index = self._slot_index(slots + (sources or [])) if use_rows else slots[0]
             with torch.cuda.stream(self.stream):
-                fused.dequantize_into(self._rows[:n], self._fused_type, stacks, index)
+                fused.dequantize_into(raw, self._fused_type, stacks, *self._split_index(index, n, stored))
             return
-        index = self._slot_index(slots)
-        pointers = (self._rows.data_ptr(), *(t.data_ptr() for t in stacks))
-        entry = self._dequant_graphs.get(n)
+        index = self._slot_index(slots + (sources or []))
+        pointers = (raw.data_ptr(), *(t.data_ptr() for t in stacks))
+        entry = self._dequant_graphs.get((n, stored))
         if entry is None or entry[0] != pointers:
             self._batch.sample = False
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(self.stream):
                 graph.capture_begin(capture_error_mode="thread_local")  # the CPU expert threads never touch CUDA
-                fused.dequantize_into(self._rows[:n], self._fused_type, stacks, index)
+                fused.dequantize_into(raw, self._fused_type, stacks, *self._split_index(index, n, stored))
                 graph.capture_end()
             handle = graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else None
-            entry = self._dequant_graphs[n] = (pointers, graph, handle)
+            entry = self._dequant_graphs[(n, stored)] = (pointers, graph, handle)
         if entry[2] is not None:
             cudart.launch_graph(entry[2], self._stream_handle)
         else:
             with torch.cuda.stream(self.stream):
                 entry[1].replay()
+
+    @staticmethod
+    def _split_index(index, n: int, stored: bool) -> tuple:
+        """(destination rows, source rows or None) for `fused.dequantize_into` from one `_slot_index` tensor."""
+        return (index[:n], index[n:]) if stored else (index, None)
 
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """The slot numbers as a device tensor, queued on the copy stream without holding the host."""
@@ -459,12 +543,17 @@ class ExpertCopier:
             batch.start = time.perf_counter()
 
     def _finish_timing(self, experts: int) -> None:
+        """`experts`: how many crossed the link in the call."""
         batch = self._batch
         batch.nbytes += experts * self.expert_bytes
+        self.counters.bytes_copied += experts * self.expert_bytes
         if self.stream is None:
             batch.seconds = time.perf_counter() - batch.start
 
     def _copy(self, layer: int, expert: int, dest: LayerExperts, slot: int) -> None:
+        if self.store is not None:
+            self._store_copies(layer, [expert], dest, [slot])
+            return
         if self.fused:
             self._fused_copies(layer, [expert], dest, [slot])
             return
