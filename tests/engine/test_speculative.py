@@ -53,7 +53,7 @@ def test_the_mtp_layer_loads_beside_the_model(checkpoint, lm):
 @torch.inference_mode()
 def test_mtp_logits_match_transformers(checkpoint, lm):
     """At every prompt position (filled in two calls, so the second attends to the first's MTP rows), the MTP
-    layer's logits equal transformers' computation of the same layer within 1e-4 (+ 1e-4 relative)."""
+    layer's logits equal transformers' computation of the same layer within 3e-4 (+ 1e-4 relative)."""
     path, main, reference, _ = checkpoint
     ids = prompt_ids()
     cache = lm.new_cache(page_size=4, initial_tokens=len(ids))
@@ -63,8 +63,9 @@ def test_mtp_logits_match_transformers(checkpoint, lm):
     tokens = torch.tensor(ids[1:])
     got = torch.cat((lm.draft(hidden[:cut], tokens[:cut], cache, seq, 0),
                      lm.draft(hidden[cut:-1], tokens[cut:], cache, seq, cut)))
-    # (the MTP layer stacks on the main model's hidden state: its rounding adds to the main model's 1e-4)
-    torch.testing.assert_close(got, reference.logits(main, ids), atol=1e-4, rtol=1e-4)
+    # (the MTP layer stacks on the main model's hidden state: its rounding adds to the main model's. On a Xeon host
+    # (other vector widths, so other summation orders than this AMD one) V4 and Qwen3.5 differed by up to 1.7e-4.)
+    torch.testing.assert_close(got, reference.logits(main, ids), atol=3e-4, rtol=1e-4)
 
 
 def test_a_gguf_files_nextn_block_is_the_mtp_layer(checkpoint, tmp_path):
