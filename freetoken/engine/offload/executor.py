@@ -400,7 +400,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         copier = self.copier
         near = [e for e in missing if copier.stored(layer, e)]  # no link bytes: always made present
         if near:
-            missing = [e for e in missing if e not in near]
+            missing = [e for e in missing if not copier.stored(layer, e)]
         if self.miss_path == "auto":
             lead = gpu_paths.enabled("prefetch-lead")
             # with "prefetch-lead" the copies are credited with their head start over the CPU share (which starts

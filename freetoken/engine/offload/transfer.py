@@ -284,17 +284,20 @@ class ExpertCopier:
         each), then one launch dequantizes every row into its slot. Stream order keeps the next batch's copies
         into these rows behind this launch."""
         self._start_timing()
-        n, stream = len(experts), self.stream.cuda_stream
-        rows = self._raw_rows(n)
-        at, sources = rows.data_ptr(), self._block_sources[layer]
-        copies = []
+        n = len(experts)
+        self._queue_copies(self._block_copies(layer, experts, self._raw_rows(n).data_ptr()), self.stream.cuda_stream)
+        self._dequantize_rows(n, dest, slots)
+        self._finish_timing(n)
+
+    def _block_copies(self, layer: int, experts: list[int], at: int) -> list[tuple[int, int, int]]:
+        """(device address, host address, bytes) of each projection of the experts' block bytes, the experts back
+        to back from device address `at` (one expert: one row of `expert_bytes`)."""
+        copies, sources = [], self._block_sources[layer]
         for e in experts:
             for address, nbytes in sources:
                 copies.append((at, address + e * nbytes, nbytes))
                 at += nbytes
-        self._queue_copies(copies, stream)
-        self._dequantize_rows(n, dest, slots)
-        self._finish_timing(n)
+        return copies
 
     def stored(self, layer: int, expert: int) -> bool:
         """Whether the block store holds the expert: then making it present costs no link bytes."""
@@ -317,22 +320,15 @@ class ExpertCopier:
 
     def _fused_store_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int],
                             placed: list[tuple[int | None, bool]]) -> None:
-        sources, store = self._block_sources[layer], self.store.rows
+        store = self.store.rows
         transient = [(e, slot) for e, slot, (row, _) in zip(experts, slots, placed, strict=True) if row is None]
         kept = [(e, slot, row, fetch) for e, slot, (row, fetch) in zip(experts, slots, placed, strict=True)
                 if row is not None]
-        copies = []
-        at = self._raw_rows(len(transient)).data_ptr() if transient else 0
-        for e, _ in transient:
-            for address, nbytes in sources:
-                copies.append((at, address + e * nbytes, nbytes))
-                at += nbytes
+        copies = self._block_copies(layer, [e for e, _ in transient], self._raw_rows(len(transient)).data_ptr()) \
+            if transient else []
         for e, _, row, fetch in kept:
             if fetch:
-                at = store.data_ptr() + row * store.stride(0)
-                for address, nbytes in sources:
-                    copies.append((at, address + e * nbytes, nbytes))
-                    at += nbytes
+                copies += self._block_copies(layer, [e], store.data_ptr() + row * store.stride(0))
         if copies:
             self._queue_copies(copies, self.stream.cuda_stream)
         if transient:
