@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | block-tests | d1-blocks (TOKENS, BUDGETS, STRATEGIES, SHARES) | kernel-phases | speculative (SPEC_FORMAT) | speculative-tests | serve-hybrid | reuse-ab (FORMATS, ARMS, EDITS, REUSE_S) | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | block-tests | d1-blocks (TOKENS, BUDGETS, STRATEGIES, SHARES) | profile-blocks | kernel-phases | speculative (SPEC_FORMAT) | speculative-tests | serve-hybrid | reuse-ab (FORMATS, ARMS, EDITS, REUSE_S, SKEW) | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -26,9 +26,9 @@ for part in "$@"; do
     # issue 5 under offload: the default against each experimental path of ARMS ("default" = none named), per
     # expert format (FORMATS), one build each
     reuse-ab) for f in ${FORMATS:-dense Q8_0}; do for x in ${ARMS:-default ahead-batches}; do
-             FREETOKEN_EXPERIMENTAL=${x#default} timeout ${REUSE_S:-200} ft bench reuse --shape qwen3-30b-a3b \
+             FREETOKEN_EXPERIMENTAL=${x#default} timeout ${REUSE_S:-200} ft bench reuse --shape qwen3-30b-a3b --skew ${SKEW:-0} \
                --history 20000 --turn 500 --edits ${EDITS:-1000,4000,16000} --expert-cache 16GiB --expert-format $f \
-               --turn-paths "" --commit "$commit $x" --out "$OUT/reuse-20k-16gib-$f-$x.md" 2>&1 \
+               --turn-paths "" --commit "$commit $x" --out "$OUT/reuse-20k-16gib-skew${SKEW:-0}-$f-$x.md" 2>&1 \
                | grep -E "^\| (cold|reuse|edit)" ; done; done ;;
     reuse-resident) ft bench reuse --shape qwen3-30b-a3b --history 20000 --turn 500 --edits 1000,4000,16000 \
              --commit "$commit" --out "$OUT/reuse-qwen3-30b-a3b-20k-resident.md" ;;
@@ -51,6 +51,11 @@ for part in "$@"; do
              --expert-format Q8_0 --strategies ${STRATEGIES:-resident-graphs,copy,auto} --block-shares ${SHARES:-0,1} \
              --commit "$commit" --out "$OUT/d1-q8-1k-blocks.md" 2>&1 | grep -v -e Warning -e "latest windows" \
              | tee -a "$OUT/d1-blocks.log" | grep -E "^\| (copy|auto|res)" ;;
+    # the host's time per decode layer-step without and with the block store (D1 Q8_0, 16 GiB, auto, perf clock)
+    profile-blocks) for x in "" block-store; do (cd /tmp && FREETOKEN_EXPERIMENTAL=$x python3 \
+               "$OLDPWD/evals/scripts/profile_offload.py" --layers 48 --budget 16GiB --strategy auto --expert-format Q8_0 \
+               --clock perf --tokens 16 --warmup 16 --out /tmp/prof 2>&1 | grep -v Warning | tail -40 \
+               | sed "1i == block store ${x:-off}" | tee -a "$OUT/profile-blocks.txt"); done ;;
     speculative-tests) (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -rf \
              "$OLDPWD/tests/engine/test_speculative.py" 2>&1 | tail -15 | tee -a "$OUT/tests.txt") ;;
     kernel-prefill) (cd /tmp && FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench \

@@ -30,8 +30,10 @@ from freetoken.engine.cuda_graphs import GraphedDecoder
 from freetoken.engine.loader import attach_experts, build_executor
 from freetoken.engine.offload import cpu_experts
 from freetoken.engine.offload import executor as executor_module
+from freetoken.engine.offload.block_store import BlockStore
 from freetoken.engine.offload.expert_cache import ExpertCache
 from freetoken.engine.offload.planner import MissPlanner
+from freetoken.engine.offload.transfer import ExpertCopier
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.gguf_dequant import fused
 from freetoken.units import parse_bytes
@@ -56,6 +58,12 @@ PHASES = {  # (object, attribute) wrapped with a profiler range of the same name
     "sync": (torch.cuda.Stream, "synchronize"),  # the wait for the segment's routing
     "cpu_launch_py": (cpu_experts.CpuExpertRunner, "_launch"),  # the workspace filled, then the kernel started
     "kernel_launch": (CpuExpertKernel, "launch"),  # argument conversion and ft_moe_start (waking the workers)
+    # the block store's path (FREETOKEN_EXPERIMENTAL=block-store): its bookkeeping, copies, index and launches
+    "store_copies": (ExpertCopier, "_store_copies"),
+    "store_place": (BlockStore, "place"),
+    "block_copies": (ExpertCopier, "_block_copies"),
+    "slot_index": (ExpertCopier, "_slot_index"),
+    "dequant_rows": (ExpertCopier, "_dequantize_rows"),
 }
 
 

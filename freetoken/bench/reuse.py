@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from freetoken.bench.decode import _sync, add_model_args, add_run_args, emit, result_header
+from freetoken.bench.decode import _routing, _sync, add_model_args, add_run_args, emit, result_header
 from freetoken.bench.synthetic import build_synthetic
 from freetoken.engine.generator import Generator
 from freetoken.engine.sampling import SamplingParams
@@ -56,7 +56,7 @@ def bench(a: argparse.Namespace) -> list[tuple]:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     budget = None if a.expert_cache == "all" else parse_bytes(a.expert_cache)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=budget, layers=a.layers, seed=a.seed,
-                         expert_format=a.expert_format)
+                         skew=a.skew, expert_format=a.expert_format)
     total = a.history + a.turn + 8
     gen = Generator(lm, max_seq_len=total, pool_tokens=3 * total)  # the history, a fork's new pages, a cold copy
     cache = gen.cache(3 * total)  # allocated up front: a pool growing mid-measurement would be timed too
@@ -126,7 +126,8 @@ def render(rows, a: argparse.Namespace) -> str:
     lines = [
         *result_header("Conversation reuse (TTFT of the next turn)", "reuse", a),
         f"- history {a.history} tokens (random ids), new turn {a.turn} tokens, expert cache {a.expert_cache}, "
-        f"median of {a.repeats} runs after one warm-up; every run on a fork of the prefilled history",
+        f"median of {a.repeats} runs after one warm-up; every run on a fork of the prefilled history; "
+        f"{_routing(a.skew)}",
         "",
         "| case | distance from the end (tokens) | tokens computed | TTFT s | faster than cold |"
         + (" expert hit rate | GB copied | CPU experts |" if rows[0][4] is not None else ""),
@@ -146,6 +147,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--turn-paths", default="copy,cpu",
                    help="miss paths to time the follow-up turn on alone, beside auto (offloaded experts; '' for none)")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="Zipf exponent of expert popularity (0: near-uniform routing, the pessimistic case)")
     add_run_args(p)
     a = p.parse_args(argv)
     a.argv, a.edits = argv, [int(x) for x in a.edits.split(",") if x]

@@ -22,3 +22,16 @@ def test_reuse_bench_writes_every_row(tmp_path, capsys):
     assert "history 96 tokens" in table and "ft bench reuse" in table
     assert "expert hit rate | GB copied | CPU experts" in table  # offloaded: each row shows its expert traffic
     assert all(len(r.split(" | ")) == 8 for r in rows)
+
+
+
+def test_reuse_bench_labels_skewed_routing(tmp_path):
+    """--skew (the DESIGN's labelled variant: Zipf-like expert popularity) reaches the model and the result."""
+    out = tmp_path / "reuse.md"
+    assert main(["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--history", "64", "--turn", "8",
+                 "--edits", "", "--repeats", "1", "--expert-cache", "1MiB", "--turn-paths", "", "--skew", "2",
+                 "--out", str(out)]) == 0
+    table = out.read_text()
+    assert "router skewed to Zipf-like popularity (s=2.0)" in table
+    assert [r.split(" | ")[0] for r in table.splitlines() if r.startswith(("| cold", "| reuse"))] == \
+        ["| cold", "| reuse"]

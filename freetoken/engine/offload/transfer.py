@@ -306,49 +306,72 @@ class ExpertCopier:
     def _store_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """Quantized experts through the block store: those it holds are dequantized from their rows; the others'
         bytes cross the link into the rows it admits them to (else into transient rows) and are dequantized from
-        there. One launch for the transient rows, one for the store's, on the copy stream."""
-        self._start_timing()
+        there. The held ones' launch comes first and outside the batch's timing: it needs no link, so the GPU
+        runs it while the host still queues the copies, and a link sample counts only link bytes and their
+        dequantizing (with it inside, a batch of store hits read as a slow link to the planner)."""
         placed = self.store.place(layer, experts, self._store_evicts)
-        fetched = sum(fetch for _, fetch in placed)
+        near = [i for i, (_, fetch) in enumerate(placed) if not fetch]
+        far = [i for i, (_, fetch) in enumerate(placed) if fetch]
+        if near:
+            self._rows_into_slots(dest, [slots[i] for i in near], [placed[i][0] for i in near])
+        if far:
+            self._start_timing()
+            experts, slots, rows = ([xs[i] for i in far] for xs in (experts, slots, [row for row, _ in placed]))
+            if self.fused:
+                self._fused_store_copies(layer, experts, dest, slots, rows)
+            else:
+                with self._on_copy_stream():
+                    self._plain_store_copies(layer, experts, dest, slots, rows)
+            self._finish_timing(len(far))
+        self.counters.store_hits += len(near)
+
+    def _rows_into_slots(self, dest: LayerExperts, slots: list[int], rows: list[int]) -> None:
+        """Experts the block store holds, dequantized from their rows into `slots` on the copy stream."""
         if self.fused:
-            self._fused_store_copies(layer, experts, dest, slots, placed)
-        else:
-            with self._on_copy_stream():
-                self._plain_store_copies(layer, experts, dest, slots, placed)
-        self.counters.store_hits += len(experts) - fetched
-        self._finish_timing(fetched)
+            self._dequantize_rows(len(rows), dest, slots, rows)
+            return
+        src = next(iter(self.host.values()))  # every layer's experts share one format
+        with self._on_copy_stream():
+            for slot, row in zip(slots, rows, strict=True):
+                self._dequantize_row(src, self.store.rows[row], dest, slot)
 
     def _fused_store_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int],
-                            placed: list[tuple[int | None, bool]]) -> None:
+                            rows: list[int | None]) -> None:
+        """Experts new to the device: block bytes over the link into their store rows (or transient rows where
+        the store took them not), then one launch per kind of row."""
+        transient = [i for i, row in enumerate(rows) if row is None]
+        kept = [i for i, row in enumerate(rows) if row is not None]
+        copies = self._block_copies(layer, [experts[i] for i in transient],
+                                    self._raw_rows(len(transient)).data_ptr()) if transient else []
         store = self.store.rows
-        transient = [(e, slot) for e, slot, (row, _) in zip(experts, slots, placed, strict=True) if row is None]
-        kept = [(e, slot, row, fetch) for e, slot, (row, fetch) in zip(experts, slots, placed, strict=True)
-                if row is not None]
-        copies = self._block_copies(layer, [e for e, _ in transient], self._raw_rows(len(transient)).data_ptr()) \
-            if transient else []
-        for e, _, row, fetch in kept:
-            if fetch:
-                copies += self._block_copies(layer, [e], store.data_ptr() + row * store.stride(0))
-        if copies:
-            self._queue_copies(copies, self.stream.cuda_stream)
+        for i in kept:
+            copies += self._block_copies(layer, [experts[i]], store.data_ptr() + rows[i] * store.stride(0))
+        self._queue_copies(copies, self.stream.cuda_stream)
         if transient:
-            self._dequantize_rows(len(transient), dest, [slot for _, slot in transient])
+            self._dequantize_rows(len(transient), dest, [slots[i] for i in transient])
         if kept:
-            self._dequantize_rows(len(kept), dest, [slot for _, slot, _, _ in kept], [row for _, _, row, _ in kept])
+            self._dequantize_rows(len(kept), dest, [slots[i] for i in kept], [rows[i] for i in kept])
 
     def _plain_store_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int],
-                            placed: list[tuple[int | None, bool]]) -> None:
+                            rows: list[int | None]) -> None:
         """The same expert by expert through the plain-torch reference (no fused kernel: the CPU, other types)."""
         src = self.host[layer]
-        for e, slot, (row, fetch) in zip(experts, slots, placed, strict=True):
+        for e, slot, row in zip(experts, slots, rows, strict=True):
             buf = self._raw_rows(1)[0] if row is None else self.store.rows[row]
             at = 0
-            for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
-                part = buf[at:at + src.raw[p].shape[1]]
-                if fetch:
-                    part.copy_(src.raw[p][e], non_blocking=True)  # only the block-format bytes cross the link
-                d.copy_(src.dequantized(e, p, self.dtype, part))
-                at += part.shape[0]
+            for p in PROJECTIONS:  # only the block-format bytes cross the link
+                nbytes = src.raw[p].shape[1]
+                buf[at:at + nbytes].copy_(src.raw[p][e], non_blocking=True)
+                at += nbytes
+            self._dequantize_row(src, buf, dest, slot)
+
+    def _dequantize_row(self, src: QuantizedExperts, buf: torch.Tensor, dest: LayerExperts, slot: int) -> None:
+        """One expert's block bytes (gate, up, down back to back in `buf`) into dest[slot], plain torch."""
+        at = 0
+        for p, d in zip(PROJECTIONS, dest.weights_of(slot), strict=True):
+            nbytes = src.raw[p].shape[1]
+            d.copy_(src.dequantized(0, p, self.dtype, buf[at:at + nbytes]))
+            at += nbytes
 
     def _dense_batch(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """Pinned dense experts into their slots, every projection of every expert in one batch (GPU path

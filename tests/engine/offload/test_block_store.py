@@ -7,6 +7,8 @@ reads the rows (the CUDA cases below).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -108,12 +110,38 @@ def test_a_store_holding_every_expert_ends_the_link_traffic(q8_gguf, expected):
     ex = lm.experts
     ex.miss_path = "copy"
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
-    copied = ex.counters.bytes_copied
+    copied, samples = ex.counters.bytes_copied, (ex.planner.copy.samples, ex._prefill_planner().copy.samples)
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     assert ex.counters.bytes_copied == copied  # the second run read every expert from the store
+    # and taught the planners nothing about the link: store hits are no link samples
+    assert (ex.planner.copy.samples, ex._prefill_planner().copy.samples) == samples
     stats = snapshot(lm).experts
     assert stats.block_rows == stats.block_cached == lm.moe_spec.total_routed_experts
     assert stats.store_hits == ex.counters.store_hits > 0 and set("".join(stats.grid)) == {"#"}
+
+
+def test_a_link_sample_times_only_the_experts_that_crossed_it(q8_gguf, monkeypatch):
+    """The store hits' dequantizing comes before a batch's timing starts: inside it, a batch of hits and fetches
+    read as a slow link to the planner."""
+    copier = _offloaded(q8_gguf, 2, 4).experts.copier
+    dest, layer = copier.allocate(2), next(iter(copier.host))
+    copier.begin()
+    copier.to_slots(layer, [0], dest, [0])
+    copier.end()
+    copier.finished_timings()
+    slow = copier._rows_into_slots
+
+    def slow_hits(*args):
+        time.sleep(0.2)
+        slow(*args)
+
+    monkeypatch.setattr(copier, "_rows_into_slots", slow_hits)
+    copier.begin()
+    copier.to_slots(layer, [0, 1], dest, [0, 1])  # expert 0 from its row, expert 1 over the link
+    copier.end()
+    [(nbytes, seconds, sample, _)] = copier.finished_timings()
+    assert nbytes == copier.expert_bytes and sample and seconds < 0.1
+    assert copier.counters.store_hits == 1
 
 
 def test_a_prefill_chunk_fills_free_rows_but_evicts_none(q8_gguf):
