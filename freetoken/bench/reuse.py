@@ -45,9 +45,10 @@ def _ttft(gen: Generator, seq, new_ids: list[int]) -> float:
 
 
 def _traffic(lm):
-    """A snapshot of the offloaded executor's counters (hits, misses, bytes copied, CPU experts), or None."""
+    """A snapshot of the offloaded executor's counters (hits, misses, bytes copied, CPU experts), or None. A miss
+    of the slots that the block store served counts as a hit: the device held it, no byte crossed the link."""
     c = getattr(lm.experts, "counters", None)
-    return None if c is None else (c.hits, c.misses, c.bytes_copied, c.cpu_experts)
+    return None if c is None else (c.hits + c.store_hits, c.misses - c.store_hits, c.bytes_copied, c.cpu_experts)
 
 
 def bench(a: argparse.Namespace) -> list[tuple]:
@@ -127,7 +128,7 @@ def render(rows, a: argparse.Namespace) -> str:
         *result_header("Conversation reuse (TTFT of the next turn)", "reuse", a),
         f"- history {a.history} tokens (random ids), new turn {a.turn} tokens, expert cache {a.expert_cache}, "
         f"median of {a.repeats} runs after one warm-up; every run on a fork of the prefilled history; "
-        f"{_routing(a.skew)}",
+        f"{_routing(a.skew)}; hit rate: experts the device held (dequantized or in the block store)",
         "",
         "| case | distance from the end (tokens) | tokens computed | TTFT s | faster than cold |"
         + (" expert hit rate | GB copied | CPU experts |" if rows[0][4] is not None else ""),

@@ -98,6 +98,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         self._routers: dict[int, tuple[torch.Tensor, int]] = {}
         self._next_layer: dict[int, int] = {}
         self._prefetched: set[tuple[int, int]] = set()
+        self._prefetched_near: set[tuple[int, int]] = set()  # of those, the ones the block store served (no link)
         self._staged_ahead: dict[tuple[int, int], int] = {}  # prefetched into staging: (layer, expert) → ring index
         self._prefetch_done: list = []  # completion of the last prefetch's copies
         self._link = LinkQueue()  # when the link will have worked through the decode copies queued so far
@@ -271,7 +272,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             if slot is not None:
                 slot_of[e] = slot
                 if prefetched:
-                    prefetched_hits += (layer, e) in prefetched
+                    prefetched_hits += (layer, e) in prefetched and (layer, e) not in self._prefetched_near
             elif e in ahead:  # a miss of the cache, already copied by the previous layer's prefetch
                 slot_of[e] = self.staging_first + ahead[e]
                 staged.append(ahead[e])
@@ -438,6 +439,12 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         if experts and copier.stream is not None:
             self._prefetch_done = [copier.mark_copies()]
         copier.end()
+        if near and self.cache.capacity:
+            # a prediction the store served into a cache slot becomes a hit of its step, counted there (not as a
+            # store hit as well); one served into a staging slot stays the store-served miss it will be
+            from_store = [(layer, e) for e in experts[:len(near)]]
+            self.counters.store_hits -= len(from_store)
+            self._prefetched_near.update(from_store)
         if experts:
             now = time.perf_counter()
             fetched = max(0, len(experts) - len(near))
@@ -480,6 +487,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         if self._prefetched:
             self.counters.prefetch_used += sum((layer, e) in self._prefetched for e in routed)
             self._prefetched = {key for key in self._prefetched if key[0] != layer}
+            self._prefetched_near = {key for key in self._prefetched_near if key[0] != layer}
 
     def _count_cpu(self, count: int, seconds: float, planner: MissPlanner | None = None,
                    weighed_bytes: float | None = None) -> None:

@@ -120,6 +120,24 @@ def test_a_store_holding_every_expert_ends_the_link_traffic(q8_gguf, expected):
     assert stats.store_hits == ex.counters.store_hits > 0 and set("".join(stats.grid)) == {"#"}
 
 
+def test_a_prediction_the_store_serves_is_counted_once_and_not_as_link_traffic(q8_gguf, expected):
+    """Next-layer prefetch from the store: the expert becomes a hit of its step (not a store hit as well), and
+    no prefetch hit (those are counted as link bytes by the decode floor)."""
+    total = load_model(q8_gguf, progress=False, expert_cache=0).moe_spec.total_routed_experts
+    lm = _offloaded(q8_gguf, 4, total)  # room for a step's two experts and the next layer's two predicted
+    ex = lm.experts
+    ex.miss_path, ex.prefetch, ex.gather_small_batches = "copy", True, True  # the CUDA defaults
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected  # fills the store
+    c = ex.counters
+    before = (c.hits, c.misses, c.store_hits, c.prefetched, c.prefetch_hits, c.bytes_copied)
+    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    hits, misses, store_hits, prefetched, prefetch_hits, copied = (
+        b - a for a, b in zip(before, (c.hits, c.misses, c.store_hits, c.prefetched, c.prefetch_hits,
+                                       c.bytes_copied), strict=True))
+    assert copied == 0 and prefetched > 0 and hits > 0
+    assert store_hits == misses and prefetch_hits == 0
+
+
 def test_a_link_sample_times_only_the_experts_that_crossed_it(q8_gguf, monkeypatch):
     """The store hits' dequantizing comes before a batch's timing starts: inside it, a batch of hits and fetches
     read as a slow link to the planner."""
