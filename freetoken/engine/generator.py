@@ -199,9 +199,10 @@ class Reply:
         self.sampler = Sampler(params, lm.device)
         self.eos = frozenset() if params.ignore_eos else frozenset(lm.tokenizer.eos_token_ids if lm.tokenizer else ())
         if params.json_object or params.call_format:
-            from freetoken.engine.json_sampler import ConstrainedSampler, language_for, token_texts
+            from freetoken.engine.json_sampler import ConstrainedSampler, language_for, literal_chars
 
-            self.sampler = ConstrainedSampler(self.sampler, token_texts(lm.tokenizer), self.eos, language_for(params))
+            self.sampler = ConstrainedSampler(self.sampler, lm.tokenizer.token_bytes, self.eos, language_for(params),
+                                              literal_chars(params))
         self.detok = _text_pipeline(lm, params) if decode_text else None
         self.timings = Timings()
         self.produced = 0

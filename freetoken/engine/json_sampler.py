@@ -1,55 +1,45 @@
-"""Constrained sampling: every sampled token keeps the output inside a small language, checked on the token's text.
+"""Constrained sampling: every sampled token keeps the output inside a small language, checked on the token's bytes.
 
 - `JsonObject` (`response_format` json_object / json_schema): the reply is one JSON object, then it ends.
 - the tool-call languages of call_languages.py and tag_calls.py (Hermes/Qwen JSON, Mistral, Llama 3, DeepSeek;
   Qwen3-Coder XML, GLM): text is free, but a call must be a call of an offered tool in the model's own format,
   its arguments valid under the tool's schema.
 
-Rejection sampling over the unconstrained sampler: draw a token; if its text cannot continue the language, mask
+Rejection sampling over the unconstrained sampler: draw a token; if its bytes cannot continue the language, mask
 it out and draw again — a draw from the same filtered distribution renormalised over the tokens that remain, so
 greedy stays greedy and sampling keeps its temperature. A model mostly proposes valid tokens, so a step costs one
 draw; after MAX_DRAWS refusals the best-scoring valid token among the top FALLBACK_RANKS is taken.
+
+Tokens are read as bytes (`Tokenizer.token_bytes`) because a byte-fallback or byte-level token may hold part of a
+UTF-8 character: the language reads whole characters only, and the incomplete tail of the output waits (`pending`)
+until a later token completes it. A token may leave a tail only if it is valid UTF-8 so far (utf8_tail.py) and a
+character starting with it is found that continues the language (`_continues`); the reply cannot end while a tail
+is pending.
 """
 
 from __future__ import annotations
 
-import functools
+import json
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from freetoken.engine.call_languages import DeepseekCalls, HarmonyCalls, HermesCalls, Llama3Calls, MistralCalls
+from freetoken.engine.call_languages import (
+    DEEPSEEK_SEP,
+    DSML,
+    DeepseekCalls,
+    HarmonyCalls,
+    HermesCalls,
+    Llama3Calls,
+    MistralCalls,
+)
 from freetoken.engine.dsml_calls import DsmlCalls
 from freetoken.engine.json_prefix import JsonPrefix
 from freetoken.engine.json_schema import Node, SchemaPrefix, compile_schema
 from freetoken.engine.sampling import Sampler, SamplingParams
 from freetoken.engine.tag_calls import GlmCalls, QwenXmlCalls
-from freetoken.engine.tokenizer import Tokenizer
-
-
-class TokenTexts:
-    """A token's text as it reads inside a longer output: decoded after a fixed ordinary token and diffed, so a
-    sentencepiece token keeps the leading space it loses when decoded first. Cached per id."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.anchor = tokenizer.encode("a")[-1]
-        self.anchor_text = tokenizer.decode([self.anchor])
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token: int) -> str:
-        text = self._cache.get(token)
-        if text is None:
-            both = self.tokenizer.decode([self.anchor, token])
-            text = both[len(self.anchor_text):] if both.startswith(self.anchor_text) else both
-            self._cache[token] = text
-        return text
-
-
-@functools.lru_cache(maxsize=4)
-def token_texts(tokenizer: Tokenizer) -> TokenTexts:
-    """One cache of token texts per tokenizer, shared by every constrained reply."""
-    return TokenTexts(tokenizer)
+from freetoken.engine.utf8_tail import first_chars, split_utf8
 
 
 class Language(Protocol):
@@ -115,16 +105,37 @@ def _language(params: SamplingParams) -> Language:
     raise ValueError(f"no constrained language for call format {params.call_format!r}")
 
 
+def literal_chars(params: SamplingParams) -> frozenset[str]:
+    """The non-ASCII characters the request's constraint spells out (schema enums and keys, tool and parameter
+    names, a forced call's opening, DeepSeek's markers): where a language takes only given characters, these are
+    the ones to probe an incomplete UTF-8 tail with."""
+    texts = [params.json_schema, *(schema for _, schema in params.call_schemas), params.call_opening or "",
+             *(name for name, _ in params.call_tools), *(p for _, names in params.call_tools for p in names),
+             DEEPSEEK_SEP, DSML]
+    return frozenset(c for text in map(_unescaped, texts) for c in text if not c.isascii())
+
+
+def _unescaped(text: str) -> str:
+    """JSON text with its `\\u` escapes written out (an enum's "caf\\u00e9" is generated as "café")."""
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError:
+        return text
+
+
 class ConstrainedSampler:
     MAX_DRAWS = 16
     FALLBACK_RANKS = 8192
 
-    def __init__(self, sampler: Sampler, texts: TokenTexts, eos: frozenset[int], language: Language):
-        self.sampler, self.texts, self.eos, self.language = sampler, texts, eos, language
+    def __init__(self, sampler: Sampler, token_bytes: Callable[[int], bytes], eos: frozenset[int],
+                 language: Language, literals: frozenset[str] = frozenset()):
+        self.sampler, self.token_bytes, self.eos, self.language = sampler, token_bytes, eos, language
+        self.literals = literals  # characters to probe a pending tail with (see `literal_chars`)
+        self.pending = b""  # the output's incomplete UTF-8 tail, not yet fed to the language
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] → a token id that keeps the output in the language (advancing its state)."""
-        if self.language.must_end and self.eos:
+        if self.language.must_end and self.eos and not self.pending:
             return max(self.eos, key=lambda t: float(logits[t]))
         masked = None
         for _ in range(self.MAX_DRAWS):
@@ -134,7 +145,8 @@ class ConstrainedSampler:
             if masked is None:
                 masked = logits.clone()
             masked[token] = float("-inf")
-        ranked = torch.argsort(masked, descending=True)[:self.FALLBACK_RANKS].tolist()
+        # a pending character must be completed: look through the whole vocabulary for its continuation bytes
+        ranked = torch.argsort(masked, descending=True)[:None if self.pending else self.FALLBACK_RANKS].tolist()
         for token in ranked:
             if self._take(token):
                 return token
@@ -144,12 +156,25 @@ class ConstrainedSampler:
 
     def _take(self, token: int) -> bool:
         if token in self.eos:
-            return self.language.can_end
-        text = self.texts(token)
-        if not text:  # no progress: fine in free text, never inside a constrained stretch (it could loop)
-            return self.language.can_end and not self.language.must_end
-        trial = self.language.copy()
-        if not trial.feed(text):
+            return self.language.can_end and not self.pending
+        data = self.token_bytes(token)
+        if not data:  # no progress: fine in free text, never inside a constrained stretch (it could loop)
+            return self.language.can_end and not self.language.must_end and not self.pending
+        split = split_utf8(self.pending + data)
+        if split is None:  # not UTF-8: a stray continuation byte, a bad lead byte, a surrogate, an overlong form
             return False
-        self.language = trial
+        text, tail = split
+        trial = self.language.copy()
+        if text and not trial.feed(text):
+            return False
+        if tail and not self._continues(trial, tail):
+            return False
+        self.language, self.pending = trial, tail
         return True
+
+    def _continues(self, language: Language, tail: bytes) -> bool:
+        """Whether some character starting with `tail` continues `language`, probed with the first such character,
+        the first letter or digit, and the literal characters: a language that refuses the first two takes only
+        characters it was given (an enum's, a name's), and those are among the literals."""
+        probes = (*first_chars(tail), *(c for c in self.literals if c.encode("utf-8").startswith(tail)))
+        return any(language.copy().feed(c) for c in probes)

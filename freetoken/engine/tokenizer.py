@@ -26,7 +26,7 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from freetoken.engine.call_languages import (
 )
 from freetoken.engine.chat_template import ChatTemplate
 from freetoken.engine.gguf_vocab import build_gguf_vocab
+from freetoken.engine.token_bytes import TokenBytes
 from freetoken.errors import ChatTemplateError, TokenizerError
 
 END_OF_TURN_TOKENS = (
@@ -88,6 +89,7 @@ class Tokenizer:
     # Why the model's template did not compile: the tokenizer still loads (raw prompts need no template),
     # and `apply_chat_template` reports this.
     chat_template_error: str | None = None
+    _token_bytes: TokenBytes | None = field(default=None, init=False, repr=False)  # made on first use
 
     # ---- construction ---------------------------------------------------------------------------------------
 
@@ -206,6 +208,13 @@ class Tokenizer:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.special_ids]
         return self.backend.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` adds to an output it does not start: a sentencepiece token keeps its leading space,
+        a byte token or a piece of a UTF-8 character gives its raw bytes (not the U+FFFD it decodes to alone)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self)
+        return self._token_bytes(int(token_id))
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -19,9 +19,13 @@ EOS = frozenset({0})
 GREEDY = SamplingParams(temperature=0)
 
 
+def _vocab_bytes(token: int) -> bytes:
+    return VOCAB[token].encode()
+
+
 def _run(language, preferences: list[list[str]], params: SamplingParams = GREEDY) -> str:
     """Each step's logits rank `preferences[step]` first (in order), every other token far below."""
-    sampler = ConstrainedSampler(Sampler(params, torch.device("cpu")), VOCAB.__getitem__, EOS, language)
+    sampler = ConstrainedSampler(Sampler(params, torch.device("cpu")), _vocab_bytes, EOS, language)
     out = []
     for ranked in preferences:
         logits = torch.full((len(VOCAB),), -10.0)
@@ -92,7 +96,7 @@ def test_a_forced_call_starts_inside_its_opening():
 def test_sampling_stays_in_the_language():
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, seed=3)
-    sampler = ConstrainedSampler(Sampler(params, torch.device("cpu")), VOCAB.__getitem__, EOS, JsonObject())
+    sampler = ConstrainedSampler(Sampler(params, torch.device("cpu")), _vocab_bytes, EOS, JsonObject())
     out = []
     for _ in range(40):
         token = sampler(torch.randn(len(VOCAB), generator=gen))

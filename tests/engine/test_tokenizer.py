@@ -17,6 +17,7 @@ from freetoken.engine.formats.gguf_file import GGUFFile
 from freetoken.engine.gguf_vocab import PRE_TOKENIZERS, build_gguf_vocab
 from freetoken.engine.tokenizer import IncrementalDecoder, Tokenizer
 from freetoken.errors import ChatTemplateError, TokenizerError
+from support.tiny_vocabs import byte_level_metadata
 
 BYTE_LEVEL_TEXTS = [
     "",
@@ -54,6 +55,22 @@ def assert_streams_like_decode(tokenizer: Tokenizer, n_vocab: int, seed: int) ->
         ids = [rng.randrange(n_vocab) for _ in range(rng.randint(1, 24))]
         for skip in (False, True):
             assert "".join(stream(tokenizer, ids, skip)) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+
+def assert_token_bytes_spell(tokenizer: Tokenizer, text: str, spelled: str) -> None:
+    """Each token's bytes, as it reads inside an output, joined: `spelled` (`text` as the tokens write it), with
+    some token holding only part of a character (its raw bytes, not the U+FFFD it decodes to alone)."""
+    pieces = [tokenizer.token_bytes(i) for i in tokenizer.encode(text)]
+    assert b"".join(pieces) == spelled.encode()
+    assert any(_broken(piece) for piece in pieces)
+
+
+def _broken(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 # ---- SmolLM2 GGUF (byte-level BPE, pre "smollm") against transformers --------------------------------------
@@ -110,6 +127,12 @@ def test_smollm2_streaming(smol: Tokenizer) -> None:
     assert not any("\ufffd" in p for p in pieces)  # split UTF-8 sequences are held back, never emitted broken
     assert len([p for p in pieces if p]) > 5  # and text does flow before the end
     assert_streams_like_decode(smol, smol.vocab_size, seed=0)
+
+
+def test_smollm2_token_bytes(smol: Tokenizer) -> None:
+    text = "Emoji 🤗🇫🇷 and CJK 日本語, café → x<|im_end|>"
+    assert_token_bytes_spell(smol, text, text)
+    assert smol.token_bytes(smol.token_to_id("<|im_end|>")) == b"<|im_end|>"
 
 
 # ---- sentencepiece vocabulary (GGUF "llama") against sentencepiece itself --------------------------------------
@@ -207,6 +230,16 @@ def test_sentencepiece_streaming(spm: tuple) -> None:
     assert_streams_like_decode(tokenizer, tokenizer.vocab_size, seed=1)
 
 
+def test_sentencepiece_token_bytes(spm: tuple) -> None:
+    """A byte token is its byte; "▁" reads as the space it is inside an output, the first token's too (decoding
+    drops it there when the vocabulary prepends one)."""
+    _, metadata = spm
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    text = " hello wörld 🤗 日本 naïve → end"
+    assert_token_bytes_spell(tokenizer, text, " " + text if metadata["tokenizer.ggml.add_space_prefix"] else text)
+    assert tokenizer.token_bytes(tokenizer.token_to_id("<0xF0>")) == b"\xf0"
+
+
 # ---- HF directory against transformers ---------------------------------------------------------------------
 
 HF_TEMPLATE = (
@@ -288,18 +321,12 @@ def test_hf_dir_errors(hf_dir: Path, tmp_path: Path) -> None:
         Tokenizer.from_hf_dir(tmp_path)
 
 
+def test_hf_dir_token_bytes(hf_dir: Path) -> None:
+    text = "Ünïcödé façade — 日本語のテキスト 🤗"
+    assert_token_bytes_spell(Tokenizer.from_hf_dir(hf_dir), text, text)
+
+
 # ---- GGUF metadata: pre-tokenizer table and malformed input ----------------------------------------------------
-
-
-def byte_level_metadata(pre: str, extra_tokens: list[tuple[str, int]] = ()) -> dict:
-    tokens = pre_tokenizers.ByteLevel.alphabet() + ["12", "123", "45"] + [t for t, _ in extra_tokens]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1] * (len(tokens) - len(extra_tokens)) + [t for _, t in extra_tokens],
-        "tokenizer.ggml.merges": ["1 2", "12 3", "4 5"],
-    }
 
 
 @pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
