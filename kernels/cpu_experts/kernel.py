@@ -139,13 +139,18 @@ class CpuExpertKernel:
             raise ValueError(f"out must be a contiguous fp32 [{t}, {h}] tensor")
         xb = actb = None
         if self.wants_bf16_activations(gate, up, down, round_to):
-            xb = x_bf16.contiguous() if x_bf16 is not None else x.to(torch.bfloat16)
-            if x_bf16 is None and not torch.equal(xb.float(), x):  # they must be bf16 values, not rounded ones
-                xb = None
-            else:
+            xb = x_bf16.contiguous() if x_bf16 is not None else self.bf16_if_exact(x)
+            if xb is not None:
                 actb = torch.empty(pair_tokens.numel(), inter, dtype=torch.bfloat16)
         return self.launch(x, gate, up, down, experts, experts.numel(), pair_offsets, pair_tokens, pair_weights,
                            act, y, round_to, xb, actb, kernel_form(form))
+
+    def bf16_if_exact(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x (contiguous fp32, host) in bf16 when it holds bf16 values exactly (a bf16 model's activations), else
+        None (rounded values would change the result). In C on this thread: torch's conversion and comparison of
+        more than 32k values run on its OpenMP pool, which then spins on the cores this kernel's workers need."""
+        xb = torch.empty(x.shape, dtype=torch.bfloat16)
+        return xb if self.lib.ft_to_bf16_exact(x.data_ptr(), xb.data_ptr(), x.numel()) else None
 
     def wants_bf16_activations(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
                                round_to: torch.dtype) -> bool:

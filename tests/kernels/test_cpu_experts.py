@@ -93,6 +93,25 @@ def test_bf16_activations_take_the_bf16_dot_path_and_match(kernel, tokens, hidde
     assert uses_bf16_dot == kernel.bf16_dot
 
 
+def test_activations_go_to_bf16_only_when_they_are_bf16_values(kernel):
+    """The kernel's own conversion (in C, off torch's thread pool) keeps exact values and refuses rounded ones:
+    an fp32 model's activations with round_to bf16 take the fp32 path, as the reference does."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 2048, generator=gen).bfloat16().float()  # 80k values: past torch's 32k parallel grain
+    xb = kernel.bf16_if_exact(x)
+    assert xb is not None and xb.dtype == torch.bfloat16 and torch.equal(xb.float(), x)
+    x[17, 5] += 2.0 ** -12 * abs(float(x[17, 5]))  # one value off the bf16 grid
+    assert kernel.bf16_if_exact(x) is None
+    gate, up = (_matrix("BF16", 5, 64, 96, gen) for _ in range(2))
+    down = _matrix("BF16", 5, 96, 64, gen)
+    x = torch.randn(3, 96, generator=gen)
+    routing = _routing(3, 5, 2, gen)
+    pending = kernel.start(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert pending._keep_alive[7] is None  # no act_bf16: the fp32 path
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert (pending.wait() - want).norm() / want.norm() < 2e-2
+
+
 def _form_case(formats, tokens: int, round_to: torch.dtype, gen: torch.Generator):
     """6 experts (hidden 96, intermediate 64) in `formats`, `tokens` tokens large enough that a low clamp bites
     (bf16-exact for a bf16 model), each routed to 2 experts."""

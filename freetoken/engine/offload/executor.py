@@ -503,7 +503,9 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             return out
         y, seconds = on_cpu.result()
         self._count_cpu(count, seconds, planner, weighed_bytes)
-        return out + y.to(out.device, out.dtype, non_blocking=True)
+        # converted on the device: on the host, more than 32k values would wake torch's OpenMP pool, which then
+        # spins on the cores the CPU expert kernel's next call needs
+        return out + y.to(out.device, non_blocking=True).to(out.dtype)
 
     def _plan(self, misses: list, tokens_of, copy_busy_s: float = 0.0,
               planner: MissPlanner | None = None) -> tuple[list, list]:
