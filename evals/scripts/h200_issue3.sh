@@ -312,6 +312,8 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
              --out "$OUT/d1-q8-1k.md" ;;
     wake-bench) (cd /tmp && for f in Q8_0 BF16; do FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.wake_bench \
                --format $f --calls 300; done | tee "$OUT/wake-bench.md") ;;
+    contention) (cd /tmp && for t in 15 16 17; do FREETOKEN_CPU_THREADS=$t python3 -m freetoken.kernels.cpu_experts.contention_bench \
+               --experts 8 --noise 2 --rounds 2; done | tee "$OUT/contention.md") ;;
     copy-batch-check) (cd /tmp && nm -D $(python3 -c "import torch, glob, os; print(glob.glob(os.path.dirname(torch.__file__) + '/../nvidia/*/lib/libcudart.so*')[0])") 2>/dev/null | grep -i batch
              python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -k batched -rs \
                "$OLDPWD/tests/engine/offload/test_quantized_experts.py" 2>&1 | tail -3

@@ -85,6 +85,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_pool_start.argtypes, lib.ft_pool_start.restype = [i], i
     lib.ft_pool_wake.argtypes, lib.ft_pool_wake.restype = [ctypes.c_long], None
     lib.ft_pool_set_tree_wake.argtypes, lib.ft_pool_set_tree_wake.restype = [i], i
+    lib.ft_pool_set_join.argtypes, lib.ft_pool_set_join.restype = [i], i
     f = ctypes.c_float
     lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i, p, p,
                                  p, p, p, i, f, f]

@@ -208,6 +208,11 @@ class CpuExpertKernel:
         two) instead of all by the caller. Returns whether it is on: never off Linux."""
         return bool(self.lib.ft_pool_set_tree_wake(int(on)))
 
+    def set_join(self, by_tasks: bool) -> bool:
+        """A call ends with its last task (default), or (False, for measuring) only once every worker has also
+        looked for tasks in it, so that a worker the OS has descheduled delays it. Returns whether by tasks."""
+        return bool(self.lib.ft_pool_set_join(int(by_tasks)))
+
     def random_fill(self, t: torch.Tensor, seed: int, bound: float | None = None) -> None:
         """Seeded random bytes into a contiguous CPU tensor (`bound` None), or values uniform in [-bound, bound)
         into an f32/bf16 one, on all pool threads (freetoken/bench/random_fill.py is the torch form)."""

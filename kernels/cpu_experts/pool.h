@@ -9,7 +9,12 @@
    - the tree wake-up (`ft_pool_set_tree_wake`, Linux): each worker sleeps on its own futex word, and the poster
      wakes only the first two; every worker that wakes (or finds the job while spinning) wakes the next two, so
      the poster returns after two wake-ups and the rest fan out over the workers, as a binary tree.
-   Without it workers sleep on one condition variable that the poster broadcasts to. */
+   Without it workers sleep on one condition variable that the poster broadcasts to.
+
+   A job is done when its last task is, not when every worker has checked in: a worker the OS has descheduled
+   (the host's other threads, a client on the same machine, outnumber the cores now and then) is not waited for
+   unless it holds a task; the others take its share. `ft_pool_set_join(0)` waits for every worker as before,
+   for measuring the difference. */
 
 typedef void (*task_fn)(void *ctx, int task);
 
@@ -26,7 +31,8 @@ typedef void (*task_fn)(void *ctx, int task);
 typedef struct {
     atomic_uint bell;
     atomic_int asleep;
-    char pad[56];
+    atomic_uint finished;  /* the generation of the last job this worker looked for tasks in (the every-worker join) */
+    char pad[52];
 } doorbell;
 
 static struct {
@@ -35,7 +41,12 @@ static struct {
     pthread_t threads[MAX_THREADS];
     int nworkers;
     atomic_uint generation, wake_requests;
-    atomic_int next, busy, sleepers;
+    /* the current job's task count (high 32 bits) and next unclaimed task (low 32): a claim is one compare-and-swap
+       on both, so a worker descheduled between reading the count and claiming cannot claim past the job's end */
+    _Atomic uint64_t claim;
+    atomic_int done;  /* tasks of the current job finished */
+    atomic_int join_all;  /* ft_pool_set_join(0): the job also waits for every worker to check in */
+    atomic_int sleepers;
     atomic_int cond_sleepers;  /* of the sleepers, those on the condition variable (not on their doorbell) */
     atomic_int tree_wake;      /* new sleeps go to the doorbells (ft_pool_set_tree_wake) */
     atomic_long spin_until;  /* now_ns() until which workers woken ahead of a job spin for it */
@@ -62,8 +73,17 @@ static void wake_children(int w) {
 #endif
 }
 
+/* Claims and runs tasks of the current job until none is left. fn and ctx are read only after a claim succeeds:
+   the job cannot end (and the next one replace them) before the claimed task has run. */
 static void run_tasks(void) {
-    for (int i; (i = atomic_fetch_add(&pool.next, 1)) < pool.ntasks;) pool.fn(pool.ctx, i);
+    uint64_t word = atomic_load(&pool.claim);
+    for (;;) {
+        if ((uint32_t)word >= (uint32_t)(word >> 32)) return;
+        if (!atomic_compare_exchange_weak(&pool.claim, &word, word + 1)) continue;  /* word reloaded */
+        pool.fn(pool.ctx, (int)(uint32_t)word);
+        atomic_fetch_add(&pool.done, 1);
+        word = atomic_load(&pool.claim);
+    }
 }
 
 static long now_ns(void) {
@@ -145,7 +165,7 @@ static void *worker(void *arg) {
         spin_first = 1;
         seen = atomic_load(&pool.generation);
         run_tasks();
-        atomic_fetch_sub(&pool.busy, 1);
+        atomic_store(&bells[w].finished, seen);
     }
     return NULL;
 }
@@ -204,15 +224,27 @@ static void parallel_start(task_fn fn, void *ctx, int ntasks) {
     pool.fn = fn;
     pool.ctx = ctx;
     pool.ntasks = ntasks;
-    atomic_store(&pool.next, 0);
-    atomic_store(&pool.busy, pool.nworkers);
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.claim, (uint64_t)(uint32_t)ntasks << 32);  /* publishes fn and ctx with it */
     atomic_fetch_add(&pool.generation, 1);
     wake_sleepers();
 }
 
 static void parallel_wait(void) {
     run_tasks();
-    while (atomic_load(&pool.busy) > 0) CPU_RELAX();
+    while (atomic_load(&pool.done) < pool.ntasks) CPU_RELAX();
+    if (atomic_load(&pool.join_all)) {
+        unsigned generation = atomic_load(&pool.generation);
+        for (int w = 0; w < pool.nworkers; w++)
+            while (atomic_load(&bells[w].finished) != generation) CPU_RELAX();
+    }
+}
+
+/* 1 (default): a job ends with its last task; 0: it also waits until every worker has looked for tasks in it
+   (the join before this file's task counting, kept to measure what descheduled workers cost). Returns the mode. */
+int ft_pool_set_join(int by_tasks) {
+    atomic_store(&pool.join_all, !by_tasks);
+    return !atomic_load(&pool.join_all);
 }
 
 static void parallel_for(task_fn fn, void *ctx, int ntasks) {

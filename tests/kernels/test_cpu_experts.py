@@ -311,6 +311,7 @@ routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 2, 3], dtyp
 want = kernel.moe_forward(x, gate, up, down, *routing)  # the same sums in the same order on any thread
 assert torch.allclose(want, reference.moe_forward(x, gate, up, down, *routing), atol=1e-5, rtol=1e-4)
 print("tree wake-up", kernel.set_tree_wake(True))
+kernel.set_join(False)  # every worker must check in: a worker the tree left asleep hangs the job
 for i in range(40):
     tree = i % 10 < 7  # mostly tree, with switches while workers sleep either way
     kernel.set_tree_wake(tree)
@@ -325,8 +326,8 @@ print("ok")
 
 def test_the_tree_wake_up_wakes_every_worker_for_every_job(tmp_path):
     """Eight workers (a tree three deep) asleep, spinning or woken ahead, the wake-up switched between the tree
-    and the broadcast while they sleep: every job completes (a worker left asleep would hang it: the pool waits
-    for all of them) with the reference's result. Its own process: the pool's size is fixed at its start."""
+    and the broadcast while they sleep: every job completes (a worker left asleep would hang it: the join is set
+    to wait for all of them) with the reference's result. Its own process: the pool's size is fixed at its start."""
     import os
     import subprocess
     import sys
@@ -340,6 +341,61 @@ def test_the_tree_wake_up_wakes_every_worker_for_every_job(tmp_path):
     lines = run.stdout.splitlines()
     assert lines[-1] == "ok"
     assert lines[0] == f"tree wake-up {sys.platform.startswith('linux')}"
+
+
+_OVERSUBSCRIBED_SCRIPT = """
+import os, random, time, torch
+from freetoken.kernels.cpu_experts import reference
+from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
+from freetoken.kernels.cpu_experts.reference import ExpertMatrix
+threads = 3 * len(os.sched_getaffinity(0)) + 1
+kernel = CpuExpertKernel.get(threads=threads)
+assert kernel.threads == threads, kernel.threads
+assert kernel.set_join(True)
+gen = torch.Generator().manual_seed(8)
+cases = []
+for tokens, experts, hidden, inter in ((1, 2, 64, 32), (3, 4, 128, 64), (1, 4, 2048, 96), (9, 8, 256, 128)):
+    gate, up = (ExpertMatrix.of((torch.randn(experts, inter, hidden, generator=gen) * 0.1).bfloat16())
+                for _ in range(2))
+    down = ExpertMatrix.of((torch.randn(experts, hidden, inter, generator=gen) * 0.1).bfloat16())
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.arange(experts, dtype=torch.int32)
+    offsets = torch.arange(experts + 1, dtype=torch.int32) * tokens
+    pair_tokens = torch.arange(tokens, dtype=torch.int32).repeat(experts)
+    routing = (ids, offsets, pair_tokens, torch.rand(experts * tokens, generator=gen))
+    want = kernel.moe_forward(x, gate, up, down, *routing)
+    assert torch.allclose(want, reference.moe_forward(x, gate, up, down, *routing), atol=1e-4, rtol=1e-4)
+    cases.append((x, gate, up, down, routing, want))
+buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=gen)
+checksum = kernel.read_bytes(buf)
+rng = random.Random(8)
+for i in range(600):
+    if rng.random() < 0.1:
+        assert kernel.read_bytes(buf) == checksum, i  # another job function, another task count
+        continue
+    x, gate, up, down, routing, want = rng.choice(cases)
+    got = kernel.moe_forward(x, gate, up, down, *routing)
+    assert torch.equal(got, want), i
+    if rng.random() < 0.05:
+        time.sleep(0.001)
+print("ok")
+"""
+
+
+def test_jobs_end_with_their_last_task_while_workers_are_descheduled(tmp_path):
+    """Three times as many threads as cores, so the OS deschedules workers all the time: a job ends when its last
+    task is done (not when every worker has checked in), and a worker that wakes late must claim nothing of a job
+    that has ended nor anything past the end of the next one — jobs of different task counts and functions in a
+    row give exactly their results."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FREETOKEN_HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", _OVERSUBSCRIBED_SCRIPT], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[-1] == "ok"
 
 
 @pytest.mark.parametrize("tokens", [2, 7, 16, 17, 40])
