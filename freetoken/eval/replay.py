@@ -193,11 +193,16 @@ EXPERT_COUNTERS = ("hits", "misses", "evictions", "cpu_experts", "bytes_copied",
 def expert_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
     """freetoken's expert counters and its miss path's current way (`/v1/stats`), or None from another server."""
     try:
-        experts = _server_stats(endpoint, headers)["engine"]["experts"]
-        return {**{k: experts[k] for k in EXPERT_COUNTERS}, "guard_way": experts.get("guard_way", ""),
-                "expert_bytes": experts["host_bytes_per_expert"]}
+        stats = _server_stats(endpoint, headers)
+        experts = stats["engine"]["experts"]
+        counters = {**{k: experts[k] for k in EXPERT_COUNTERS}, "guard_way": experts.get("guard_way", ""),
+                    "expert_bytes": experts["host_bytes_per_expert"]}
     except (KeyError, TypeError):
         return None
+    gc = stats.get("gc")  # the collector's pauses (servers since 2026-12-05): they stop the decode thread too
+    if isinstance(gc, dict):
+        counters.update(gc_seconds=gc["pause_seconds"], gc_full=gc["full_collections"])
+    return counters
 
 
 def counters_delta(before: dict | None, after: dict | None) -> dict | None:
@@ -215,4 +220,7 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     delta["step_cpu_gb_s"] = round(delta["step_cpu_experts"] * after["expert_bytes"] / seconds / 1e9, 2) \
         if seconds > 0 else None
     delta["cpu_start_delay_ms"] = round(delta["cpu_start_delay_seconds"] / starts * 1e3, 4) if starts else None
+    if "gc_seconds" in before and "gc_seconds" in after:
+        delta["gc_seconds"] = round(after["gc_seconds"] - before["gc_seconds"], 6)
+        delta["gc_full"] = after["gc_full"] - before["gc_full"]
     return delta

@@ -57,6 +57,7 @@ def serve(argv: list[str]) -> int:
         _check_record_dir(Path(a.record))
     import uvicorn
 
+    from freetoken.server.gc_pauses import thaw
     from freetoken.server.loading import LoadingApp
 
     model_id = _model_id(a.model)
@@ -77,6 +78,8 @@ def serve(argv: list[str]) -> int:
     finally:
         if "engine" in state:
             state["engine"].close()
+        if state.get("frozen"):
+            thaw()  # collectable again at exit (extension modules report frozen objects as leaks)
     if "error" in state:
         raise FreeTokenError(state["error"])
     if not server.started:
@@ -114,6 +117,7 @@ def _load_then_serve(a: argparse.Namespace, model_id: str, loading, server, stat
     from freetoken.engine.commands import _load
     from freetoken.server.app import ServerSettings, create_app
     from freetoken.server.engine import ServingEngine
+    from freetoken.server.gc_pauses import freeze_loaded
 
     try:
         lm = _load(a, on_progress=loading.progress)
@@ -129,7 +133,10 @@ def _load_then_serve(a: argparse.Namespace, model_id: str, loading, server, stat
                                                  max_batch=a.max_batch, prefix_cache=not a.no_prefix_cache,
                                                  speculative=a.speculative)
         settings = ServerSettings(a.host, a.port, a.api_key, frozenset(a.served_name), record_dir=a.record)
-        loading.ready(create_app(engine, settings))
+        app = create_app(engine, settings)
+        freeze_loaded()  # what loading left behind stays: later full collections need not scan it
+        state["frozen"] = True
+        loading.ready(app)
     except Exception as e:  # noqa: BLE001 - every failure ends the server with one line
         message = str(e) if isinstance(e, FreeTokenError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, FreeTokenError):

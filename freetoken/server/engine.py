@@ -33,6 +33,7 @@ from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
 from freetoken.errors import FreeTokenError
 from freetoken.server.activity import Activity
+from freetoken.server.gc_pauses import GcPauses
 from freetoken.server.harmony import HarmonyParser, reply_parser
 from freetoken.server.limits import reply_budget
 from freetoken.server.output import OutputParser, text_parameters
@@ -202,6 +203,8 @@ class ServingEngine:
                                         prefix_cache=prefix_cache, speculative=speculative)
         self.counters = Counters()
         self.activity = Activity()
+        self.gc_pauses = GcPauses()  # the collector's pauses stop the worker too: counted for /v1/stats
+        self.gc_pauses.start()
         self._running: dict[int, _Job] = {}  # activity id → job, while the scheduler holds it
         self._jobs: queue.Queue = queue.Queue()  # _Job, _WAKE, or None to stop
         self._controls: queue.Queue = queue.Queue()
@@ -266,7 +269,7 @@ class ServingEngine:
         return {"model": self.model_id, "context_length": self.context_length, "queued": self._jobs.qsize(),
                 "running": len(self.scheduler.active), "max_batch": self.scheduler.max_batch,
                 "forwards": self.scheduler.forwards, "requests": asdict(self.counters), "engine": asdict(snap),
-                "activity": self.activity.snapshot(),
+                "activity": self.activity.snapshot(), "gc": self.gc_pauses.snapshot(),
                 "drafts": None if speculator is None else asdict(speculator.stats)}
 
     def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -336,6 +339,7 @@ class ServingEngine:
     def close(self) -> None:
         self._jobs.put(None)
         self._worker.join(timeout=30)
+        self.gc_pauses.stop()
 
     # -- the worker thread --
 
