@@ -4,8 +4,10 @@
 
 Experts have Qwen3-30B-A3B's shape (H 2048, I 768); each call runs one layer's worth (8 experts, every token
 routed to each), cycling through a pool of experts several times the last-level cache, so weights come from DRAM
-as in decode. The ceiling is `ft_read_bytes` over a 1 GiB buffer on the same threads. The plain-torch reference
-(bf16 F.linear, what the engine used before) is timed beside it.
+as in decode. "kernel" calls it as the engine does (`launch`: buffers made once, x passed in bf16); "kernel-fresh"
+(`--fresh-calls`) through `moe_forward`, which makes them per call. The ceiling is `ft_read_bytes` over a 1 GiB
+buffer on the same threads. The plain-torch reference (bf16 F.linear, what the engine used before) is timed
+beside it.
 """
 
 from __future__ import annotations
@@ -80,14 +82,23 @@ def expert_gb_s(kernel, fmt: str, batch: int, pool_experts: int, impl: str, gen:
     tokens = torch.arange(batch, dtype=torch.int32).repeat(PER_CALL)
     weights = torch.rand(PER_CALL * batch, generator=gen)
     calls = pool_experts // PER_CALL
-    forward = kernel.moe_forward if impl == "kernel" else reference.moe_forward
+    forward = kernel.moe_forward if impl == "kernel-fresh" else reference.moe_forward
     if impl == "torch-bf16":  # the engine's old CPU path: bf16 F.linear per expert
         x = x.to(torch.bfloat16)
+    # "kernel": as the engine calls it (decode's and the prefill share's `launch`): buffers made once, x in bf16
+    bf16 = kernel.wants_bf16_activations(gate, up, down, round_to)
+    xb = x.bfloat16() if bf16 else None
+    act, y = torch.empty(PER_CALL * batch, INTER), torch.empty(batch, HIDDEN)
+    actb = torch.empty(PER_CALL * batch, INTER, dtype=torch.bfloat16) if bf16 else None
+    constants = kernel.launch_constants(gate, up, down)
+    ids = [torch.arange(c * PER_CALL, (c + 1) * PER_CALL, dtype=torch.int32) for c in range(calls)]
 
     def run():
-        for c in range(calls):
-            experts = torch.arange(c * PER_CALL, (c + 1) * PER_CALL, dtype=torch.int32)
-            if impl == "torch-bf16":
+        for experts in ids:
+            if impl == "kernel":
+                kernel.launch(x, gate, up, down, experts, PER_CALL, offsets, tokens, weights, act, y, round_to, xb,
+                              actb, None, constants).wait()
+            elif impl == "torch-bf16":
                 for e in experts.tolist():
                     expert_mlp(x, *(m.data[e] for m in (gate, up, down)))
             else:
@@ -104,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--pool-mib", type=int, default=1024, help="expert bytes cycled through (≫ last-level cache)")
     p.add_argument("--torch-baseline", action="store_true", help="also time torch bf16 F.linear (slow)")
+    p.add_argument("--fresh-calls", action="store_true",
+                   help="also time `moe_forward` (buffers and the bf16 copy of x made per call)")
     p.add_argument("--pinned", action="store_true", help="experts in page-locked memory, as the engine keeps them")
     p.add_argument("--fp32-activations", action="store_true",
                    help="fp32 activations and rounding (an fp32 model): no bf16 dot products")
@@ -116,16 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     dram = dram_read_gb_s(kernel)
     print(f"threads {kernel.threads}   DRAM read {dram:.1f} GB/s   bf16 dot products: {kernel.bf16_dot}")
     rows = []
-    print(f"{'format':<7}{'batch':>6}{'impl':>12}{'GB/s':>9}{'of DRAM':>9}")
+    print(f"{'format':<7}{'batch':>6}{'impl':>13}{'GB/s':>9}{'of DRAM':>9}")
     for fmt in a.formats:
         per_expert = 3 * HIDDEN * INTER * {"BF16": 2, "F32": 4, "Q8_0": 34 / 32, "MXFP4": 17 / 32}[fmt]
         pool = max(PER_CALL, int(a.pool_mib * 2**20 / per_expert) // PER_CALL * PER_CALL)
-        impls = ["kernel"] + (["torch-bf16"] if a.torch_baseline and fmt == "BF16" else [])
+        impls = ["kernel", *(["kernel-fresh"] if a.fresh_calls else []),
+                 *(["torch-bf16"] if a.torch_baseline and fmt == "BF16" else [])]
         for batch in a.batches:
             for impl in impls:
                 gb_s = expert_gb_s(kernel, fmt, batch, pool, impl, gen, a.pinned, a.fp32_activations)
                 rows.append(dict(format=fmt, batch=batch, impl=impl, gb_s=gb_s, dram_gb_s=dram))
-                print(f"{fmt:<7}{batch:>6}{impl:>12}{gb_s:>9.1f}{gb_s / dram:>9.0%}")
+                print(f"{fmt:<7}{batch:>6}{impl:>13}{gb_s:>9.1f}{gb_s / dram:>9.0%}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(threads=kernel.threads, dram_read_gb_s=dram, rows=rows), f, indent=2)
