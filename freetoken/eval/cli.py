@@ -74,6 +74,7 @@ def run(a: argparse.Namespace, serve_args: list[str]) -> int:
 def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dict, started_server) -> int:
     from tqdm import tqdm
 
+    from freetoken.eval import host_load
     from freetoken.eval.replay import ReplayOptions, replay, served_model, server_counters
     from freetoken.eval.report import write_report
     from freetoken.eval.results import FORMAT, VERSION, outcome_json, summarize, summary_table, turn_table, write_result
@@ -85,6 +86,7 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
     live = open(out / "turns.jsonl", "w", encoding="utf-8")  # each turn as it finishes: kept if the run dies
     before = server_counters(endpoint, headers)
     opts.engine_counters = before is not None  # freetoken's server: its expert counters around each turn
+    opts.host_load = host_load.is_local(endpoint) and host_load.read() is not None
     bar = tqdm(total=len(trace.turns) * a.concurrency, desc=f"ft eval {trace.name}", unit="turn", file=sys.stderr,
                disable=a.quiet)
 

@@ -32,6 +32,7 @@ class Outcome:
     output_tokens: int | None = None
     finish: str | None = None
     error: str | None = None
+    host: dict[str, float] | None = None  # this machine's CPU time shares during the request (host_load.py)
 
     @property
     def decode_tok_s(self) -> float | None:

@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from freetoken.eval import host_load
 from freetoken.eval.client import Outcome, fixed_length, send
 from freetoken.eval.convert import converted
 from freetoken.eval.trace import Trace, Turn
@@ -39,6 +40,7 @@ class ReplayOptions:
     stop: threading.Event = field(default_factory=threading.Event)  # set: send no further turns (Ctrl-C)
     warmup: Outcome | None = None  # the untimed request before the references (the server counted it)
     engine_counters: bool = False  # freetoken behind the endpoint: its expert counters around each turn
+    host_load: bool = False  # the endpoint on this machine: its CPU time shares during each request
 
 
 @dataclass(slots=True)
@@ -131,12 +133,16 @@ def _send_turn(turn: Turn, opts: ReplayOptions, replica: int, started: float) ->
 def _send_sized(opts: ReplayOptions, protocol: str, body: dict, tokens: int | None) -> Outcome:
     """Sends `body` asking for `tokens` reply tokens; a server that refuses the `ignore_eos` extension (a 400
     naming it) is asked again without it, and for the rest of the run (its replies may then end early)."""
+    cpu = host_load.read() if opts.host_load else None
     outcome = send(opts.endpoint, protocol, fixed_length(body, protocol, tokens, opts.ignore_eos),
                    headers=opts.headers, timeout_s=opts.timeout_s)
     if tokens is not None and opts.ignore_eos and outcome.status == 400 and "ignore_eos" in (outcome.error or ""):
         opts.ignore_eos = False
+        cpu = host_load.read() if opts.host_load else None
         outcome = send(opts.endpoint, protocol, fixed_length(body, protocol, tokens, False), headers=opts.headers,
                        timeout_s=opts.timeout_s)
+    if cpu is not None:
+        outcome.host = host_load.shares(cpu, host_load.read())
     return outcome
 
 

@@ -36,6 +36,7 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
     cached = sum(t["cached_tokens"] or 0 for t in ok)
     decode_median = statistics.median(decode) if decode else None
     ref_median = statistics.median(ref) if ref else None
+    host = [t["host"] for t in ok if t.get("host")]  # this machine's CPUs during each turn (a local endpoint)
     return {
         "turns": len(turns), "ok": len(ok), "errors": len(turns) - len(ok), "wall_s": round(wall_s, 3),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95), "ttft_max_s": max(ttft, default=None),
@@ -47,6 +48,9 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
         "decode_vs_single_turn": decode_median / ref_median if decode_median and ref_median else None,
         "prompt_tokens": prompt, "cached_tokens": cached, "cached_share": cached / prompt if prompt else None,
         "output_tokens": sum(t["output_tokens"] or 0 for t in ok),
+        "host_busy_median": statistics.median(h["busy"] for h in host) if host else None,
+        "host_busy_max": max((h["busy"] for h in host), default=None),
+        "host_steal_max": max((h["steal"] for h in host), default=None),
     }
 
 
@@ -117,5 +121,9 @@ def summary_table(summary: dict) -> str:
             ("prompt tokens (cached)", f"{summary['prompt_tokens']:,} ({'—' if share is None else f'{share:.1%}'})"),
             ("output tokens", f"{summary['output_tokens']:,}"),
             ("wall s", _num(summary["wall_s"], 1))]
+    if summary.get("host_busy_median") is not None:  # results of older runs, or a remote endpoint, lack it
+        rows.append(("host CPUs during turns", f"busy {summary['host_busy_median']:.0%} median, "
+                                               f"{summary['host_busy_max']:.0%} max; steal "
+                                               f"{summary['host_steal_max']:.1%} max"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -65,7 +65,13 @@ def check_result(out, trace_name: str, replicas: int = 1) -> dict:
     assert usage["completed"] == len(turns) + len(ref) and usage["failed"] == 0
     assert usage["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns + ref)
     assert usage["completion_tokens"] == sum(t["output_tokens"] for t in turns + ref)
+    # a loopback endpoint: what this machine's CPUs did during each request, shares of their time
+    for r in turns + ref:
+        host = r["host"]
+        assert set(host) == {"busy", "idle", "iowait", "steal"} and all(0 <= v <= 1 for v in host.values())
+        assert sum(host.values()) == pytest.approx(1, abs=0.01)
     summary = result["summary"]
+    assert summary["host_busy_median"] <= summary["host_busy_max"] <= 1 and summary["host_steal_max"] >= 0
     assert summary["turns"] == summary["ok"] == len(turns) and summary["errors"] == 0
     assert summary["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns)
     assert summary["ttft_p50_s"] <= summary["ttft_p95_s"] <= summary["ttft_max_s"]
@@ -90,6 +96,7 @@ def test_each_bundled_trace_replays_against_a_real_server(name, endpoint, tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert "TTFT p50 / p95 / max s" in proc.stdout and f"report: {out / 'report.html'}" in proc.stdout
     assert re.search(r"single-turn decode tok/s +[\d.]+ \(before [\d.]+, after [\d.]+\)", proc.stdout)
+    assert re.search(r"host CPUs during turns +busy \d+% median, \d+% max; steal [\d.]+% max", proc.stdout)
     result = check_result(out, name)
     if name != "reasoning":  # follow-up turns reuse the conversation's prefix
         assert result["summary"]["cached_share"] > 0.5
