@@ -34,6 +34,7 @@ from freetoken.engine.models import family_for
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
+from freetoken.eval import host_load
 from freetoken.units import parse_bytes
 
 
@@ -138,14 +139,19 @@ def run_decode(lm, context: int, tokens: int, miss_path: str, graphs: bool = Fal
         before = replace(executor.counters) if hasattr(executor, "counters") else None
         kernel_before = _kernel_timing(executor)
         _sync(lm.device)
+        cpu_times = host_load.read()
         t0 = time.perf_counter()
         # the host needs each token, as a server does: .tolist() syncs every step; the gap to the runner-up says
         # whether a differing token is a near tie (rounding) or a fault
         top2 = [_top2(step(seq, token)) for token in feed]
         elapsed = time.perf_counter() - t0
+        cpu_shares = host_load.shares(cpu_times, host_load.read())
     produced, margins = [t for t, _ in top2], [m for _, m in top2]
     after = replace(executor.counters) if hasattr(executor, "counters") else None
     _print_kernel_timing(kernel_before, _kernel_timing(executor))
+    if cpu_shares is not None:  # a row slower than its neighbours on a shared (virtual) host shows steal here
+        print(f"  host CPUs over the timed tokens: busy {cpu_shares['busy']:.0%}, idle {cpu_shares['idle']:.0%}, "
+              f"steal {cpu_shares['steal']:.1%}", file=sys.stderr, flush=True)
     cache.release(seq)
     return tokens / elapsed, before, after, produced, margins
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from freetoken.bench.decode import default_warmup, main, resident_rows_refusal
 from freetoken.bench.synthetic import build_synthetic, synthetic_config
 from freetoken.engine.models import family_for
+from freetoken.eval import host_load
 
 
 def test_qwen3_30b_a3b_shape_has_the_real_expert_pool():
@@ -63,6 +65,9 @@ def test_bench_decode_reports_every_strategy_with_equal_tokens(tmp_path, capsys)
         "auto (freq)/0", "auto (lru)/0", "auto (freq)/1MiB", "auto (lru)/1MiB"]
     assert all(r.split("|")[12].strip() == "yes" for r in rows)  # fp32 on one device: every strategy is lossless
     assert "tiny-moe" in table and "command" in table
+    # what the host's CPUs did over each row's timed tokens (Linux): a noisy or shared host shows there
+    shown = re.findall(r"host CPUs over the timed tokens: busy \d+%, idle \d+%, steal [\d.]+%", capsys.readouterr().err)
+    assert len(shown) == (len(rows) if host_load.read() is not None else 0)
 
 
 def _top_share(skew: float) -> float:
