@@ -44,6 +44,17 @@ class _Workspace:
         self.tokens_np, self.weights_np = self.tokens.numpy(), self.weights.numpy()
 
 
+# torch runs a host op over more values than this (its grain size) on its OpenMP pool, whose threads then spin for
+# milliseconds on the cores the CPU expert kernel's workers need (cpu-kernel-prefill-batches-h200.md)
+HOST_OP_MAX_VALUES = 32768
+
+
+def to_host_fp32(t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """`t` as fp32 on the host, converted where it is: a blocking device-to-host copy that changes the dtype
+    converts on the host (torch's rule), which for a prefill chunk's activations wakes torch's OpenMP pool."""
+    return t.float().to("cpu", non_blocking=non_blocking)  # a no-op where t is fp32 on the host already
+
+
 def routed_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor):
     """(experts, pair_offsets, pair_tokens, pair_weights) of a [N, K] routing, grouped by expert, all on the CPU:
     the kernel's input format."""
@@ -105,7 +116,7 @@ class CpuExpertRunner:
 
     def submit(self, layer: int, hidden: torch.Tensor, groups: list[ExpertGroup]) -> Future:
         """Future of (out [T, H] fp32 on the CPU, seconds the CPU spent)."""
-        x = hidden.to("cpu", torch.float32)  # waits for the GPU to produce this layer's input
+        x = to_host_fp32(hidden)  # waits for the GPU to produce this layer's input
         cpu_groups = [ExpertGroup(g.expert, g.tokens.cpu(), g.weights.cpu()) for g in groups]
         return self._worker.submit(self._run, layer, x, cpu_groups)
 

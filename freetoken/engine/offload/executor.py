@@ -32,7 +32,7 @@ import torch
 
 from freetoken.engine import gpu_paths
 from freetoken.engine.experts import ExpertForm, LayerExperts, gathered_expert_forward
-from freetoken.engine.offload.cpu_experts import CpuExpertRunner
+from freetoken.engine.offload.cpu_experts import HOST_OP_MAX_VALUES, CpuExpertRunner
 from freetoken.engine.offload.expert_cache import ExpertCache
 from freetoken.engine.offload.graph_boundaries import GraphBoundaries, GraphIO
 from freetoken.engine.offload.planner import LinkQueue, MissPlanner
@@ -370,6 +370,8 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         """Routing, the prediction, and (when the CPU may compute) the activations on the host, behind one
         synchronisation. Returns (ids, weights, x fp32 or None, predicted ids or None) as lists / tensors."""
         need_x = self.miss_path != "copy"
+        if need_x and hidden.is_cuda and hidden.numel() > HOST_OP_MAX_VALUES:
+            hidden = hidden.float()  # a large batch: to fp32 on the device, not by torch's host pool (below)
         tensors = [topk_ids, topk_weights, hidden if need_x else None, predicted]
         if hidden.is_cuda:
             tensors = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]

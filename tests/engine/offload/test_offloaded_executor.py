@@ -477,3 +477,20 @@ def test_a_prefetch_into_a_full_cache_admits_every_prediction_that_fits(tmp_path
     before = ex.counters.prefetched
     ex._prefetch(layer, set(uncached), room=0)
     assert ex.counters.prefetched - before == 3 and all((layer, e) in ex.cache.slot_of for e in uncached)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_a_chunks_activations_reach_the_host_as_the_same_fp32_values(device):
+    """The prefill CPU share's input: fp32 on the host, bf16 widened exactly. On CUDA the widening runs on the
+    device (a blocking copy that changes the dtype widens on the host, where a chunk's >32k values wake torch's
+    OpenMP pool, whose threads then spin on the CPU expert kernel's cores)."""
+    from freetoken.engine.offload.cpu_experts import HOST_OP_MAX_VALUES, to_host_fp32
+
+    hidden = torch.randn(64, 2048, device=device).bfloat16()
+    assert hidden.numel() > HOST_OP_MAX_VALUES
+    x = to_host_fp32(hidden)
+    assert x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+    assert torch.equal(x, hidden.cpu().float())
+    fp32 = torch.randn(3, 8, device=device)
+    assert torch.equal(to_host_fp32(fp32), fp32.cpu())
