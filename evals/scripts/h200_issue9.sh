@@ -38,7 +38,7 @@ serve_and_replay() {  # $1: label, $2: traces, rest: extra ft serve args
     [ "$t" = reasoning ] && params="--param output_tokens=256"
     echo "--- $t ($label) $(date +%T)"
     timeout 300 ft eval --trace "$t" $params --endpoint "http://127.0.0.1:$port" --label "$label" -q \
-      --out "$RUNS/$t-$label" 2>&1 | grep -v "^freetoken:" | tail -14
+      --out "$RUNS/$t-$label" 2>&1 | grep -v "^freetoken:" | tail -16
     tar czf "$OUT/a1.tgz" -C "$RUNS" .
   done
   kill $pid; wait $pid 2>/dev/null
