@@ -33,6 +33,22 @@ class Outcome:
     finish: str | None = None
     error: str | None = None
     host: dict[str, float] | None = None  # this machine's CPU time shares during the request (host_load.py)
+    piece_ms: list[float] | None = None  # when each piece arrived, ms after the first (where a reply is slow)
+
+    STEADY_SKIP = 4  # pieces left out of the steady rate: a reply's first steps may pay for warming up
+
+    @property
+    def steady_decode_tok_s(self) -> float | None:
+        """The decode rate past the first STEADY_SKIP pieces, from the last of those to the stream's end: with
+        `decode_tok_s`, whether a slow reply was slow throughout or only at its start. Tokens after that piece
+        are counted in proportion to the pieces (a piece may carry more than one token)."""
+        pieces, n, times, s = self.pieces, self.output_tokens, self.piece_ms, self.decode_s
+        skip = self.STEADY_SKIP
+        if not (times and n and s) or pieces < 2 * skip or len(times) != pieces:
+            return None
+        span = s - times[skip] / 1e3
+        tokens = (n - 1) * (pieces - 1 - skip) / (pieces - 1)
+        return tokens / span if span > 0 else None
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -64,6 +80,7 @@ def send(endpoint: str, protocol: str, body: dict, *, headers: dict[str, str] | 
     out, started = Outcome(), time.perf_counter()
     reader = READERS[protocol](out)
     first = last = None
+    arrivals: list[float] = []
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             out.status = r.status
@@ -72,6 +89,7 @@ def send(endpoint: str, protocol: str, body: dict, *, headers: dict[str, str] | 
                 if reader(data):  # a piece of the reply
                     first = first or now
                     out.pieces += 1
+                    arrivals.append(now)
                 if first is not None:  # the reply ends with the last event (its usage), whatever its tokens read
                     last = now
     except urllib.error.HTTPError as e:
@@ -84,6 +102,7 @@ def send(endpoint: str, protocol: str, body: dict, *, headers: dict[str, str] | 
     out.total_s = time.perf_counter() - started
     if first is not None:
         out.ttft_s, out.decode_s = first - started, last - first
+        out.piece_ms = [round((t - first) * 1e3, 2) for t in arrivals]
     if out.error is None and out.output_tokens is None:
         out.error = "the stream ended without the usage the protocol reports at its end"
     return out

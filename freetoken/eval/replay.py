@@ -59,7 +59,8 @@ class TurnResult:
         return {"replica": self.replica, "id": t.id, "session": t.session, "label": t.label,
                 "protocol": self.protocol, "sent_at_s": round(self.sent_at, 4), "expected_output_tokens":
                 t.output_tokens, **o.to_json(), "new_prompt_tokens": new, "prefill_tok_s": prefill,
-                "decode_tok_s": o.decode_tok_s, **({"engine": self.engine} if self.engine is not None else {})}
+                "decode_tok_s": o.decode_tok_s, "steady_decode_tok_s": o.steady_decode_tok_s,
+                **({"engine": self.engine} if self.engine is not None else {})}
 
 
 def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnResult], list[tuple[str, Outcome]]]:

@@ -37,6 +37,12 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
     decode_median = statistics.median(decode) if decode else None
     ref_median = statistics.median(ref) if ref else None
     host = [t["host"] for t in ok if t.get("host")]  # this machine's CPUs during each turn (a local endpoint)
+    # past each reply's first pieces (results of older runs lack it): a gap only here is spread over the reply,
+    # one only in the plain ratio sits at the replies' starts
+    steady = [t["steady_decode_tok_s"] for t in ok if t.get("steady_decode_tok_s")]
+    ref_steady = [r["steady_decode_tok_s"] for r in reference if r.get("steady_decode_tok_s")]
+    steady_median = statistics.median(steady) if steady else None
+    ref_steady_median = statistics.median(ref_steady) if ref_steady else None
     return {
         "turns": len(turns), "ok": len(ok), "errors": len(turns) - len(ok), "wall_s": round(wall_s, 3),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95), "ttft_max_s": max(ttft, default=None),
@@ -46,6 +52,9 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
         "single_turn_before_tok_s": statistics.median(sides["before"]) if sides["before"] else None,
         "single_turn_after_tok_s": statistics.median(sides["after"]) if sides["after"] else None,
         "decode_vs_single_turn": decode_median / ref_median if decode_median and ref_median else None,
+        "steady_decode_tok_s_median": steady_median, "single_turn_steady_decode_tok_s": ref_steady_median,
+        "steady_decode_vs_single_turn": steady_median / ref_steady_median
+        if steady_median and ref_steady_median else None,
         "prompt_tokens": prompt, "cached_tokens": cached, "cached_share": cached / prompt if prompt else None,
         "output_tokens": sum(t["output_tokens"] or 0 for t in ok),
         "host_busy_median": statistics.median(h["busy"] for h in host) if host else None,
@@ -55,8 +64,9 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
 
 
 def outcome_json(outcome) -> dict[str, Any]:
-    """A reference request's measurements with its decode rate."""
-    return {**outcome.to_json(), "decode_tok_s": outcome.decode_tok_s}
+    """A reference request's measurements with its decode rates."""
+    return {**outcome.to_json(), "decode_tok_s": outcome.decode_tok_s,
+            "steady_decode_tok_s": outcome.steady_decode_tok_s}
 
 
 def write_result(result: dict, out: Path) -> Path:
@@ -118,6 +128,10 @@ def summary_table(summary: dict) -> str:
             ("decode tok/s (median)", _num(summary["decode_tok_s_median"], 1)),
             ("single-turn decode tok/s", _num(summary["single_turn_decode_tok_s"], 1) + _sides(summary)),
             ("decode vs single turn", "—" if ratio is None else f"{ratio:.3f}×"),
+            *([("  past each reply's first pieces", f"{summary['steady_decode_vs_single_turn']:.3f}× "
+                f"({summary['steady_decode_tok_s_median']:.1f} against "
+                f"{summary['single_turn_steady_decode_tok_s']:.1f} tok/s)")]
+              if summary.get("steady_decode_vs_single_turn") else []),
             ("prompt tokens (cached)", f"{summary['prompt_tokens']:,} ({'—' if share is None else f'{share:.1%}'})"),
             ("output tokens", f"{summary['output_tokens']:,}"),
             ("wall s", _num(summary["wall_s"], 1))]

@@ -65,6 +65,12 @@ def check_result(out, trace_name: str, replicas: int = 1) -> dict:
     assert usage["completed"] == len(turns) + len(ref) and usage["failed"] == 0
     assert usage["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns + ref)
     assert usage["completion_tokens"] == sum(t["output_tokens"] for t in turns + ref)
+    # when each piece arrived: from the first (0) on, in order, within the reply; and the rate past the first few
+    for r in turns + ref:
+        times = r["piece_ms"]
+        assert len(times) == r["pieces"] and times[0] == 0 and times == sorted(times)
+        assert times[-1] <= r["decode_s"] * 1e3 + 0.01
+        assert (r["steady_decode_tok_s"] is not None) == (r["pieces"] >= 8 and r["output_tokens"] > 1)
     # a loopback endpoint: what this machine's CPUs did during each request, shares of their time
     for r in turns + ref:
         host = r["host"]
@@ -76,6 +82,9 @@ def check_result(out, trace_name: str, replicas: int = 1) -> dict:
     assert summary["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns)
     assert summary["ttft_p50_s"] <= summary["ttft_p95_s"] <= summary["ttft_max_s"]
     assert summary["decode_vs_single_turn"] > 0
+    steady = [t["steady_decode_tok_s"] for t in turns if t["steady_decode_tok_s"]]
+    if steady:
+        assert summary["steady_decode_tok_s_median"] == pytest.approx(statistics.median(steady))
     for side in ("before", "after"):
         rates = [r["decode_tok_s"] for r in result["reference"] if r["when"] == side]
         assert summary[f"single_turn_{side}_tok_s"] == pytest.approx(statistics.median(rates))
