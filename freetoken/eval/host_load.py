@@ -8,9 +8,10 @@ host; one with steal time at a virtual machine whose neighbours took its cores; 
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from urllib.parse import urlparse
+
+from freetoken.loopback import is_loopback
 
 STAT = Path("/proc/stat")
 # the aggregate line's first eight columns, in clock ticks summed over every CPU
@@ -49,10 +50,4 @@ def shares(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> dic
 def is_local(endpoint: str) -> bool:
     """Whether the endpoint is on this machine (a loopback address or localhost): only then do this machine's
     CPU times describe the server's."""
-    host = urlparse(endpoint).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(urlparse(endpoint).hostname or "")

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from freetoken.errors import FreeTokenError
+from freetoken.loopback import is_loopback
 from freetoken.units import parse_bytes
 
 log = logging.getLogger("freetoken.server")
@@ -50,7 +50,7 @@ def serve(argv: list[str]) -> int:
                    help="recompute every prompt whole (no reuse across requests; for measuring what reuse saves)")
     _speculative_arg(p)
     a = p.parse_args(argv)
-    if not _loopback(a.host) and not a.api_key:
+    if not is_loopback(a.host) and not a.api_key:
         raise FreeTokenError(f"binding {a.host} exposes the server beyond this machine; give --api-key KEY "
                              "(or bind 127.0.0.1)")
     if a.record:
@@ -217,15 +217,6 @@ def _check_record_dir(path: Path) -> None:
     except OSError as e:
         raise FreeTokenError(f"--record {path}: cannot write there ({e.strerror}); give a folder you can write to")\
             from None
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _model_id(model: str | None) -> str:

@@ -57,6 +57,26 @@ def expert_pool(fmt: str, experts: int, gen: torch.Generator,
     return tuple(ExpertMatrix(m.data.pin_memory(), m.format, m.shape) if pin else m for m in mats)
 
 
+def decode_launcher(kernel: CpuExpertKernel, mats, experts: int):
+    """`launch(ids)`: starts one decode-sized call (one token, `experts` experts of `mats`) from buffers made
+    once, as the engine's decode calls the kernel, and returns the pending call."""
+    gate, up, down = mats
+    x = torch.randn(1, HIDDEN).bfloat16().float()
+    bf16 = kernel.wants_bf16_activations(gate, up, down, torch.bfloat16)
+    xb = x.bfloat16() if bf16 else None
+    offsets = torch.arange(experts + 1, dtype=torch.int32)
+    tokens = torch.zeros(experts, dtype=torch.int32)
+    weights = torch.full((experts,), 1 / experts)
+    act, y = torch.empty(experts, INTER), torch.empty(1, HIDDEN)
+    actb = torch.empty(experts, INTER, dtype=torch.bfloat16) if bf16 else None
+    constants = kernel.launch_constants(gate, up, down)
+
+    def launch(ids: torch.Tensor):
+        return kernel.launch(x, gate, up, down, ids, experts, offsets, tokens, weights, act, y, torch.bfloat16, xb,
+                             actb, None, constants)
+    return launch
+
+
 def _median(fn, repeats: int) -> float:
     fn()
     times = []

@@ -17,30 +17,19 @@ import time
 
 import torch
 
-from freetoken.kernels.cpu_experts.bench import HIDDEN, INTER, expert_pool
+from freetoken.kernels.cpu_experts.bench import HIDDEN, INTER, decode_launcher, expert_pool
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 
 
 def run_mode(kernel: CpuExpertKernel, mats, experts: int, pool: int, calls: int, gap_s: float) -> dict[str, float]:
-    gate, up, down = mats
-    x = torch.randn(1, HIDDEN).bfloat16().float()
-    xb = x.bfloat16()
-    offsets = torch.arange(experts + 1, dtype=torch.int32)
-    tokens = torch.zeros(experts, dtype=torch.int32)
-    weights = torch.full((experts,), 1 / experts)
-    act = torch.empty(experts, INTER)
-    actb = torch.empty(experts, INTER, dtype=torch.bfloat16)
-    y = torch.empty(1, HIDDEN)
-    wants_bf16 = kernel.wants_bf16_activations(gate, up, down, torch.bfloat16)
-    constants = kernel.launch_constants(gate, up, down)
+    launch = decode_launcher(kernel, mats, experts)
     starts, firsts, totals = [], [], []
     for c in range(calls):
         ids = torch.arange(c * experts, (c + 1) * experts, dtype=torch.int32) % pool
         time.sleep(gap_s)
         before = kernel.timing()
         t0 = time.perf_counter()
-        pending = kernel.launch(x, gate, up, down, ids, experts, offsets, tokens, weights, act, y, torch.bfloat16,
-                                xb if wants_bf16 else None, actb if wants_bf16 else None, None, constants)
+        pending = launch(ids)
         t1 = time.perf_counter()
         pending.wait()
         t2 = time.perf_counter()
