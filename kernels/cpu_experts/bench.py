@@ -57,6 +57,18 @@ def expert_pool(fmt: str, experts: int, gen: torch.Generator,
     return tuple(ExpertMatrix(m.data.pin_memory(), m.format, m.shape) if pin else m for m in mats)
 
 
+def kernel_and_pool(fmt: str, experts: int, pool_mib: int) -> tuple[CpuExpertKernel, tuple, int]:
+    """The kernel (or exit with why not), and a pool of `fmt` experts filling `pool_mib` MiB (at least `experts`):
+    what the decode-sized micro-benchmarks cycle through so that weights come from DRAM. Returns (kernel, the
+    pool's matrices, its size in experts)."""
+    kernel = CpuExpertKernel.get()
+    if kernel is None:
+        raise SystemExit("the CPU expert kernel could not be built here (no C compiler?)")
+    per_expert = 3 * HIDDEN * INTER * (2 if fmt == "BF16" else 34 / 32)
+    pool = max(experts, int(pool_mib * 2**20 / per_expert))
+    return kernel, expert_pool(fmt, pool, torch.Generator().manual_seed(0)), pool
+
+
 def decode_launcher(kernel: CpuExpertKernel, mats, experts: int):
     """`launch(ids)`: starts one decode-sized call (one token, `experts` experts of `mats`) from buffers made
     once, as the engine's decode calls the kernel, and returns the pending call."""

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from freetoken.kernels.cpu_experts.bench import HIDDEN, INTER, decode_launcher, expert_pool
+from freetoken.kernels.cpu_experts.bench import decode_launcher, kernel_and_pool
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 
 
@@ -64,12 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-us", type=float, default=1500.0)
     p.add_argument("--pool-mib", type=int, default=1024)
     a = p.parse_args(argv)
-    kernel = CpuExpertKernel.get()
-    if kernel is None:
-        raise SystemExit("the CPU expert kernel could not be built here (no C compiler?)")
-    per_expert = 3 * HIDDEN * INTER * (2 if a.format == "BF16" else 34 / 32)
-    pool = max(a.experts, int(a.pool_mib * 2**20 / per_expert))
-    mats = expert_pool(a.format, pool, torch.Generator().manual_seed(0))
+    kernel, mats, pool = kernel_and_pool(a.format, a.experts, a.pool_mib)
     call_times(kernel, mats, a.experts, pool, a.calls // 4, a.gap_us * 1e-6)  # page faults, warm caches
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()

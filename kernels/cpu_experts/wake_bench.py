@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from freetoken.kernels.cpu_experts.bench import HIDDEN, INTER, decode_launcher, expert_pool
+from freetoken.kernels.cpu_experts.bench import decode_launcher, kernel_and_pool
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 
 
@@ -50,12 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gaps-us", nargs="+", type=float, default=[1000.0, 50.0])
     p.add_argument("--pool-mib", type=int, default=1024)
     a = p.parse_args(argv)
-    kernel = CpuExpertKernel.get()
-    if kernel is None:
-        raise SystemExit("the CPU expert kernel could not be built here (no C compiler?)")
-    per_expert = 3 * HIDDEN * INTER * (2 if a.format == "BF16" else 34 / 32)
-    pool = max(a.experts, int(a.pool_mib * 2**20 / per_expert))
-    mats = expert_pool(a.format, pool, torch.Generator().manual_seed(0))
+    kernel, mats, pool = kernel_and_pool(a.format, a.experts, a.pool_mib)
     print(f"threads {kernel.threads}; {a.format}, {a.experts} experts of one token a call, {a.calls} calls a row; "
           "µs, medians")
     print("| wake-up | gap between calls µs | start call | to first task | job |")
