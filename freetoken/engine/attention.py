@@ -31,6 +31,7 @@ class SequenceAttention:
         self.cache, self.seq, self.n_new = cache, seq, n_new
         self.positions = torch.arange(seq.length, seq.length + n_new, device=device)
         self._pending_state: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._base = cache.contiguous_base(seq, seq.length + n_new)  # keys as views where the slots allow
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None,
@@ -38,7 +39,7 @@ class SequenceAttention:
         """`sinks` [H] (gpt-oss: a learnt logit per head in every softmax's denominator), `window`: each token
         sees only its last `window` positions (itself included), `select`: each token sees only the cached keys
         the selection picks for it (sparse attention)."""
-        keys, values = self.cache.update(layer, self.seq, k, v)  # [L + T, Hkv, D]
+        keys, values = self.cache.update(layer, self.seq, k, v, base=self._base)  # [L + T, Hkv, D]
         if select is not None:
             return selected_attention(q, keys.to(q.dtype), values.to(q.dtype), self.seq.length, select, 0, sinks,
                                       window)
@@ -68,6 +69,7 @@ class TrailingAttention:
             raise ValueError(f"rows {start}..{start + n} are not all held by the sequence ({seq.length} tokens)")
         self.cache, self.seq, self.start = cache, seq, start
         self.positions = torch.arange(start, start + n, device=device)
+        self._base = cache.contiguous_base(seq, start + n)
 
     def recurrent_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
         """The layer's own state (DeepSeek-V4 keeps its attention window there), after its last rows."""
@@ -79,7 +81,7 @@ class TrailingAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                select: KeySelection | None = None) -> torch.Tensor:
         """`select`: each row sees only the keys the selection picks (a sparse-attention layer's indexer)."""
-        keys, values = self.cache.update(layer, self.seq, k, v, start=self.start)
+        keys, values = self.cache.update(layer, self.seq, k, v, start=self.start, base=self._base)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         if select is not None:
             return selected_attention(q, keys, values, self.start, select, 0)
@@ -138,6 +140,8 @@ class BatchAttention:
                 torch.tensor([self.bounds[i] for i in decoding], device=device)
             self._decode = rows, write, read, positions
             self._chunks = [i for i, n in enumerate(counts) if n != 1]
+        # the sequences attended one at a time read their keys as views where their slots allow
+        self._bases = {i: cache.contiguous_base(seqs[i], seqs[i].length + counts[i]) for i in self._chunks}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None,
@@ -157,7 +161,7 @@ class BatchAttention:
     def _attend_one(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     sinks: torch.Tensor | None, window: int | None, select: KeySelection | None) -> torch.Tensor:
         a, b, seq = self.bounds[i], self.bounds[i + 1], self.seqs[i]
-        keys, values = self.cache.update(layer, seq, k[a:b], v[a:b])
+        keys, values = self.cache.update(layer, seq, k[a:b], v[a:b], base=self._bases.get(i))
         if select is not None:
             return selected_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), seq.length, select, a, sinks,
                                       window)

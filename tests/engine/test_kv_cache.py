@@ -191,3 +191,36 @@ def test_shrinking_a_growing_pool_with_nothing_to_move_still_shrinks_it():
     cache.resize(4)
     assert cache.allocator.num_pages == 4 == cache.max_pages and cache.k[0].shape[0] == 8
     assert cache.allocator.num_free == 2 and _read(cache, seq) == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("values_are_keys", [False, True])
+def test_consecutive_slots_are_read_as_views_and_any_other_layout_is_gathered(values_are_keys):
+    """A sequence whose pages are consecutive reads its keys as views of the pools (no gather); one whose pages
+    are not (a fork's copied page, pages freed and handed out again out of order) is gathered: the same values
+    either way."""
+    cache = PagedKVCache(n_layers=1, n_kv_heads=2, head_dim=4, page_size=4, initial_pages=16,
+                         values_are_keys=values_are_keys)
+    gen = torch.Generator().manual_seed(3)
+    seq = cache.new_sequence()
+    k = torch.randn(10, 2, 4, generator=gen)
+    cache.reserve(seq, 10)
+    cache.update(0, seq, k, -k)
+    cache.commit(seq, 10)
+    new = torch.randn(1, 2, 4, generator=gen)
+    cache.reserve(seq, 1)
+    base = cache.contiguous_base(seq, 11)
+    assert base == seq.pages[0] * 4
+    viewed = cache.update(0, seq, new, -new, base=base)
+    gathered = cache.update(0, seq, new, -new)
+    for a, b in zip(viewed, gathered, strict=True):
+        assert torch.equal(a, b) and a.shape == (11, 2, 4)
+    assert viewed[0].untyped_storage().data_ptr() == cache.k[0].untyped_storage().data_ptr()  # a view
+    want = torch.cat([k, new])
+    assert torch.equal(viewed[0], want) and torch.equal(viewed[1], want if values_are_keys else -want)
+    child = cache.fork(seq)  # shares every page; its first write copies the shared last page
+    cache.reserve(child, 1)
+    assert child.pages[-1] != seq.pages[-1] and cache.contiguous_base(child, 12) is None
+    assert cache.contiguous_base(child, 8) == base  # its first two pages are still the parent's, in order
+    shuffled = cache.new_sequence()
+    shuffled.pages = [seq.pages[1], seq.pages[0]]  # consecutive ids, out of order
+    assert cache.contiguous_base(shuffled, 8) is None
