@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken import host_load
 from freetoken.bench.synthetic import SHAPES, build_synthetic, synthetic_config
 from freetoken.engine import gpu_paths
 from freetoken.engine.experts import LayerExperts, ResidentExpertExecutor
@@ -34,7 +35,6 @@ from freetoken.engine.models import family_for
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
 from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
-from freetoken.eval import host_load
 from freetoken.units import parse_bytes
 
 

@@ -74,10 +74,10 @@ def run(a: argparse.Namespace, serve_args: list[str]) -> int:
 def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dict, started_server) -> int:
     from tqdm import tqdm
 
-    from freetoken.eval import host_load
+    from freetoken import host_load
     from freetoken.eval.replay import ReplayOptions, replay, served_model, server_counters
     from freetoken.eval.report import write_report
-    from freetoken.eval.results import FORMAT, VERSION, outcome_json, summarize, summary_table, turn_table, write_result
+    from freetoken.eval.results import FORMAT, VERSION, summarize, summary_table, turn_table, write_result
 
     model = a.model or served_model(endpoint, headers) or "default"
     opts = ReplayOptions(endpoint, model, a.protocol, a.concurrency, not a.no_fixed_output, a.think,
@@ -111,7 +111,7 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
     after = server_counters(endpoint, headers)
     order = {t.id: i for i, t in enumerate(trace.turns)}
     turns = [r.to_json() for r in sorted(results, key=lambda r: (r.replica, order[r.turn.id]))]
-    ref = [{**outcome_json(o), "when": when} for when, o in reference]
+    ref = [{**o.to_json(), "when": when} for when, o in reference]
     result = {
         "format": FORMAT, "version": VERSION, "freetoken": __version__, "started_at": started_at,
         "label": a.label or model, "endpoint": endpoint, "model": model, "protocol": a.protocol,
@@ -119,7 +119,7 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
         "think": "honoured" if a.think else "skipped", "server_args": started_server, "interrupted": interrupted,
         "trace": {"name": trace.name, "source": source, "description": trace.description, "generator": trace.generator,
                   "turn_ids": [t.id for t in trace.turns], "sessions": trace.sessions},
-        "warmup": outcome_json(opts.warmup) if opts.warmup else None, "reference": ref, "turns": turns,
+        "warmup": opts.warmup.to_json() if opts.warmup else None, "reference": ref, "turns": turns,
         "summary": summarize(turns, ref, wall),
         "server_usage": _usage_delta(before, after)}
     path = write_result(result, out)

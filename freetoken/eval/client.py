@@ -32,7 +32,7 @@ class Outcome:
     output_tokens: int | None = None
     finish: str | None = None
     error: str | None = None
-    host: dict[str, float] | None = None  # this machine's CPU time shares during the request (host_load.py)
+    host: dict[str, float] | None = None  # this machine's CPU time shares during the request (freetoken/host_load.py)
     piece_ms: list[float] | None = None  # when each piece arrived, ms after the first (where a reply is slow)
 
     STEADY_SKIP = 4  # pieces left out of the steady rate: a reply's first steps may pay for warming up
@@ -57,7 +57,8 @@ class Outcome:
         return (n - 1) / s if n and n > 1 and s else None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Its measurements with the decode rates derived from them."""
+        return {**asdict(self), "decode_tok_s": self.decode_tok_s, "steady_decode_tok_s": self.steady_decode_tok_s}
 
 
 def fixed_length(body: dict, protocol: str, tokens: int | None, ignore_eos: bool) -> dict:

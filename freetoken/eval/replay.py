@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken.eval import host_load
+from freetoken import host_load
 from freetoken.eval.client import Outcome, fixed_length, send
 from freetoken.eval.convert import converted
 from freetoken.eval.trace import Trace, Turn
@@ -59,7 +59,6 @@ class TurnResult:
         return {"replica": self.replica, "id": t.id, "session": t.session, "label": t.label,
                 "protocol": self.protocol, "sent_at_s": round(self.sent_at, 4), "expected_output_tokens":
                 t.output_tokens, **o.to_json(), "new_prompt_tokens": new, "prefill_tok_s": prefill,
-                "decode_tok_s": o.decode_tok_s, "steady_decode_tok_s": o.steady_decode_tok_s,
                 **({"engine": self.engine} if self.engine is not None else {})}
 
 

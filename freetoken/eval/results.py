@@ -63,12 +63,6 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
     }
 
 
-def outcome_json(outcome) -> dict[str, Any]:
-    """A reference request's measurements with its decode rates."""
-    return {**outcome.to_json(), "decode_tok_s": outcome.decode_tok_s,
-            "steady_decode_tok_s": outcome.steady_decode_tok_s}
-
-
 def write_result(result: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "result.json"

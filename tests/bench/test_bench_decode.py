@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
+from freetoken import host_load
 from freetoken.bench.decode import default_warmup, main, resident_rows_refusal
 from freetoken.bench.synthetic import build_synthetic, synthetic_config
 from freetoken.engine.models import family_for
-from freetoken.eval import host_load
 
 
 def test_qwen3_30b_a3b_shape_has_the_real_expert_pool():

@@ -49,10 +49,10 @@ class _Workspace:
 HOST_OP_MAX_VALUES = 32768
 
 
-def to_host_fp32(t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+def to_host_fp32(t: torch.Tensor) -> torch.Tensor:
     """`t` as fp32 on the host, converted where it is: a blocking device-to-host copy that changes the dtype
     converts on the host (torch's rule), which for a prefill chunk's activations wakes torch's OpenMP pool."""
-    return t.float().to("cpu", non_blocking=non_blocking)  # a no-op where t is fp32 on the host already
+    return t.float().to("cpu")  # a no-op where t is fp32 on the host already
 
 
 def routed_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from freetoken.eval import host_load
+from freetoken import host_load
 
 
 def test_shares_split_the_ticks_between_two_reads():
