@@ -98,6 +98,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_set_amx_prefetch.argtypes, lib.ft_set_amx_prefetch.restype = [i], None
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
+    lib.ft_set_block_bf16.argtypes, lib.ft_set_block_bf16.restype = [i], None
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_moe_timing.argtypes, lib.ft_moe_timing.restype = [ctypes.POINTER(ctypes.c_double)], None

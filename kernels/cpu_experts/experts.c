@@ -188,8 +188,11 @@ static void phase_gate_up(void *ctx, int task) {
                     gu[1] = q16_dot(j->gate_type, rows[1], xq, xqs, j->hidden);
                 }
 #endif
+            } else if (j->xb && j->gate_type == j->up_type) {
+                rows_dots_bf16_n(j->gate_type, rows, 2, xbs, j->hidden, nt, gu);
             } else if (j->xb) {
-                rows_dots_bf16_n(rows, 2, xbs, j->hidden, nt, gu);
+                rows_dots_bf16_n(j->gate_type, rows, 1, xbs, j->hidden, nt, gu);
+                rows_dots_bf16_n(j->up_type, rows + 1, 1, xbs, j->hidden, nt, gu + nt);
             } else if (j->gate_type == j->up_type) {  /* the gate and up rows of one unit share activation loads */
                 rows_dots_n(j->gate_type, rows, 2, xs, j->hidden, nt, gu);
             } else {
@@ -244,7 +247,7 @@ static void phase_down(void *ctx, int task) {
                     else d[0] = q16_dot(j->down_type, rows[0], aq, aqs, j->inter);
 #endif
                 } else if (j->actb)
-                    rows_dots_bf16_n(rows, nr, abs_, j->inter, nt, d);
+                    rows_dots_bf16_n(j->down_type, rows, nr, abs_, j->inter, nt, d);
                 else
                     rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
                 for (int r = 0; r < nr; r++)
@@ -390,6 +393,7 @@ static int use_amx_q8(const moe_job *j, const uint16_t *xb_amx) {
 #endif
 
 static int q16_disabled;  /* ft_set_q16(0): the fp32 path instead, to compare against */
+static int block_bf16_disabled;  /* ft_set_block_bf16(0): block formats at several tokens on the fp32 path */
 
 /* The int16-activation path for Q8_0 and MXFP4 projections of a bf16 model not on tiles: x and act get int16 copies in a
    scratch buffer (one job at a time), and phase-1 tasks own whole 32-row blocks of act. */
@@ -438,9 +442,11 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
                             experts, n_experts, pair_offsets, pair_tokens, pair_weights, x, act, y, tokens, hidden,
                             inter, bf16_rounding, NULL, NULL, NULL, NULL, NULL, NULL, ROW_BLOCK,
                             gate_bias, up_bias, down_bias, activation, alpha, limit};
-    /* the bf16 dot path: bf16 weights, bf16 rounding on (so act is bf16-exact), and the caller's bf16 x */
-    if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type == FT_BF16 && up_type == FT_BF16 &&
-        down_type == FT_BF16) {
+    /* the bf16 dot path: bf16 or block-format weights (dequantized to bf16, as on the GPU), bf16 rounding on (so
+       act is bf16-exact), and the caller's bf16 x */
+    int blocks = gate_type >= FT_Q8_0 || up_type >= FT_Q8_0 || down_type >= FT_Q8_0;
+    if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type != FT_F32 && up_type != FT_F32 &&
+        down_type != FT_F32 && !(blocks && block_bf16_disabled)) {
         current.job.xb = xb;
         current.job.actb = actb;
     }
@@ -503,6 +509,10 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
 
 /* The int16-activation Q8_0 path on (default) or off, for tests and measurements against the fp32 path. */
 void ft_set_q16(int on) { q16_disabled = !on; }
+
+/* Block formats (Q8_0, MXFP4, FP8_B32) of a bf16 model on the bf16 dot path (dequantized to bf16 in registers;
+   default) or, off, on the fp32 path (weights widened to fp32 per pass): for tests and measurements. */
+void ft_set_block_bf16(int on) { block_bf16_disabled = !on; }
 
 /* Whether the int16-activation path dots rows in interleaved pairs (default) or one at a time, for measuring. */
 void ft_set_q16_form(int two_rows) { q16_two_rows = two_rows; }

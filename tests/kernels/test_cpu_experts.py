@@ -180,12 +180,14 @@ def test_block_formats_against_int16_activations_match_the_float_path(kernel, fm
     x[0, 37] = 300.0  # its block's other values keep 2^-16 of it as their precision
     x = x.bfloat16().float()
     routing = _routing(tokens, 5, 2, gen)
-    int16 = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    kernel.lib.ft_set_q16(0)
+    kernel.lib.ft_set_block_bf16(0)  # experts of 2+ tokens on the fp32 path in both runs (the bf16 dot's own test)
     try:
+        int16 = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        kernel.lib.ft_set_q16(0)
         float_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     finally:
         kernel.lib.ft_set_q16(1)
+        kernel.lib.ft_set_block_bf16(1)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert torch.isfinite(int16).all()
     # bf16 rounding points (projections, silu, products) flip where the two paths land on either side of a tie;
@@ -447,26 +449,34 @@ def test_amx_tiles_cover_long_calls(kernel):
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4", "FP8_B32"])
-@pytest.mark.parametrize("tokens", [8, 40])
-def test_amx_block_formats_compute_what_a_bf16_gpu_expert_computes(kernel, fmt, tokens):
-    """On tiles, block-format weights (Q8_0, MXFP4, FP8_B32) are dequantized to bf16 (in the tile, or once per row
-    block when several token tiles share it), as the GPU path dequantizes them for a bf16 model, so the result
-    equals the reference run on bf16-dequantized weights."""
-    if not kernel.amx:
-        pytest.skip("no AMX on this CPU")
+@pytest.mark.parametrize("tokens", [2, 5, 8, 40])
+def test_block_formats_of_a_bf16_model_compute_what_a_bf16_gpu_expert_computes(kernel, fmt, tokens):
+    """At several tokens per expert, block-format weights (Q8_0, MXFP4, FP8_B32) of a bf16 model are dequantized
+    to bf16 (in registers on the bf16 dot path; on tiles in the tile, or once per row block when several token
+    tiles share it), as the GPU path dequantizes them, so the result equals the reference run on bf16-dequantized
+    weights."""
+    if not kernel.amx and not kernel.bf16_dot:
+        pytest.skip("neither AMX nor AVX-512-BF16 on this CPU: such experts take the fp32 path")
     gen = torch.Generator().manual_seed(3)
     gate, up = (_matrix(fmt, 4, 64, 96, gen) for _ in range(2))
     down = _matrix(fmt, 4, 96, 64, gen)
     as_bf16 = [ExpertMatrix.of(torch.stack([m.expert(e) for e in range(4)]).bfloat16()) for m in (gate, up, down)]
-    x = torch.randn(tokens, 96, generator=gen).bfloat16().float()  # block formats take tiles from 6 tokens on
+    x = torch.randn(tokens, 96, generator=gen).bfloat16().float()  # (with AMX, tiles from 6 tokens on)
     every = list(range(tokens))
     routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32),
                torch.tensor(every + every, dtype=torch.int32), torch.rand(2 * tokens, generator=gen))
     want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
     got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)  # (int8 tiles: off by default)
-    # (the vector path, with fp32 weights, is 4e-3 to 6e-3 away from this for Q8_0 and FP8_B32; MXFP4's values
+    # (the fp32 path, with fp32 weights, is 4e-3 to 6e-3 away from this for Q8_0 and FP8_B32; MXFP4's values
     # are bf16 values, so both paths meet it exactly)
     assert (got - want).norm() / want.norm() < 2e-4
+    if fmt != "MXFP4" and not kernel.amx:  # and it is the bf16 dot path that meets it here
+        kernel.lib.ft_set_block_bf16(0)
+        try:
+            fp32_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        finally:
+            kernel.lib.ft_set_block_bf16(1)
+        assert (fp32_path - want).norm() / want.norm() > 1e-3
 
 
 @pytest.fixture(scope="module")
