@@ -38,15 +38,15 @@ def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     return heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def splits_for(window: int, kv_heads: int, programs: int) -> int:
-    """Splits per KV head: about `programs` programs in all, none of them with less than BLOCK_N keys of a full
+def splits_for(window: int, kv_heads: int, programs: int, block_n: int = BLOCK_N) -> int:
+    """Splits per KV head: about `programs` programs in all, none of them with less than `block_n` keys of a full
     window (the kernel divides a row's valid keys among them)."""
-    return max(1, min(math.ceil(window / BLOCK_N), programs // max(kv_heads, 1)))
+    return max(1, min(math.ceil(window / block_n), programs // max(kv_heads, 1)))
 
 
-def split_keys(valid: int, splits: int) -> int:
-    """Keys per split for a row of `valid` keys: whole BLOCK_N blocks, as the kernel computes it."""
-    return math.ceil(math.ceil(valid / BLOCK_N) / splits) * BLOCK_N
+def split_keys(valid: int, splits: int, block_n: int = BLOCK_N) -> int:
+    """Keys per split for a row of `valid` keys: whole blocks of `block_n`, as the kernel computes it."""
+    return math.ceil(math.ceil(valid / block_n) / splits) * block_n
 
 
 if triton is not None:
@@ -131,7 +131,11 @@ class PagedDecodeAttention:
     allocation outside the graph's pool, and a replay must find the same addresses)."""
 
     def __init__(self, window: int, heads: int, kv_heads: int, head_dim: int, device: torch.device,
-                 dtype: torch.dtype, programs: int | None = None, batch: int = 1):
+                 dtype: torch.dtype, programs: int | None = None, batch: int = 1, block_n: int = BLOCK_N,
+                 launch: dict | None = None):
+        """`programs`: split programs over all rows (default 2 per SM); `block_n` keys per inner step; `launch`:
+        Triton's num_warps / num_stages for the split kernel (its defaults when absent). The last three are for
+        tuning (evals/scripts/paged_decode_sweep.py)."""
         if triton is None:
             raise RuntimeError("paged decode attention needs triton")
         if not supports(heads, kv_heads, head_dim):
@@ -141,7 +145,8 @@ class PagedDecodeAttention:
                 if device.type == "cuda" else 8
         self.group, self.head_dim, self.kv_heads, self.batch = heads // kv_heads, head_dim, kv_heads, batch
         self.padded = max(MIN_G, triton.next_power_of_2(self.group))
-        self.splits = splits_for(window, kv_heads * batch, programs)  # programs over all rows
+        self.block_n, self.launch = block_n, dict(launch or {})
+        self.splits = splits_for(window, kv_heads * batch, programs, block_n)  # programs over all rows
         rows = batch * kv_heads * self.splits * self.padded
         self.parts = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(rows, 2, dtype=torch.float32, device=device)
@@ -159,7 +164,8 @@ class PagedDecodeAttention:
         _split_kernel[(self.kv_heads, self.splits, self.batch)](
             q, k_pool, v_pool, slots, position, self.parts, self.lse, 1.0 / math.sqrt(self.head_dim),
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), q.stride(0), slots.stride(0),
-            G=self.group, GP=self.padded, D=self.head_dim, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
+            G=self.group, GP=self.padded, D=self.head_dim, BLOCK_N=self.block_n, IEEE=q.dtype == torch.float32,
+            **self.launch)
         _merge_kernel[(self.kv_heads * self.group, self.batch)](self.parts, self.lse, self.out, self.splits,
                                                                G=self.group, GP=self.padded, D=self.head_dim)
         return self.out

@@ -29,14 +29,15 @@ CHECK = textwrap.dedent("""
     cases = [(32, 4, 128, 300, 250, torch.bfloat16), (32, 4, 128, 600, 100, torch.bfloat16),
              (8, 8, 16, 130, 1, torch.float32), (12, 4, 32, 520, 519, torch.float32),
              (16, 4, 64, 4096, 70, torch.float32)]  # a window far past the valid keys (one graph for all lengths)
-    for heads, kv, d, window, n, dtype in cases:
+    for i, (heads, kv, d, window, n, dtype) in enumerate(cases):
         pool = 2 * window + 7
         k = torch.randn(pool, kv, d, generator=gen).to(dtype).to(device)
         v = torch.randn(pool, kv, d, generator=gen).to(dtype).to(device)
         slots = torch.randperm(pool, generator=gen)[:window].to(device)
         q = torch.randn(1, heads, d, generator=gen).to(dtype).to(device)
         k[slots[n:]] = 1e4  # keys past the valid length must not leak in
-        attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=12)
+        block_n = (64, 32, 128)[i % 3]  # the default and the sweep's other step sizes
+        attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=12, block_n=block_n)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         for position in (n - 1, n // 2):
             pos = torch.tensor([position], device=device)
@@ -44,7 +45,7 @@ CHECK = textwrap.dedent("""
             got = attn(q, k, v, slots, pos).float()
             want = paged_decode_attention(q, k, v, slots, pos).float()
             err = ((got - want).norm() / want.norm()).item()
-            assert err < tol, (heads, kv, d, window, position, dtype, err)
+            assert err < tol, (heads, kv, d, window, position, dtype, block_n, err)
     # a batch: rows of their own slot tables and positions (one of them a single valid key), one launch
     heads, kv, d, window, dtype = 16, 4, 64, 200, torch.float32
     pool, batch = 3 * window, 3
