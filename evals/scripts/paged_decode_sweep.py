@@ -35,7 +35,11 @@ for w in a.windows:
         launch = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
         attn = PagedDecodeAttention(w, heads, kv_heads, dim, dev, dt, programs=per_sm * sms, block_n=block_n,
                                     launch=launch)
-        err = ((attn(q, k, v, slots, pos).float() - want).norm() / want.norm()).item()
+        try:
+            err = ((attn(q, k, v, slots, pos).float() - want).norm() / want.norm()).item()
+        except Exception as e:  # a geometry past the SM's shared memory or registers: Triton refuses it
+            print(f"programs/SM {per_sm}, {block_n} keys/step, {warps} warps, stages {stages}: {type(e).__name__}")
+            continue
         args = (q, k, v, slots, pos)
         ms = do_bench(lambda attn=attn, args=args: attn(*args), return_mode="median")
         rows.append((ms, per_sm, block_n, warps, stages, err))
