@@ -4,7 +4,7 @@
 
 PATH: `q16` (int16 activations at one token per expert against the fp32 path; default formats MXFP4 Q8_0, batch
 1), `block-bf16` (block formats dequantized to bf16 in registers at several tokens per expert against the fp32
-path; default Q8_0 at batches 2 4 8) or `amx` (AMX tiles at their default token counts against the vector paths;
+path, both forced at every batch; default Q8_0 at batches 2 4 8) or `amx` (AMX tiles at their default token counts against the vector paths;
 BF16 and Q8_0 at 2-16; needs a CPU with AMX). FREETOKEN_CPU_THREADS sets the threads."""
 
 import argparse
@@ -17,7 +17,7 @@ from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 
 # path: (switch(lib, on), what runs when it is off, default formats, default batches)
 PATHS = {"q16": (lambda lib, on: lib.ft_set_q16(on), "fp32", ["MXFP4", "Q8_0"], [1]),
-         "block-bf16": (lambda lib, on: lib.ft_set_block_bf16(on), "fp32", ["Q8_0"], [2, 4, 8]),
+         "block-bf16": (lambda lib, on: lib.ft_set_block_bf16(2 if on else 1 << 30), "fp32", ["Q8_0"], [2, 4, 8]),
          "amx": (lambda lib, on: lib.ft_set_amx(2, 6, int(not on)), "vector", ["BF16", "Q8_0"], [2, 4, 6, 8, 16])}
 BYTES_PER_WEIGHT = {"MXFP4": 17 / 32, "Q8_0": 34 / 32, "BF16": 2.0}
 
@@ -40,7 +40,8 @@ for _round in range(args.rounds):
             for on in (1, 0):
                 switch(k.lib, on)
                 res.setdefault((fmt, batch, on), []).append(expert_gb_s(k, fmt, batch, pool, "kernel", gen))
-switch(k.lib, 1)
+switch(k.lib, 1)  # the defaults again: q16 on, AMX on,
+k.lib.ft_set_block_bf16(5)  # block formats on the bf16 dot path from 5 tokens per expert
 for (fmt, batch, on), v in res.items():
     print(f"{fmt:5} b{batch:<2} {args.path if on else off_label:10}", " ".join(f"{x:5.1f}" for x in v),
           " median", round(statistics.median(v), 1))

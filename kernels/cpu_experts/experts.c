@@ -158,6 +158,19 @@ INLINE float expert_out(const moe_job *j, int expert, int h, float v, float w) {
     return j->bf16_rounding ? round_bf16(round_bf16(v) * round_bf16(w)) : v * w;
 }
 
+/* tuning: the tokens per expert (in one pass) from which block-format rows of a bf16 model take the bf16 dot
+   path (dequantized to bf16 in registers, BF16_TILE tokens a pass) rather than the fp32 path (widened to fp32 per
+   TILE tokens). Below it the fp32 path is faster on a Sapphire Rapids host (15 threads, Q8_0 b2 66.7 against
+   60.8 GB/s, b4 59.9 against 46.5; MXFP4 likewise); at 8 tokens the bf16 path wins on a Zen 4 core (9.2 against
+   7.5 GB/s, 2 threads), and from 5 on the fp32 path needs a second pass over each row
+   (evals/results/cpu-expert-kernel-h200.md). ft_set_block_bf16 moves it. */
+static int block_bf16_min_tokens = 5;
+
+/* Whether rows of format `type` dot bf16 activations (the job has them) for a pass of nt tokens. */
+INLINE int bf16_dot_takes(const moe_job *j, int type, int nt) {
+    return j->xb && (type == FT_BF16 || nt >= block_bf16_min_tokens);
+}
+
 static void phase_gate_up(void *ctx, int task) {
     const moe_job *j = ctx;
     int blocks = (j->inter + j->gate_rows - 1) / j->gate_rows, e = task / blocks, r0 = (task % blocks) * j->gate_rows;
@@ -188,9 +201,9 @@ static void phase_gate_up(void *ctx, int task) {
                     gu[1] = q16_dot(j->gate_type, rows[1], xq, xqs, j->hidden);
                 }
 #endif
-            } else if (j->xb && j->gate_type == j->up_type) {
+            } else if (bf16_dot_takes(j, j->gate_type, nt) && j->gate_type == j->up_type) {
                 rows_dots_bf16_n(j->gate_type, rows, 2, xbs, j->hidden, nt, gu);
-            } else if (j->xb) {
+            } else if (bf16_dot_takes(j, j->gate_type, nt) && bf16_dot_takes(j, j->up_type, nt)) {
                 rows_dots_bf16_n(j->gate_type, rows, 1, xbs, j->hidden, nt, gu);
                 rows_dots_bf16_n(j->up_type, rows + 1, 1, xbs, j->hidden, nt, gu + nt);
             } else if (j->gate_type == j->up_type) {  /* the gate and up rows of one unit share activation loads */
@@ -246,7 +259,7 @@ static void phase_down(void *ctx, int task) {
                     if (nr == 2) q16_dot2(j->down_type, rows[0], rows[1], aq, aqs, j->inter, d);
                     else d[0] = q16_dot(j->down_type, rows[0], aq, aqs, j->inter);
 #endif
-                } else if (j->actb)
+                } else if (j->actb && bf16_dot_takes(j, j->down_type, nt))
                     rows_dots_bf16_n(j->down_type, rows, nr, abs_, j->inter, nt, d);
                 else
                     rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
@@ -393,7 +406,6 @@ static int use_amx_q8(const moe_job *j, const uint16_t *xb_amx) {
 #endif
 
 static int q16_disabled;  /* ft_set_q16(0): the fp32 path instead, to compare against */
-static int block_bf16_disabled;  /* ft_set_block_bf16(0): block formats at several tokens on the fp32 path */
 
 /* The int16-activation path for Q8_0 and MXFP4 projections of a bf16 model not on tiles: x and act get int16 copies in a
    scratch buffer (one job at a time), and phase-1 tasks own whole 32-row blocks of act. */
@@ -444,9 +456,8 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
                             gate_bias, up_bias, down_bias, activation, alpha, limit};
     /* the bf16 dot path: bf16 or block-format weights (dequantized to bf16, as on the GPU), bf16 rounding on (so
        act is bf16-exact), and the caller's bf16 x */
-    int blocks = gate_type >= FT_Q8_0 || up_type >= FT_Q8_0 || down_type >= FT_Q8_0;
     if (HAVE_BF16_DOT && xb && actb && bf16_rounding && gate_type != FT_F32 && up_type != FT_F32 &&
-        down_type != FT_F32 && !(blocks && block_bf16_disabled)) {
+        down_type != FT_F32) {
         current.job.xb = xb;
         current.job.actb = actb;
     }
@@ -510,9 +521,9 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
 /* The int16-activation Q8_0 path on (default) or off, for tests and measurements against the fp32 path. */
 void ft_set_q16(int on) { q16_disabled = !on; }
 
-/* Block formats (Q8_0, MXFP4, FP8_B32) of a bf16 model on the bf16 dot path (dequantized to bf16 in registers;
-   default) or, off, on the fp32 path (weights widened to fp32 per pass): for tests and measurements. */
-void ft_set_block_bf16(int on) { block_bf16_disabled = !on; }
+/* From how many tokens per expert block formats (Q8_0, MXFP4, FP8_B32) of a bf16 model take the bf16 dot path
+   (default 5; a large number keeps them on the fp32 path): for tests and measurements. */
+void ft_set_block_bf16(int min_tokens) { block_bf16_min_tokens = min_tokens; }
 
 /* Whether the int16-activation path dots rows in interleaved pairs (default) or one at a time, for measuring. */
 void ft_set_q16_form(int two_rows) { q16_two_rows = two_rows; }

@@ -24,6 +24,20 @@ def kernel():
     return k
 
 
+DEFAULT_BLOCK_BF16 = 5  # experts.c's block_bf16_min_tokens
+NEVER = 1 << 30
+
+
+@contextlib.contextmanager
+def block_bf16_from(kernel, tokens: int):
+    """Block-format experts of a bf16 model on the bf16 dot path from `tokens` per expert on (NEVER: fp32 path)."""
+    kernel.lib.ft_set_block_bf16(tokens)
+    try:
+        yield
+    finally:
+        kernel.lib.ft_set_block_bf16(DEFAULT_BLOCK_BF16)
+
+
 def _matrix(fmt: str, experts: int, out: int, inp: int, gen: torch.Generator) -> ExpertMatrix:
     if fmt == "Q8_0":
         return ExpertMatrix(random_q8_0(experts, out, inp, 0.1, gen), "Q8_0", (out, inp))
@@ -180,14 +194,13 @@ def test_block_formats_against_int16_activations_match_the_float_path(kernel, fm
     x[0, 37] = 300.0  # its block's other values keep 2^-16 of it as their precision
     x = x.bfloat16().float()
     routing = _routing(tokens, 5, 2, gen)
-    kernel.lib.ft_set_block_bf16(0)  # experts of 2+ tokens on the fp32 path in both runs (the bf16 dot's own test)
-    try:
+    with block_bf16_from(kernel, NEVER):  # experts of 5 tokens on the fp32 path in both runs
         int16 = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
         kernel.lib.ft_set_q16(0)
-        float_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    finally:
-        kernel.lib.ft_set_q16(1)
-        kernel.lib.ft_set_block_bf16(1)
+        try:
+            float_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        finally:
+            kernel.lib.ft_set_q16(1)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert torch.isfinite(int16).all()
     # bf16 rounding points (projections, silu, products) flip where the two paths land on either side of a tie;
@@ -466,16 +479,17 @@ def test_block_formats_of_a_bf16_model_compute_what_a_bf16_gpu_expert_computes(k
     routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32),
                torch.tensor(every + every, dtype=torch.int32), torch.rand(2 * tokens, generator=gen))
     want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
-    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)  # (int8 tiles: off by default)
+    with block_bf16_from(kernel, 2):  # the bf16 dot path at every count of several tokens
+        got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)  # (int8 tiles: off)
     # (the fp32 path, with fp32 weights, is 4e-3 to 6e-3 away from this for Q8_0 and FP8_B32; MXFP4's values
     # are bf16 values, so both paths meet it exactly)
     assert (got - want).norm() / want.norm() < 2e-4
+    if tokens >= DEFAULT_BLOCK_BF16:  # by default too, from that many tokens on
+        by_default = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        assert (by_default - want).norm() / want.norm() < 2e-4
     if fmt != "MXFP4" and not kernel.amx:  # and it is the bf16 dot path that meets it here
-        kernel.lib.ft_set_block_bf16(0)
-        try:
+        with block_bf16_from(kernel, NEVER):
             fp32_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-        finally:
-            kernel.lib.ft_set_block_bf16(1)
         assert (fp32_path - want).norm() / want.norm() > 1e-3
 
 
