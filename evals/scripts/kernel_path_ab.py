@@ -4,8 +4,9 @@
 
 PATH: `q16` (int16 activations at one token per expert against the fp32 path; default formats MXFP4 Q8_0, batch
 1), `block-bf16` (block formats dequantized to bf16 in registers at several tokens per expert against the fp32
-path, both forced at every batch; default Q8_0 at batches 2 4 8) or `amx` (AMX tiles at their default token counts against the vector paths;
-BF16 and Q8_0 at 2-16; needs a CPU with AMX). FREETOKEN_CPU_THREADS sets the threads."""
+path, both forced at every batch; default Q8_0 at batches 2 4 8) or `amx` (AMX tiles at their default token
+counts against the vector paths; BF16 and Q8_0 at 2-16; needs a CPU with AMX). FREETOKEN_CPU_THREADS sets the
+threads."""
 
 import argparse
 import statistics
