@@ -31,6 +31,8 @@ parser.add_argument("--rounds", type=int, default=3)
 args = parser.parse_args()
 switch, off_label, formats, batches = PATHS[args.path]
 k = CpuExpertKernel.get()
+block_bf16_default = k.lib.ft_set_block_bf16(2)  # (restored below: the switch moves it)
+k.lib.ft_set_block_bf16(block_bf16_default)
 gen = torch.Generator().manual_seed(0)
 print("threads", k.threads, "DRAM", round(dram_read_gb_s(k), 1))
 res = {}
@@ -42,7 +44,7 @@ for _round in range(args.rounds):
                 switch(k.lib, on)
                 res.setdefault((fmt, batch, on), []).append(expert_gb_s(k, fmt, batch, pool, "kernel", gen))
 switch(k.lib, 1)  # the defaults again: q16 on, AMX on,
-k.lib.ft_set_block_bf16(5)  # block formats on the bf16 dot path from 5 tokens per expert
+k.lib.ft_set_block_bf16(block_bf16_default)  # block formats' threshold
 for (fmt, batch, on), v in res.items():
     print(f"{fmt:5} b{batch:<2} {args.path if on else off_label:10}", " ".join(f"{x:5.1f}" for x in v),
           " median", round(statistics.median(v), 1))

@@ -522,8 +522,12 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
 void ft_set_q16(int on) { q16_disabled = !on; }
 
 /* From how many tokens per expert block formats (Q8_0, MXFP4, FP8_B32) of a bf16 model take the bf16 dot path
-   (default 5; a large number keeps them on the fp32 path): for tests and measurements. */
-void ft_set_block_bf16(int min_tokens) { block_bf16_min_tokens = min_tokens; }
+   (a large number keeps them on the fp32 path), for tests and measurements; returns the setting it replaces. */
+int ft_set_block_bf16(int min_tokens) {
+    int before = block_bf16_min_tokens;
+    block_bf16_min_tokens = min_tokens;
+    return before;
+}
 
 /* Whether the int16-activation path dots rows in interleaved pairs (default) or one at a time, for measuring. */
 void ft_set_q16_form(int two_rows) { q16_two_rows = two_rows; }

@@ -24,18 +24,18 @@ def kernel():
     return k
 
 
-DEFAULT_BLOCK_BF16 = 5  # experts.c's block_bf16_min_tokens
 NEVER = 1 << 30
 
 
 @contextlib.contextmanager
 def block_bf16_from(kernel, tokens: int):
-    """Block-format experts of a bf16 model on the bf16 dot path from `tokens` per expert on (NEVER: fp32 path)."""
-    kernel.lib.ft_set_block_bf16(tokens)
+    """Block-format experts of a bf16 model on the bf16 dot path from `tokens` per expert on (NEVER: fp32 path);
+    yields the threshold it replaced (the kernel's default)."""
+    before = kernel.lib.ft_set_block_bf16(tokens)
     try:
-        yield
+        yield before
     finally:
-        kernel.lib.ft_set_block_bf16(DEFAULT_BLOCK_BF16)
+        kernel.lib.ft_set_block_bf16(before)
 
 
 def _matrix(fmt: str, experts: int, out: int, inp: int, gen: torch.Generator) -> ExpertMatrix:
@@ -479,12 +479,12 @@ def test_block_formats_of_a_bf16_model_compute_what_a_bf16_gpu_expert_computes(k
     routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32),
                torch.tensor(every + every, dtype=torch.int32), torch.rand(2 * tokens, generator=gen))
     want = reference.moe_forward(x, *as_bf16, *routing, round_to=torch.bfloat16)
-    with block_bf16_from(kernel, 2):  # the bf16 dot path at every count of several tokens
+    with block_bf16_from(kernel, 2) as default:  # the bf16 dot path at every count of several tokens
         got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)  # (int8 tiles: off)
     # (the fp32 path, with fp32 weights, is 4e-3 to 6e-3 away from this for Q8_0 and FP8_B32; MXFP4's values
     # are bf16 values, so both paths meet it exactly)
     assert (got - want).norm() / want.norm() < 2e-4
-    if tokens >= DEFAULT_BLOCK_BF16:  # by default too, from that many tokens on
+    if tokens >= default:  # by default too, from that many tokens on
         by_default = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
         assert (by_default - want).norm() / want.norm() < 2e-4
     if fmt != "MXFP4" and not kernel.amx:  # and it is the bf16 dot path that meets it here
