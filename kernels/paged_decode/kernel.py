@@ -27,6 +27,7 @@ except ImportError:  # no triton on this platform: `available()` says so
 
 BLOCK_N = 64  # keys per inner step
 MIN_G = 16  # tl.dot wants at least 16 rows: a KV head's G query rows are padded up to this
+MERGE_SPLITS = 32  # splits the merge loads at once (a [32, D] fp32 tile)
 
 
 def available(device: torch.device) -> bool:
@@ -106,23 +107,30 @@ if triton is not None:
         tl.store(lse_ptr + at * 2 + 1, s)
 
     @triton.jit
-    def _merge_kernel(part_ptr, lse_ptr, out_ptr, n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
-        """Program (query head, row): the splits' outputs rescaled to a common max and normalised."""
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, n_splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                      SPLITS: tl.constexpr):
+        """Program (query head, row): the splits' outputs rescaled to a common max and normalised. SPLITS splits
+        a load: a split at a time made this launch a chain of dependent loads (~66 a pass at 32k keys)."""
         head, row = tl.program_id(0), tl.program_id(1)
         kvh = row * (tl.num_programs(0) // G) + head // G  # the row's KV head, counted over all rows
         g = head % G
         dims = tl.arange(0, D)
+        ids = tl.arange(0, SPLITS)
         m_all = float("-inf")
-        for split in range(0, n_splits):
-            m_all = tl.maximum(m_all, tl.load(lse_ptr + ((kvh * n_splits + split) * GP + g) * 2))
+        for first in range(0, n_splits, SPLITS):
+            at = (kvh * n_splits + first + ids) * GP + g
+            m = tl.load(lse_ptr + at * 2, mask=first + ids < n_splits, other=float("-inf"))
+            m_all = tl.maximum(m_all, tl.max(m, axis=0))
         total = 0.0
         acc = tl.zeros([D], tl.float32)
-        for split in range(0, n_splits):
-            at = (kvh * n_splits + split) * GP + g
-            m = tl.load(lse_ptr + at * 2)
+        for first in range(0, n_splits, SPLITS):
+            inside = first + ids < n_splits
+            at = (kvh * n_splits + first + ids) * GP + g
+            m = tl.load(lse_ptr + at * 2, mask=inside, other=float("-inf"))
             w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # a split past the valid length adds nothing
-            total += w * tl.load(lse_ptr + at * 2 + 1)
-            acc += w * tl.load(part_ptr + at * D + dims)
+            total += tl.sum(w * tl.load(lse_ptr + at * 2 + 1, mask=inside, other=0.0), axis=0)
+            parts = tl.load(part_ptr + at[:, None] * D + dims[None, :], mask=inside[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * parts, axis=0)
         tl.store(out_ptr + (row * tl.num_programs(0) + head) * D + dims, (acc / total).to(out_ptr.dtype.element_ty))
 
 
@@ -147,6 +155,7 @@ class PagedDecodeAttention:
         self.padded = max(MIN_G, triton.next_power_of_2(self.group))
         self.block_n, self.launch = block_n, dict(launch or {})
         self.splits = splits_for(window, kv_heads * batch, programs, block_n)  # programs over all rows
+        self.merge_splits = min(MERGE_SPLITS, triton.next_power_of_2(self.splits))
         rows = batch * kv_heads * self.splits * self.padded
         self.parts = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(rows, 2, dtype=torch.float32, device=device)
@@ -167,5 +176,6 @@ class PagedDecodeAttention:
             G=self.group, GP=self.padded, D=self.head_dim, BLOCK_N=self.block_n, IEEE=q.dtype == torch.float32,
             **self.launch)
         _merge_kernel[(self.kv_heads * self.group, self.batch)](self.parts, self.lse, self.out, self.splits,
-                                                               G=self.group, GP=self.padded, D=self.head_dim)
+                                                               G=self.group, GP=self.padded, D=self.head_dim,
+                                                               SPLITS=self.merge_splits)
         return self.out

@@ -28,7 +28,8 @@ CHECK = textwrap.dedent("""
     gen = torch.Generator().manual_seed(0)
     cases = [(32, 4, 128, 300, 250, torch.bfloat16), (32, 4, 128, 600, 100, torch.bfloat16),
              (8, 8, 16, 130, 1, torch.float32), (12, 4, 32, 520, 519, torch.float32),
-             (16, 4, 64, 4096, 70, torch.float32)]  # a window far past the valid keys (one graph for all lengths)
+             (16, 4, 64, 4096, 70, torch.float32),  # a window far past the valid keys (one graph for all lengths)
+             (16, 4, 64, 8192, 5000, torch.float32)]  # 40 of 45 splits with keys: the merge loads 32 at a time
     for i, (heads, kv, d, window, n, dtype) in enumerate(cases):
         pool = 2 * window + 7
         k = torch.randn(pool, kv, d, generator=gen).to(dtype).to(device)
@@ -37,7 +38,8 @@ CHECK = textwrap.dedent("""
         q = torch.randn(1, heads, d, generator=gen).to(dtype).to(device)
         k[slots[n:]] = 1e4  # keys past the valid length must not leak in
         block_n = (64, 32, 128)[i % 3]  # the default and the sweep's other step sizes
-        attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=12, block_n=block_n)
+        programs = 4 * 45 if i == 5 else 12
+        attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=programs, block_n=block_n)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         for position in (n - 1, n // 2):
             pos = torch.tensor([position], device=device)
