@@ -30,6 +30,38 @@ static double rate(int type, int bf16_path, const uint8_t *w, size_t row_bytes, 
     return (double)k * rows * calls / best / 1e9;
 }
 
+#if HAVE_AMX
+/* The bf16 tile path as amx_gate_up runs one task (16 rows of gate and of up, one tile of up to 16 tokens: its
+   time does not depend on the token count): block formats dequantized to bf16 rows first, then the tiles. */
+static void amx_rate(int type, const uint8_t *w, size_t row_bytes, int rows, int k) {
+    uint16_t *packed = aligned_alloc(64, (size_t)k * AMX_TOKENS * 2);
+    for (int i = 0; i < k * AMX_TOKENS; i++) packed[i] = (uint16_t)(0x3c00 + i % 89);
+    float g[16][16], u[16][16];
+    for (int part = 0; part < 2; part++) {  /* 0: dequantization (block formats) alone, 1: the whole task */
+        if (part == 0 && type == FT_BF16) continue;
+        int calls = (int)(2e8 / ((double)k * rows)) + 1;
+        double best = 1e30;
+        for (int round = 0; round < 5; round++) {
+            double t0 = now();
+            for (int c = 0; c < calls; c++)
+                for (int r = 0; r + 31 < rows; r += 32) {
+                    int gt = type, ut = type;
+                    size_t gb = row_bytes, ub = row_bytes;
+                    const uint8_t *gate = amx_block_rows(w + r * row_bytes, &gt, &gb, k, 0);
+                    const uint8_t *up = amx_block_rows(w + (r + 16) * row_bytes, &ut, &ub, k, 1);
+                    if (part) amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, packed, k, &g[0][0], &u[0][0]);
+                }
+            double dt = now() - t0;
+            if (dt < best) best = dt;
+        }
+        if (g[0][0] == 12345.0f) printf(" ");
+        printf("| %s | %s | %.1f G weights/s (any 1-16 tokens) |\n", type == FT_BF16 ? "BF16" : "Q8_0",
+               part ? "amx tiles, whole task" : "amx: dequantize to bf16 only", (double)k * rows * calls / best / 1e9);
+    }
+    free(packed);
+}
+#endif
+
 int main(void) {
     static const int counts[] = {1, 2, 4, 6, 8, 16};
     const int k = 2048, rows = 64;  /* 256 KiB of bf16 weights: L2 on every x86 core since Skylake */
@@ -61,6 +93,9 @@ int main(void) {
             }
             printf("\n");
         }
+#if HAVE_AMX
+        if (amx_permitted()) amx_rate(type, w, row_bytes, rows, k);
+#endif
         free(w);
     }
     return 0;
