@@ -321,8 +321,10 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
                | tee "$OUT/attn-ab.txt" ;;
     attn-sweep) (cd /tmp && python3 "$OLDPWD/evals/scripts/paged_decode_sweep.py" | tee "$OUT/paged-decode-sweep.md") ;;
     # one thread's arithmetic ceiling per vector path with the weights in L2 (the pool's DRAM runs set against it)
+    # (alone, then one of 15 copies running at once: what all cores busy does to each core's rate)
     dots-in-cache) cc -O3 -march=native -std=gnu11 -pthread -o /tmp/dots evals/scripts/dots_in_cache.c -lm \
-             && /tmp/dots | tee "$OUT/dots-in-cache.txt" ;;
+             && { echo "== alone"; /tmp/dots; echo "== one of 15 at once"
+                  for i in $(seq 14); do /tmp/dots > /dev/null & done; /tmp/dots; wait; } | tee "$OUT/dots-in-cache.txt" ;;
     kernel-launch) (cd /tmp && FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench --batches 1 2 4 8 \
              | tee "$OUT/kernel-launch.txt") ;;
     # the vector paths against each other at 15 threads: block formats on the bf16 dot path against the fp32 path

@@ -65,6 +65,18 @@ INLINE float f16_scalar(const uint8_t *p) {
     return f;
 }
 
+/* An f16 scale in every lane. On x86 a broadcast and one vector conversion: the scalar conversion's insert and
+   broadcast took the shuffle port that the int8 widening of each block also needs. */
+INLINE vf f16_splat(const uint8_t *p) {
+#if defined(__AVX512F__)
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return (vf)_mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+#else
+    return (vf){0} + f16_scalar(p);
+#endif
+}
+
 /* The 16 values one half of an MXFP4 block codes (`high`: the high nibbles, values 16..31), unscaled: the
 doubled e2m1 codes ±{0, 1, 2, 3, 4, 6, 8, 12}. */
 INLINE vf load_mxfp4(const uint8_t *qs, int high) {
@@ -109,7 +121,7 @@ INLINE float mxfp4_scale(uint8_t e) {
    `type` is a compile-time constant where rows_dots inlines it, so the branches fold away. */
 INLINE void block_weights(int type, const uint8_t *blk, vf *w0, vf *w1) {
     if (type == FT_Q8_0) {
-        vf d = (vf){0} + f16_scalar(blk);
+        vf d = f16_splat(blk);
         *w0 = load_q8((const int8_t *)blk + 2) * d, *w1 = load_q8((const int8_t *)blk + 2 + LANES) * d;
     } else if (type == FT_MXFP4) {
         vf d = (vf){0} + mxfp4_scale(blk[0]);
