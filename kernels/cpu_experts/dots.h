@@ -162,8 +162,8 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
                 const uint8_t *blk = (const uint8_t *)rows[r] + b;
                 vf s = load_q8((const int8_t *)blk + 2) * x0;
                 s += load_q8((const int8_t *)blk + 2 + LANES) * x1;
-                if (b / Q8_BYTES & 1) acc_hi[r][0] += s * f16_scalar(blk);
-                else acc[r][0] += s * f16_scalar(blk);
+                if (b / Q8_BYTES & 1) acc_hi[r][0] += s * f16_splat(blk);
+                else acc[r][0] += s * f16_splat(blk);
             }
         }
         for (int r = 0; r < nr; r++) acc[r][0] += acc_hi[r][0];
