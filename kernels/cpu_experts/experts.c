@@ -163,8 +163,10 @@ INLINE float expert_out(const moe_job *j, int expert, int h, float v, float w) {
    TILE tokens). Below it the fp32 path is faster on a Sapphire Rapids host (15 threads, Q8_0 b2 66.7 against
    60.8 GB/s, b4 59.9 against 46.5; MXFP4 likewise); at 8 tokens the bf16 path wins on a Zen 4 core (9.2 against
    7.5 GB/s, 2 threads), and from 5 on the fp32 path needs a second pass over each row
-   (evals/results/cpu-expert-kernel-h200.md). ft_set_block_bf16 moves it. */
-static int block_bf16_min_tokens = 5;
+   (evals/results/cpu-expert-kernel-h200.md). Where AMX is compiled in (Sapphire Rapids and later) never: one core
+   of such a host ran Q8_0 slower on the bf16 dot path than on the fp32 path at every count of 1-16 tokens, weights
+   in L2 (evals/scripts/dots_in_cache.c), and tiles take block formats from 6 tokens. ft_set_block_bf16 moves it. */
+static int block_bf16_min_tokens = HAVE_AMX ? 1 << 30 : 5;
 
 /* Whether rows of format `type` dot bf16 activations (the job has them) for a pass of nt tokens. */
 INLINE int bf16_dot_takes(const moe_job *j, int type, int nt) {
