@@ -57,6 +57,9 @@ EXPERIMENTAL: dict[str, str] = {
                    "sets the share explicitly)",
     "delta-decode": "Gated DeltaNet decode steps as one Triton launch per layer (kernels/gated_delta)",
     "delta-prefill": "the chunked Gated DeltaNet's chunk-to-chunk loop as one Triton launch per layer",
+    "guard-rest": "the path guard does not measure decode's first window (a token's layer-steps) after a prefill "
+                  "chunk, and drops the window in progress: A1 without reuse (46e84d2, a1-qwen3-30b-a3b-16gib-h200.md) "
+                  "left the cpu way for the slower split after long prefills far more often than with reuse",
     "prefetch-early": "captured decode queues the next layer's prefetch at the end of a layer's host work, not after "
                       "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
     "prefetch-lead": "offloaded decode sizes the next layer's prefetch crediting its copies with their head start "

@@ -46,6 +46,10 @@ class ExpertStats:
     pinned_layers: list[int] = field(default_factory=list)  # layers whose experts are kept on the device
     grid_layers: list[int] = field(default_factory=list)  # the model layer of each grid row
     guard_bias: int = 0  # experts a step the guard's search moves to the CPU beyond the planner's split (auto)
+    # the guard's windows closed so far, and its latest ones: [way, bias, µs per miss (None: hits only), steps,
+    # misses, median step µs] (what a turn's decode measured; `ft eval` records a turn's own)
+    guard_windows_closed: int = 0
+    guard_windows: list = field(default_factory=list)
     # the block store (quantized experts kept in their block format on the device): rows, experts held, and the
     # slot misses it served (counted in `misses` too: no link bytes, a dequantizing launch)
     block_rows: int = 0
@@ -110,6 +114,14 @@ def _block_store(ex: OffloadedExpertExecutor) -> dict[str, int]:
             "store_hits": ex.counters.store_hits}
 
 
+def _guard_windows(guard) -> dict:
+    if guard is None:
+        return {}
+    windows = [[way, bias, None if per_miss is None else round(per_miss * 1e6, 1), steps, misses,
+                round(median * 1e6, 1)] for way, bias, per_miss, steps, misses, median in guard.history]
+    return {"guard_windows_closed": guard.windows_closed, "guard_windows": windows}
+
+
 def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None) -> EngineStats:
     """`prefix`: the prefix cache, or `snapshots` (recurrent models' StateSnapshots) where there is none."""
     spec, ex = lm.moe_spec, lm.experts
@@ -129,6 +141,7 @@ def snapshot(lm, cache: PagedKVCache | None = None, prefix=None, snapshots=None)
                               *_grid(spec, ex.cache, ex.copier.store),
                               sorted({key[0] for key in tuple(ex.cache.pinned)}), list(spec.moe_layers),
                               guard_bias=guard.best_bias if guard is not None and ex.miss_path == "auto" else 0,
+                              **_guard_windows(guard if ex.miss_path == "auto" else None),
                               **_block_store(ex))
     else:
         total = spec.total_routed_experts

@@ -202,7 +202,9 @@ def expert_counters(endpoint: str, headers: dict[str, str]) -> dict | None:
         stats = _server_stats(endpoint, headers)
         experts = stats["engine"]["experts"]
         counters = {**{k: experts[k] for k in EXPERT_COUNTERS}, "guard_way": experts.get("guard_way", ""),
-                    "expert_bytes": experts["host_bytes_per_expert"]}
+                    "expert_bytes": experts["host_bytes_per_expert"],
+                    "guard_windows_closed": experts.get("guard_windows_closed", 0),
+                    "guard_windows": experts.get("guard_windows", [])}
     except (KeyError, TypeError):
         return None
     gc = stats.get("gc")  # the collector's pauses (servers since 2026-12-05): they stop the decode thread too
@@ -220,6 +222,9 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     looked_up = delta["hits"] + delta["misses"]
     delta["hit_rate"] = round(delta["hits"] / looked_up, 4) if looked_up else None
     delta["guard_way"] = after["guard_way"]
+    # the path guard's windows closed over the span (its latest ones, as many as it keeps): way, bias, µs per miss
+    closed = after["guard_windows_closed"] - before["guard_windows_closed"]
+    delta["guard_windows"] = after["guard_windows"][-closed:] if closed > 0 else []
     # the decode CPU share's kernel rate and its start delay over the turn: a slower kernel (DRAM shared, cores
     # taken) against a later start (the host) when the CPU wait grows
     seconds, starts = delta["step_cpu_seconds"], delta["cpu_starts"]

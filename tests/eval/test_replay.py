@@ -255,6 +255,7 @@ def test_against_an_offloading_server_each_turn_carries_its_expert_counters(tmp_
         assert (engine["step_cpu_gb_s"] is None) == (engine["step_cpu_seconds"] == 0)
         assert (engine["cpu_start_delay_ms"] is None) == (engine["cpu_starts"] == 0)
         assert engine["gc_seconds"] >= 0 and engine["gc_full"] >= 0  # the collector's pauses over the turn
+        assert isinstance(engine["guard_windows"], list)  # the path guard's windows closed over the turn
     # the title request runs beside the first turn, so their spans overlap; the rest follow one another
     assert sum(t["engine"]["misses"] for t in turns[2:]) <= total["misses"]
 
@@ -350,3 +351,16 @@ def test_prompts_past_the_context_are_reported_with_the_fix(agent_model, tmp_pat
     assert "turns failed" in proc.stderr and "shrink a bundled trace with --scale" in proc.stderr
     result = json.loads((out / "result.json").read_text())
     assert result["summary"]["errors"] == 13 and result["reference"][0]["error"] is None
+
+
+def test_a_turns_guard_windows_are_those_closed_during_it():
+    from freetoken.eval.replay import EXPERT_COUNTERS, counters_delta
+
+    def read(closed: int, windows: list) -> dict:
+        return {**dict.fromkeys(EXPERT_COUNTERS, 0), "guard_way": "cpu", "expert_bytes": 1,
+                "guard_windows_closed": closed, "guard_windows": windows}
+
+    history = [["split", 0, 100.0 + i, 48, 200, 900.0] for i in range(32)]  # the guard keeps its latest 32
+    assert counters_delta(read(10, history[:10]), read(13, history[:13]))["guard_windows"] == history[10:13]
+    assert counters_delta(read(40, history), read(40, history))["guard_windows"] == []  # no window closed
+    assert counters_delta(read(0, []), read(50, history))["guard_windows"] == history  # more than it keeps

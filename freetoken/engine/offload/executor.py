@@ -178,6 +178,9 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         self._collect_copy_timings()
         if self.gather_small_batches and topk_ids.numel() <= self.gather_pairs:
             return self._forward_gathered(layer, hidden, topk_ids, topk_weights)
+        guard = self.planner.guard
+        if guard is not None and hidden.shape[0] >= self.PREFILL_TOKENS and gpu_paths.enabled("guard-rest"):
+            guard.rest()
         return self._forward_grouped(layer, hidden, topk_ids, topk_weights)
 
     def _measure_link(self, layer: int) -> None:

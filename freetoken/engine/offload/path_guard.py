@@ -89,6 +89,17 @@ class PathGuard:
         if len(self._samples) >= self.window:
             self._close_window()
 
+    def rest(self) -> None:
+        """The host did other work (a prefill chunk): the window in progress is dropped and the next one is not
+        measured, as after a change of way, so the first steps after a long prefill count for no way (GPU path
+        "guard-rest", experimental)."""
+        self._samples = []
+        self._settle = max(self._settle, self.window)
+
+    @property
+    def windows_closed(self) -> int:
+        return self._windows
+
     def _window_per_miss(self) -> float | None:
         """Seconds per miss over the window's steps, stalls left out; None for a window of hits only."""
         rates = sorted(s / m for s, m in self._samples if m)

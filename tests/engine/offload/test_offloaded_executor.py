@@ -494,3 +494,29 @@ def test_a_chunks_activations_reach_the_host_as_the_same_fp32_values(device):
     assert torch.equal(x, hidden.cpu().float())
     fp32 = torch.randn(3, 8, device=device)
     assert torch.equal(to_host_fp32(fp32), fp32.cpu())
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_prefill_chunk_rests_the_path_guard_when_named(tmp_path, monkeypatch, named):
+    """GPU path "guard-rest": a chunk of PREFILL_TOKENS or more between decode steps drops the guard's window in
+    progress and leaves the next one unmeasured; not named, the guard only sees decode steps."""
+    from freetoken.engine import gpu_paths
+
+    def fresh():
+        gpu_paths.enabled.cache_clear()
+        gpu_paths._named.cache_clear()
+
+    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "guard-rest" if named else "")
+    fresh()
+    try:
+        write_hf_checkpoint(path=tmp_path, **PARITY_CASES["qwen3_moe"])
+        spec = load_model(tmp_path, progress=False).moe_spec
+        lm = load_model(tmp_path, progress=False, expert_cache=3 * spec.bytes_per_expert(torch.float32))
+        rests = []
+        monkeypatch.setattr(lm.experts.planner.guard, "rest", lambda: rests.append(1))
+        prompt = (prompt_ids() * 8)[:OffloadedExpertExecutor.PREFILL_TOKENS]
+        Generator(lm).generate_ids(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert len(rests) == (len(spec.moe_layers) if named else 0)  # each MoE layer of the one prefill chunk
+    finally:
+        monkeypatch.delenv("FREETOKEN_EXPERIMENTAL")
+        fresh()

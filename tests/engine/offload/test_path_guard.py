@@ -136,6 +136,22 @@ def test_the_link_queue_adds_up_queued_copies_until_they_land():
     assert link.backlog(10.0102) == 0.0
 
 
+def test_after_a_rest_the_next_window_counts_for_no_way():
+    """A prefill chunk between decode steps (`rest`): the window in progress is dropped, and the first window
+    after it (the first steps after a long prefill, slow whichever way runs) is not measured."""
+    guard = PathGuard(window=10)
+    per_miss = {"split": 1e-3, "cpu": 1e-3, "copy": 2e-3}
+    run(guard, per_miss, 10 + 10 * 4)  # past the unmeasured first window, four windows measured
+    before, closed = dict(guard.seconds_per_miss), guard.windows_closed
+    run(guard, {"split": 9e-3, "cpu": 9e-3, "copy": 9e-3}, 5)  # half a window, then the host prefills
+    guard.rest()
+    run(guard, {"split": 9e-3, "cpu": 9e-3, "copy": 9e-3}, 10)  # the first window after it: slow, not measured
+    assert guard.seconds_per_miss == before and guard.windows_closed == closed
+    run(guard, per_miss, 10)
+    assert guard.windows_closed == closed + 1 and guard.history[-1][2] == pytest.approx(per_miss[guard.history[-1][0]],
+                                                                                         rel=0.06)
+
+
 def test_the_latest_windows_are_kept_for_diagnostics():
     guard = PathGuard(window=8)
     run(guard, {"split": 1e-3, "cpu": 2e-3, "copy": 3e-3}, 8 * 40, noise=0.0)
