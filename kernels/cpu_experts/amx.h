@@ -16,6 +16,11 @@ static int amx_min_tokens = 2, amx_block_min_tokens = 6, amx_disabled;
    load waits for all its 16 rows, and the tiles keep few loads in flight, so DRAM latency is paid per chunk
    unless the lines are on their way already. */
 static int amx_prefetch;
+/* Software prefetch this many bytes ahead while a block format's 16-row block is dequantized for the tiles (0:
+   off, the default), for measuring: the block is one run of ~35 KB (Q8_0 gate/up rows), and the L2 streamer stops
+   at each 4 KiB page, where the loop then waits on DRAM; one core computes that block 2.4x faster from L2 than the
+   pool reads it (evals/results/cpu-expert-kernel-h200.md). */
+static int amx_dequant_prefetch;
 
 INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
     for (int r = 0; r < 16; r++) __builtin_prefetch(w + r * stride, 0, 3);
@@ -88,10 +93,15 @@ static const uint8_t *amx_dequant_rows(int type, const uint8_t *w, size_t stride
         if (!buf[which]) return NULL;
     }
     size_t bytes = type == FT_Q8_0 ? Q8_BYTES : type == FT_MXFP4 ? MX_BYTES : FP8_BYTES;
+    const uint8_t *end = w + 15 * stride + (size_t)(k / 32) * bytes;  /* the block's last byte, exclusive */
+    size_t ahead = (size_t)amx_dequant_prefetch;
+    for (size_t at = 0; at < ahead && w + at < end; at += 64) __builtin_prefetch(w + at, 0, 3);
     for (int r = 0; r < 16; r++)
         for (int kc = 0; kc < k / 32; kc++) {
             vf w0, w1;
-            block_weights(type, w + r * stride + (size_t)kc * bytes, &w0, &w1);
+            const uint8_t *blk = w + r * stride + (size_t)kc * bytes;
+            if (ahead && blk + ahead < end) __builtin_prefetch(blk + ahead, 0, 3);
+            block_weights(type, blk, &w0, &w1);
             _mm512_storeu_si512(buf[which] + (size_t)r * k + (size_t)kc * 32,
                                 (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0));
         }

@@ -567,6 +567,19 @@ void ft_set_amx_prefetch(int chunks) {
 #endif
 }
 
+/* Software prefetch distance in bytes while block-format rows are dequantized for the bf16 tiles (0: off, the
+   default), for measuring; returns the distance it replaces. */
+int ft_set_amx_dequant_prefetch(int bytes) {
+#if HAVE_AMX
+    int before = amx_dequant_prefetch;
+    amx_dequant_prefetch = bytes < 0 ? 0 : bytes;
+    return before;
+#else
+    (void)bytes;
+    return 0;
+#endif
+}
+
 /* The weight rows one pass of Q8_0's int8 tiles takes: 16 or 32 (two A tiles against the same activations). */
 void ft_set_amx_q8_rows(int rows) {
 #if HAVE_AMX_Q8

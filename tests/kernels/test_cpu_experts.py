@@ -439,6 +439,26 @@ def test_amx_tiles_match_the_reference(kernel, tokens):
     assert (tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
 
 
+def test_the_dequantization_prefetch_changes_no_result(kernel):
+    """ft_set_amx_dequant_prefetch (software prefetch while Q8_0 rows are dequantized for the tiles, off by
+    default) reads further ahead only: the tiles' result is the same bit for bit at any distance."""
+    if not kernel.amx:
+        pytest.skip("no AMX on this CPU")
+    gen = torch.Generator().manual_seed(8)
+    gate, up = (_matrix("Q8_0", 3, 64, 256, gen) for _ in range(2))
+    down = _matrix("Q8_0", 3, 256, 64, gen)
+    x = torch.randn(8, 256, generator=gen).bfloat16().float()
+    routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32),
+               torch.arange(8, dtype=torch.int32).repeat(2), torch.rand(16, generator=gen))
+    plain = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert kernel.lib.ft_set_amx_dequant_prefetch(1024) == 0
+    try:
+        ahead = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    finally:
+        assert kernel.lib.ft_set_amx_dequant_prefetch(0) == 1024
+    assert torch.equal(plain, ahead)
+
+
 def test_amx_tiles_cover_long_calls(kernel):
     """A prefill-sized call on tiles: an expert with 17 token tiles (272 tokens) beside 35 experts of 5-6 tokens
     (each down task walks 52 token tiles); the result equals the reference's as the short calls' do."""
