@@ -187,7 +187,7 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     # Q8_0 on AMX int8 tiles (amx_q8.h): its tests (real tiles, and bit for bit against the emulation), then the
     # variants at 15 threads over 1 GiB and at one thread
     kernel-int8) (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -rs -k "int8 or amx" \
-                "$OLDPWD/tests/kernels/test_cpu_experts.py" 2>&1 | tail -4 | tee -a "$OUT/tests.txt"
+                "$OLDPWD/tests/kernels/test_cpu_experts.py" "$OLDPWD/tests/kernels/test_cpu_expert_tiles.py" 2>&1 | tail -4 | tee -a "$OUT/tests.txt"
               v="$OLDPWD/evals/scripts/kernel_variants.py"
               python3 "$v" --rounds 5 --threads 15 --batches 1 2 8 16 32 --out "$OUT/kernel-variants-15t.md" | tail -40
               python3 "$v" --rounds 2 --threads 1 --pool-mib 256 --batches 2 8 32 --out "$OUT/kernel-variants-1t.md" \
@@ -195,7 +195,7 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     kernel-diag) lscpu | grep -E "Thread|Core|Socket|MHz|L2|L3"; cat /sys/kernel/mm/transparent_hugepage/enabled
              grep -H . /sys/devices/system/cpu/vulnerabilities/gather_data_sampling 2>/dev/null
              (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" \
-                "$OLDPWD/tests/kernels/test_cpu_experts.py" 2>&1 | tail -3
+                "$OLDPWD/tests/kernels/test_cpu_experts.py" "$OLDPWD/tests/kernels/test_cpu_expert_tiles.py" 2>&1 | tail -3
               v="$OLDPWD/evals/scripts/kernel_variants.py"
               python3 "$v" --rounds 7 --threads 15 --batches 1 2 4 8 --out "$OUT/kernel-variants-15t.md" | tail -40
               python3 "$v" --rounds 5 --threads 15 --pool-mib 24 --batches 1 4 8 --out "$OUT/kernel-variants-15t-small.md" | tail -30
@@ -206,7 +206,7 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
             ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,16GiB --expert-format Q8_0 \
               --strategies resident-graphs,copy,cpu,auto --commit "$commit" --out "$OUT/d1-q8-1k.md" ;;
     d1-guard) (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" \
-                "$OLDPWD/tests/kernels/test_cpu_experts.py" 2>&1 | tail -2)
+                "$OLDPWD/tests/kernels/test_cpu_experts.py" "$OLDPWD/tests/kernels/test_cpu_expert_tiles.py" 2>&1 | tail -2)
               ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 --budgets 0,16GiB \
               --strategies copy,auto,auto-noguard,auto-noprefetch --commit "$commit" --out "$OUT/d1-guard.md" ;;
     d1-matrix) for f in dense Q8_0; do ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens 16 \
@@ -325,7 +325,7 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     dequant-prefetch) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds 7 --formats Q8_0 \
                --batches 6 8 16 | tee "$OUT/dequant-prefetch.md"
              python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -k "amx or prefetch" \
-               "$OLDPWD/tests/kernels/test_cpu_experts.py" 2>&1 | tail -3 | tee -a "$OUT/tests.txt") ;;
+               "$OLDPWD/tests/kernels/test_cpu_experts.py" "$OLDPWD/tests/kernels/test_cpu_expert_tiles.py" 2>&1 | tail -3 | tee -a "$OUT/tests.txt") ;;
     # one thread's arithmetic ceiling per vector path with the weights in L2 (the pool's DRAM runs set against it)
     # (alone, then one of 15 copies running at once: what all cores busy does to each core's rate)
     dots-in-cache) cc -O3 -march=native -std=gnu11 -pthread -o /tmp/dots evals/scripts/dots_in_cache.c -lm \

@@ -18,7 +18,7 @@
    way; phase 2 (tasks: 16 output rows) reads it.
 
    FT_AMX_EMULATE builds the same code over tiles emulated in C, so the layouts are tested on any AVX-512
-   machine (tests/kernels/test_cpu_experts.py); real tiles run on Sapphire Rapids and later. */
+   machine (tests/kernels/test_cpu_expert_tiles.py); real tiles run on Sapphire Rapids and later. */
 #if HAVE_Q16 && ((HAVE_AMX && defined(__AMX_INT8__)) || defined(FT_AMX_EMULATE))
 #define HAVE_AMX_Q8 1
 #if !HAVE_AMX

@@ -9,20 +9,8 @@ import pytest
 import torch
 
 from freetoken.kernels.cpu_experts import build, reference
-from freetoken.kernels.cpu_experts.bench import random_q8_0
-from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
-from freetoken.kernels.fp8_block.reference import to_row_blocks
-from freetoken.kernels.mxfp4.reference import to_gguf_blocks
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = CpuExpertKernel.get()
-    if k is None:
-        pytest.fail("the CPU expert kernel did not build: CI machines have a C compiler")
-    return k
-
+from support.cpu_kernel import expert_matrix
 
 NEVER = 1 << 30
 
@@ -36,24 +24,6 @@ def block_bf16_from(kernel, tokens: int):
         yield before
     finally:
         kernel.lib.ft_set_block_bf16(before)
-
-
-def _matrix(fmt: str, experts: int, out: int, inp: int, gen: torch.Generator) -> ExpertMatrix:
-    if fmt == "Q8_0":
-        return ExpertMatrix(random_q8_0(experts, out, inp, 0.1, gen), "Q8_0", (out, inp))
-    if fmt == "FP8_B32":  # every e4m3 byte but the NaNs, scales of 2-D 16 x 32 blocks
-        codes = torch.randint(0, 256, (experts, out, inp), dtype=torch.uint8, generator=gen)
-        codes[(codes & 0x7F) == 0x7F] = 0
-        scale_inv = torch.rand(experts, -(-out // 16), inp // 32, generator=gen) * 0.002
-        rows = [to_row_blocks(codes[e].view(torch.float8_e4m3fn), scale_inv[e], (16, 32)) for e in range(experts)]
-        return ExpertMatrix(torch.stack(rows).reshape(experts, -1), "FP8_B32", (out, inp))
-    if fmt == "MXFP4":  # random codes, scales near 2^-4 (values up to 0.75) and a few tiny (subnormal) ones
-        blocks = torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
-        scales = torch.randint(121, 125, (experts, out, inp // 32), dtype=torch.uint8, generator=gen)
-        scales[0, 0, 0], scales[-1, -1, -1] = 0, 1
-        return ExpertMatrix(to_gguf_blocks(blocks, scales).reshape(experts, -1), "MXFP4", (out, inp))
-    dtype = {"F32": torch.float32, "BF16": torch.bfloat16}[fmt]
-    return ExpertMatrix.of((torch.randn(experts, out, inp, generator=gen) * 0.1).to(dtype))
 
 
 def _routing(tokens: int, experts: int, k: int, gen: torch.Generator):
@@ -76,8 +46,8 @@ def _routing(tokens: int, experts: int, k: int, gen: torch.Generator):
 def test_kernel_matches_the_reference(kernel, formats, tokens, round_to):
     gen = torch.Generator().manual_seed(tokens * 7 + len(set(formats)))
     hidden, inter, experts = 96, 64, 6
-    gate, up = (_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
-    down = _matrix(formats[2], experts, hidden, inter, gen)
+    gate, up = (expert_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
+    down = expert_matrix(formats[2], experts, hidden, inter, gen)
     x = torch.randn(tokens + 1, hidden, generator=gen)  # the last token is routed nowhere
     routing = _routing(tokens, experts, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to)
@@ -94,8 +64,8 @@ def test_bf16_activations_take_the_bf16_dot_path_and_match(kernel, tokens, hidde
     """A bf16 model's activations are bf16 values: with AVX-512-BF16 the kernel multiplies bf16 by bf16 (exact
     products, fp32 sums), which must agree with the reference's bf16 rounding points."""
     gen = torch.Generator().manual_seed(tokens + hidden)
-    gate, up = (_matrix("BF16", 5, 64, hidden, gen) for _ in range(2))
-    down = _matrix("BF16", 5, hidden, 64, gen)
+    gate, up = (expert_matrix("BF16", 5, 64, hidden, gen) for _ in range(2))
+    down = expert_matrix("BF16", 5, hidden, 64, gen)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().float()
     routing = _routing(tokens, 5, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
@@ -116,8 +86,8 @@ def test_activations_go_to_bf16_only_when_they_are_bf16_values(kernel):
     assert xb is not None and xb.dtype == torch.bfloat16 and torch.equal(xb.float(), x)
     x[17, 5] += 2.0 ** -12 * abs(float(x[17, 5]))  # one value off the bf16 grid
     assert kernel.bf16_if_exact(x) is None
-    gate, up = (_matrix("BF16", 5, 64, 96, gen) for _ in range(2))
-    down = _matrix("BF16", 5, 96, 64, gen)
+    gate, up = (expert_matrix("BF16", 5, 64, 96, gen) for _ in range(2))
+    down = expert_matrix("BF16", 5, 96, 64, gen)
     x = torch.randn(3, 96, generator=gen)
     routing = _routing(3, 5, 2, gen)
     pending = kernel.start(x, gate, up, down, *routing, round_to=torch.bfloat16)
@@ -130,8 +100,8 @@ def _form_case(formats, tokens: int, round_to: torch.dtype, gen: torch.Generator
     """6 experts (hidden 96, intermediate 64) in `formats`, `tokens` tokens large enough that a low clamp bites
     (bf16-exact for a bf16 model), each routed to 2 experts."""
     hidden, inter, experts = 96, 64, 6
-    gate, up = (_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
-    down = _matrix(formats[2], experts, hidden, inter, gen)
+    gate, up = (expert_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
+    down = expert_matrix(formats[2], experts, hidden, inter, gen)
     x = torch.randn(tokens, hidden, generator=gen) * 3
     if round_to == torch.bfloat16:
         x = x.bfloat16().float()
@@ -188,8 +158,8 @@ def test_block_formats_against_int16_activations_match_the_float_path(kernel, fm
     equal to the fp32-activation path to fp32 rounding, whatever the row length (a partial group of 16 blocks: 96
     and 544), also with an outlier in one block."""
     gen = torch.Generator().manual_seed(tokens + hidden)
-    gate, up = (_matrix(fmt, 5, 64, hidden, gen) for _ in range(2))
-    down = _matrix(fmt, 5, hidden, 64, gen)
+    gate, up = (expert_matrix(fmt, 5, 64, hidden, gen) for _ in range(2))
+    down = expert_matrix(fmt, 5, hidden, 64, gen)
     x = torch.randn(tokens, hidden, generator=gen)
     x[0, 37] = 300.0  # its block's other values keep 2^-16 of it as their precision
     x = x.bfloat16().float()
@@ -217,8 +187,8 @@ def test_int16_forms_agree_exactly(kernel, fmt, hidden):
     same order: bit-identical outputs, a partial group of 16 blocks (544) included. (Where the build has no
     AVX-512BW both forms are the fp32 path, trivially equal.)"""
     gen = torch.Generator().manual_seed(hidden)
-    gate, up = (_matrix(fmt, 5, 96, hidden, gen) for _ in range(2))
-    down = _matrix(fmt, 5, hidden, 96, gen)
+    gate, up = (expert_matrix(fmt, 5, 96, hidden, gen) for _ in range(2))
+    down = expert_matrix(fmt, 5, hidden, 96, gen)
     x = torch.randn(1, hidden, generator=gen).bfloat16().float()
     routing = _routing(1, 5, 4, gen)  # one token per expert: the int16 path's case (decode)
     outs = []
@@ -235,7 +205,7 @@ def test_int16_forms_agree_exactly(kernel, fmt, hidden):
 @pytest.mark.parametrize("hidden", [40, 17])
 def test_float_rows_of_any_length(kernel, hidden):
     gen = torch.Generator().manual_seed(hidden)
-    gate, up, down = (_matrix("BF16", 3, o, i, gen) for o, i in ((24, hidden), (24, hidden), (hidden, 24)))
+    gate, up, down = (expert_matrix("BF16", 3, o, i, gen) for o, i in ((24, hidden), (24, hidden), (hidden, 24)))
     x = torch.randn(5, hidden, generator=gen)
     routing = _routing(5, 3, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing)
@@ -258,7 +228,7 @@ def test_read_probe_reads_every_byte(kernel):
 def test_each_job_reports_where_its_time_went(kernel):
     """`timing()` sums, per job waited for: posting → first task, → last gate/up task, → last down task."""
     gen = torch.Generator().manual_seed(5)
-    gate, up, down = (_matrix("BF16", 8, o, i, gen) for o, i in ((64, 128), (64, 128), (128, 64)))
+    gate, up, down = (expert_matrix("BF16", 8, o, i, gen) for o, i in ((64, 128), (64, 128), (128, 64)))
     before = kernel.timing()
     for _ in range(3):
         kernel.moe_forward(torch.randn(2, 128, generator=gen), gate, up, down, *_routing(2, 8, 2, gen))
@@ -283,8 +253,8 @@ def test_concurrent_callers_are_serialised(kernel):
     from concurrent.futures import ThreadPoolExecutor
 
     gen = torch.Generator().manual_seed(5)
-    gate, up = (_matrix("BF16", 4, 32, 64, gen) for _ in range(2))
-    down = _matrix("BF16", 4, 64, 32, gen)
+    gate, up = (expert_matrix("BF16", 4, 32, 64, gen) for _ in range(2))
+    down = expert_matrix("BF16", 4, 64, 32, gen)
     cases = [(torch.randn(3, 64, generator=gen), _routing(3, 4, 2, gen)) for _ in range(8)]
     want = [reference.moe_forward(x, gate, up, down, *r) for x, r in cases]
     with ThreadPoolExecutor(4) as pool:
@@ -298,8 +268,8 @@ def test_workers_woken_ahead_run_the_next_job_or_sleep_again(kernel):
     import time
 
     gen = torch.Generator().manual_seed(6)
-    gate, up = (_matrix("BF16", 4, 32, 64, gen) for _ in range(2))
-    down = _matrix("BF16", 4, 64, 32, gen)
+    gate, up = (expert_matrix("BF16", 4, 32, 64, gen) for _ in range(2))
+    down = expert_matrix("BF16", 4, 64, 32, gen)
     x, routing = torch.randn(2, 64, generator=gen), _routing(2, 4, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing)
     for pause_s, spin_s, wakes in ((0.0, 1e-3, 1), (0.02, 1e-3, 1), (0.001, 1e-4, 3), (0.3, 0.0, 2)):
@@ -413,74 +383,6 @@ def test_jobs_end_with_their_last_task_while_workers_are_descheduled(tmp_path):
     assert run.stdout.splitlines()[-1] == "ok"
 
 
-@pytest.mark.parametrize("tokens", [2, 7, 16, 17, 40])
-def test_amx_tiles_match_the_reference(kernel, tokens):
-    """Where the CPU has AMX (Sapphire Rapids and later), a bf16 model's experts from 2 tokens on run on tiles
-    (several token tiles per expert above 16, experts with different tile counts in one call); the result must
-    equal the reference's as closely as the AVX-512 path does."""
-    if not kernel.amx:
-        pytest.skip("no AMX on this CPU")
-    gen = torch.Generator().manual_seed(tokens)
-    gate, up = (_matrix("BF16", 4, 64, 96, gen) for _ in range(2))
-    down = _matrix("BF16", 4, 96, 64, gen)
-    x = torch.randn(tokens, 96, generator=gen).bfloat16().float()
-    every, some = list(range(tokens)), list(range(0, tokens, 3))  # expert 3 takes every third token
-    routing = (torch.tensor([1, 3], dtype=torch.int32),
-               torch.tensor([0, tokens, tokens + len(some)], dtype=torch.int32),
-               torch.tensor(every + some, dtype=torch.int32), torch.rand(tokens + len(some), generator=gen))
-    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    tiles = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    kernel.lib.ft_set_amx(2, 6, 1)
-    try:
-        vectors = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    finally:
-        kernel.lib.ft_set_amx(2, 6, 0)
-    assert torch.isfinite(tiles).all()
-    assert (tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
-
-
-def test_the_dequantization_prefetch_changes_no_result(kernel):
-    """ft_set_amx_dequant_prefetch (software prefetch while Q8_0 rows are dequantized for the tiles, off by
-    default) reads further ahead only: the tiles' result is the same bit for bit at any distance."""
-    if not kernel.amx:
-        pytest.skip("no AMX on this CPU")
-    gen = torch.Generator().manual_seed(8)
-    gate, up = (_matrix("Q8_0", 3, 64, 256, gen) for _ in range(2))
-    down = _matrix("Q8_0", 3, 256, 64, gen)
-    x = torch.randn(8, 256, generator=gen).bfloat16().float()
-    routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32),
-               torch.arange(8, dtype=torch.int32).repeat(2), torch.rand(16, generator=gen))
-    plain = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert kernel.lib.ft_set_amx_dequant_prefetch(1024) == 0
-    try:
-        ahead = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    finally:
-        assert kernel.lib.ft_set_amx_dequant_prefetch(0) == 1024
-    assert torch.equal(plain, ahead)
-
-
-def test_amx_tiles_cover_long_calls(kernel):
-    """A prefill-sized call on tiles: an expert with 17 token tiles (272 tokens) beside 35 experts of 5-6 tokens
-    (each down task walks 52 token tiles); the result equals the reference's as the short calls' do."""
-    if not kernel.amx:
-        pytest.skip("no AMX on this CPU")
-    gen = torch.Generator().manual_seed(5)
-    experts, tokens = 36, 272
-    gate, up = (_matrix("BF16", experts, 32, 64, gen) for _ in range(2))
-    down = _matrix("BF16", experts, 64, 32, gen)
-    x = torch.randn(tokens, 64, generator=gen).bfloat16().float()
-    pairs = [list(range(tokens))] + [list(range(e, tokens, 50)) for e in range(1, experts)]
-    offsets = [0]
-    for p in pairs:
-        offsets.append(offsets[-1] + len(p))
-    routing = (torch.arange(experts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
-               torch.tensor([t for p in pairs for t in p], dtype=torch.int32), torch.rand(offsets[-1], generator=gen))
-    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert torch.isfinite(got).all()
-    assert (got - want).norm() / want.norm() < 2e-3
-
-
 @pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4", "FP8_B32"])
 @pytest.mark.parametrize("tokens", [2, 5, 8, 40])
 def test_block_formats_of_a_bf16_model_compute_what_a_bf16_gpu_expert_computes(kernel, fmt, tokens):
@@ -491,8 +393,8 @@ def test_block_formats_of_a_bf16_model_compute_what_a_bf16_gpu_expert_computes(k
     if not kernel.amx and not kernel.bf16_dot:
         pytest.skip("neither AMX nor AVX-512-BF16 on this CPU: such experts take the fp32 path")
     gen = torch.Generator().manual_seed(3)
-    gate, up = (_matrix(fmt, 4, 64, 96, gen) for _ in range(2))
-    down = _matrix(fmt, 4, 96, 64, gen)
+    gate, up = (expert_matrix(fmt, 4, 64, 96, gen) for _ in range(2))
+    down = expert_matrix(fmt, 4, 96, 64, gen)
     as_bf16 = [ExpertMatrix.of(torch.stack([m.expert(e) for e in range(4)]).bfloat16()) for m in (gate, up, down)]
     x = torch.randn(tokens, 96, generator=gen).bfloat16().float()  # (with AMX, tiles from 6 tokens on)
     every = list(range(tokens))
@@ -511,95 +413,3 @@ def test_block_formats_of_a_bf16_model_compute_what_a_bf16_gpu_expert_computes(k
         with block_bf16_from(kernel, NEVER):
             fp32_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
         assert (fp32_path - want).norm() / want.norm() > 1e-3
-
-
-@pytest.fixture(scope="module")
-def emulated_tiles(tmp_path_factory):
-    """The kernel built over AMX tiles emulated in C (FT_AMX_EMULATE), so the int8 tile path's layouts are tested
-    on machines without AMX."""
-    lib = build.load(tmp_path_factory.mktemp("emulated-amx"), emulate_amx=True)
-    if lib is None:
-        pytest.fail("the CPU expert kernel did not build: CI machines have a C compiler")
-    k = CpuExpertKernel(lib, 2)
-    if not k.amx_q8:
-        pytest.skip("no AVX-512BW: the int8 tile path needs it, emulated or not")
-    return k
-
-
-@contextlib.contextmanager
-def int8_tiles(kernel):
-    """Q8_0 experts at 2-32 tokens per expert on int8 tiles (off by default: slower where measured)."""
-    kernel.lib.ft_set_amx_q8(2, 32)
-    try:
-        yield
-    finally:
-        kernel.lib.ft_set_amx_q8(2, 0)
-
-
-def _q8_tile_case(tokens: int, hidden: int):
-    """Q8_0 experts of a bf16 model, two experts with different token counts (one every token, one every third),
-    an outlier in x."""
-    gen = torch.Generator().manual_seed(tokens * 1000 + hidden)
-    gate, up = (_matrix("Q8_0", 4, 64, hidden, gen) for _ in range(2))
-    down = _matrix("Q8_0", 4, hidden, 64, gen)
-    x = torch.randn(tokens, hidden, generator=gen)
-    x[0, 37] = 300.0
-    x = x.bfloat16().float()
-    every, some = list(range(tokens)), list(range(0, tokens, 3))
-    routing = (torch.tensor([1, 3], dtype=torch.int32),
-               torch.tensor([0, tokens, tokens + len(some)], dtype=torch.int32),
-               torch.tensor(every + some, dtype=torch.int32), torch.rand(tokens + len(some), generator=gen))
-    return x, gate, up, down, routing
-
-
-@pytest.mark.parametrize("tiles", ["emulated", "native"])
-@pytest.mark.parametrize("tokens", [2, 5, 16, 17, 32])
-@pytest.mark.parametrize("hidden", [96, 544])
-def test_q8_0_on_int8_tiles_matches_the_reference(request, tiles, tokens, hidden):
-    """A bf16 model's Q8_0 experts at 2-32 tokens per expert run on int8 tiles straight from their blocks (int16
-    activations split into a signed high and an unsigned low byte; an odd number of blocks, 17, included, and two
-    token tiles from 17 tokens): equal to the reference to the bf16 rounding points' flips, and not the other
-    paths' result (the tiles really ran)."""
-    kernel = request.getfixturevalue("emulated_tiles" if tiles == "emulated" else "kernel")
-    if tiles == "native" and kernel.amx_q8 != 1:
-        pytest.skip("no AMX int8 tiles on this CPU")
-    x, gate, up, down, routing = _q8_tile_case(tokens, hidden)
-    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    with int8_tiles(kernel):
-        got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    other = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert torch.isfinite(got).all()
-    assert (got - want).norm() / want.norm() < 5e-3
-    assert not torch.equal(got, other)
-
-
-@pytest.mark.parametrize("tiles", ["emulated", "native"])
-def test_int8_tiles_sum_the_same_16_or_32_rows_a_pass(request, tiles):
-    """One pass of the int8 tiles takes 16 weight rows or 32 (two A tiles against the same activations): each row
-    gets the same block sums in the same order, so the same bits."""
-    kernel = request.getfixturevalue("emulated_tiles" if tiles == "emulated" else "kernel")
-    if tiles == "native" and kernel.amx_q8 != 1:
-        pytest.skip("no AMX int8 tiles on this CPU")
-    x, gate, up, down, routing = _q8_tile_case(17, 544)
-    outs = []
-    with int8_tiles(kernel):
-        try:
-            for rows in (16, 32):
-                kernel.lib.ft_set_amx_q8_rows(rows)
-                outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
-        finally:
-            kernel.lib.ft_set_amx_q8_rows(16)
-    assert torch.equal(outs[0], outs[1])
-    assert outs[0].abs().sum() > 0
-
-
-def test_emulated_int8_tiles_compute_what_real_ones_do(kernel, emulated_tiles):
-    """Where the CPU has AMX, the emulation (what the tests without AMX check) gives the very bits the real tiles
-    give: the same integer block sums, then the same vector code."""
-    if kernel.amx_q8 != 1:
-        pytest.skip("no AMX int8 tiles on this CPU")
-    x, gate, up, down, routing = _q8_tile_case(17, 544)
-    with int8_tiles(kernel), int8_tiles(emulated_tiles):
-        real = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-        emulated = emulated_tiles.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert torch.equal(emulated, real)

@@ -1,0 +1,29 @@
+"""Shared by the CPU expert kernel's tests: random expert matrices in every format the kernel reads."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.kernels.cpu_experts.bench import random_q8_0
+from freetoken.kernels.cpu_experts.reference import ExpertMatrix
+from freetoken.kernels.fp8_block.reference import to_row_blocks
+from freetoken.kernels.mxfp4.reference import to_gguf_blocks
+
+
+def expert_matrix(fmt: str, experts: int, out: int, inp: int, gen: torch.Generator) -> ExpertMatrix:
+    """`experts` random [out, inp] matrices in format `fmt` (Q8_0, FP8_B32, MXFP4, F32 or BF16), values ~0.1."""
+    if fmt == "Q8_0":
+        return ExpertMatrix(random_q8_0(experts, out, inp, 0.1, gen), "Q8_0", (out, inp))
+    if fmt == "FP8_B32":  # every e4m3 byte but the NaNs, scales of 2-D 16 x 32 blocks
+        codes = torch.randint(0, 256, (experts, out, inp), dtype=torch.uint8, generator=gen)
+        codes[(codes & 0x7F) == 0x7F] = 0
+        scale_inv = torch.rand(experts, -(-out // 16), inp // 32, generator=gen) * 0.002
+        rows = [to_row_blocks(codes[e].view(torch.float8_e4m3fn), scale_inv[e], (16, 32)) for e in range(experts)]
+        return ExpertMatrix(torch.stack(rows).reshape(experts, -1), "FP8_B32", (out, inp))
+    if fmt == "MXFP4":  # random codes, scales near 2^-4 (values up to 0.75) and a few tiny (subnormal) ones
+        blocks = torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(121, 125, (experts, out, inp // 32), dtype=torch.uint8, generator=gen)
+        scales[0, 0, 0], scales[-1, -1, -1] = 0, 1
+        return ExpertMatrix(to_gguf_blocks(blocks, scales).reshape(experts, -1), "MXFP4", (out, inp))
+    dtype = {"F32": torch.float32, "BF16": torch.bfloat16}[fmt]
+    return ExpertMatrix.of((torch.randn(experts, out, inp, generator=gen) * 0.1).to(dtype))
