@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): issue 9's A1 agent replays with the D1 model.
 #   bash evals/scripts/h200_issue9.sh COMMIT PART...
-#   PART: model | reuse | reuse-stream | no-reuse | no-reuse-rest
+#   PART: model | reuse | reuse-stream | no-reuse | no-reuse-norest
 # model: the D1 model (synthetic Qwen3-30B-A3B, 48 layers, experts Q8_0) as a GGUF at $MODEL (kept between calls
 # while the machine stays warm); reuse / no-reuse: one `ft serve --expert-cache $BUDGET` (a consumer card's
 # budget; a KV pool for the model's whole 40k context) with and without the prefix cache, and every trace in
@@ -55,9 +55,9 @@ for part in "$@"; do
     reuse-stream) export FREETOKEN_EXPERIMENTAL=stream-short-chunks
                   serve_and_replay reuse-stream "$STREAM_TRACES"; unset FREETOKEN_EXPERIMENTAL ;;
     no-reuse) serve_and_replay no-reuse "$TRACES" --no-prefix-cache ;;
-    # the path guard resting after prefills (GPU path guard-rest), against no-reuse above
-    no-reuse-rest) export FREETOKEN_EXPERIMENTAL=guard-rest
-                   serve_and_replay no-reuse-rest "$TRACES" --no-prefix-cache; unset FREETOKEN_EXPERIMENTAL ;;
+    # without the path guard's rest after prefills (GPU path guard-rest, on by default): no-reuse's baseline
+    no-reuse-norest) export FREETOKEN_DISABLE=guard-rest
+                     serve_and_replay no-reuse-norest "$TRACES" --no-prefix-cache; unset FREETOKEN_DISABLE ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -26,6 +26,10 @@ MEASURED = {
                    "(CUDA 12.8+) instead of one cudaMemcpyAsync per projection: bf16 D1 auto 1.02-1.12x in seven of "
                    "eight A/B pairs over two leases (0.96x in one), medians 1.05x at budget 0 and 1.04x at 16 GiB; "
                    "block-format experts: copy-batch-blocks", "evals/results/d1-copy-batch-h200.md"),
+    "guard-rest": ("the path guard does not measure decode's first window (a token's layer-steps) after a prefill "
+                   "chunk, and drops the window in progress: A1 without reuse at 16 GiB (075c0b1, H100) claude-code "
+                   "0.958 -> 1.002x and openclaw 0.960 -> 1.004x of single-turn decode (the same lease)",
+                   "evals/results/a1-qwen3-30b-a3b-16gib-h200.md"),
     "hyper-sinkhorn": ("DeepSeek-V4's hyper-connection weights (sigmoids, softmax, 20 Sinkhorn rounds on a 4x4 "
                        "matrix) as one Triton launch per block instead of ~130 (kernels/hyper_sinkhorn; 56 instead "
                        "of 1,582 µs a call): V4's eager decode 1.55-1.88x resident, 1.38-1.54x offloaded",
@@ -57,9 +61,6 @@ EXPERIMENTAL: dict[str, str] = {
                    "sets the share explicitly)",
     "delta-decode": "Gated DeltaNet decode steps as one Triton launch per layer (kernels/gated_delta)",
     "delta-prefill": "the chunked Gated DeltaNet's chunk-to-chunk loop as one Triton launch per layer",
-    "guard-rest": "the path guard does not measure decode's first window (a token's layer-steps) after a prefill "
-                  "chunk, and drops the window in progress: A1 without reuse (46e84d2, a1-qwen3-30b-a3b-16gib-h200.md) "
-                  "left the cpu way for the slower split after long prefills far more often than with reuse",
     "prefetch-early": "captured decode queues the next layer's prefetch at the end of a layer's host work, not after "
                       "the next segment's launch (large experts: gpt-oss-20b's auto ran below cpu at budget 0)",
     "prefetch-lead": "offloaded decode sizes the next layer's prefetch crediting its copies with their head start "

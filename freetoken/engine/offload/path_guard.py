@@ -92,7 +92,7 @@ class PathGuard:
     def rest(self) -> None:
         """The host did other work (a prefill chunk): the window in progress is dropped and the next one is not
         measured, as after a change of way, so the first steps after a long prefill count for no way (GPU path
-        "guard-rest", experimental)."""
+        "guard-rest", on by default)."""
         self._samples = []
         self._settle = max(self._settle, self.window)
 

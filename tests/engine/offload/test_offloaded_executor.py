@@ -496,17 +496,17 @@ def test_a_chunks_activations_reach_the_host_as_the_same_fp32_values(device):
     assert torch.equal(to_host_fp32(fp32), fp32.cpu())
 
 
-@pytest.mark.parametrize("named", [False, True])
-def test_a_prefill_chunk_rests_the_path_guard_when_named(tmp_path, monkeypatch, named):
-    """GPU path "guard-rest": a chunk of PREFILL_TOKENS or more between decode steps drops the guard's window in
-    progress and leaves the next one unmeasured; not named, the guard only sees decode steps."""
+@pytest.mark.parametrize("disabled", [False, True])
+def test_a_prefill_chunk_rests_the_path_guard_unless_disabled(tmp_path, monkeypatch, disabled):
+    """GPU path "guard-rest" (on by default): a chunk of PREFILL_TOKENS or more between decode steps drops the
+    guard's window in progress and leaves the next one unmeasured; disabled, the guard only sees decode steps."""
     from freetoken.engine import gpu_paths
 
     def fresh():
         gpu_paths.enabled.cache_clear()
         gpu_paths._named.cache_clear()
 
-    monkeypatch.setenv("FREETOKEN_EXPERIMENTAL", "guard-rest" if named else "")
+    monkeypatch.setenv("FREETOKEN_DISABLE", "guard-rest" if disabled else "")
     fresh()
     try:
         write_hf_checkpoint(path=tmp_path, **PARITY_CASES["qwen3_moe"])
@@ -516,7 +516,7 @@ def test_a_prefill_chunk_rests_the_path_guard_when_named(tmp_path, monkeypatch, 
         monkeypatch.setattr(lm.experts.planner.guard, "rest", lambda: rests.append(1))
         prompt = (prompt_ids() * 8)[:OffloadedExpertExecutor.PREFILL_TOKENS]
         Generator(lm).generate_ids(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        assert len(rests) == (len(spec.moe_layers) if named else 0)  # each MoE layer of the one prefill chunk
+        assert len(rests) == (0 if disabled else len(spec.moe_layers))  # each MoE layer of the one prefill chunk
     finally:
-        monkeypatch.delenv("FREETOKEN_EXPERIMENTAL")
+        monkeypatch.delenv("FREETOKEN_DISABLE")
         fresh()
