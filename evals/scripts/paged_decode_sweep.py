@@ -47,6 +47,6 @@ for w in a.windows:
     default = next(r for r in rows if r[1:5] == (2, 64, 4, None))
     print(f"\nwindow {w} ({kv_bytes / 1e6:.0f} MB of K/V)\n| programs/SM | keys/step | warps | stages | ms | GB/s | "
           "vs default | rel. error |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for ms, per_sm, block_n, warps, stages, err in [default] + sorted(rows)[:a.top]:
+    for ms, per_sm, block_n, warps, stages, err in [default] + sorted(rows, key=lambda r: r[0])[:a.top]:
         print(f"| {per_sm} | {block_n} | {warps} | {stages or 'default'} | {ms:.4f} | {kv_bytes / ms / 1e6:.0f} | "
               f"{default[0] / ms:.2f}× | {err:.1e} |")
