@@ -10,7 +10,11 @@ again every so often, less often the worse they measured. The first window is no
 the first CPU job and its threads pay one-off costs there), a window's stalls (a step far slower than its
 median: a page fault, a collection) are left out of its measurement, and a way's estimate is the median of its
 latest three windows, so that one odd window (the first steps after a long prefill measured the split at 3.5x
-its later cost on the H200) can neither condemn a way nor crown it.
+its later cost on the H200) can neither condemn a way nor crown it. A way that loses the lead is measured again
+soon, at doubling intervals: a passing slowdown of the host's CPU (the cpu way and the split pay for it, the copies
+do not) could otherwise leave the guard on the slower copies until that way's next turn, 24 windows later, and
+until two more of its windows outvote the slow ones (seen in A1 at 57d4689 on an H100: whole turns of 26-27 tok/s
+on the copies between turns of 30-31 on the cpu way).
 
 The split itself can settle where it is not fastest: its models learn from the shares it chose, so a CPU that only
 ever gets one expert a step looks dear per expert and keeps getting one (seen on the H200, Q8_0 at budget 0: rounds
@@ -66,6 +70,7 @@ class PathGuard:
         self._measured: dict[tuple[str, int], int] = {}  # windows measured of each arm
         self._fresh: dict[int, int] = {}  # windows measured of each bias since the best bias last moved
         self._since: dict[tuple[str, int], int] = {}  # windows since each arm last ran
+        self._recheck: dict[str, int] = {}  # ways that lost the lead: windows until the next measurement (doubling)
         self._samples: list[tuple[float, int]] = []  # this window's (seconds, misses)
         self._most_misses = 0  # in any step measured: the bias search goes no further out
         self._windows = 0  # windows closed so far
@@ -121,6 +126,8 @@ class PathGuard:
                 self._fresh[arm[1]] = self._fresh.get(arm[1], 0) + 1
                 self._update_bias(arm[1])
             self._update_best()
+            if arm[0] in self._recheck:
+                self._space_recheck(arm[0], per_miss)
         self._samples = []
         self._windows += 1
         if self._windows == self.LEARNING:  # the split's early windows ran on unsettled models: measure it anew
@@ -131,6 +138,16 @@ class PathGuard:
             self._since[key] += 1
         self._since[following] = 0
         self._settle = self.SETTLE if following != arm else 0
+
+    def _space_recheck(self, way: str, per_miss: float) -> None:
+        """After a window of a way that lost the lead: one that beat the best is measured again at once (its
+        median needs a second good window), else twice as late as last time, until the usual interval."""
+        if per_miss < self._estimate(self._arm(self.best)) * (1 - self.MARGIN):
+            self._recheck[way] = 1
+        elif (later := 2 * self._recheck[way]) < self.explore_every:
+            self._recheck[way] = later
+        else:
+            del self._recheck[way]
 
     def _estimate(self, arm: tuple[str, int]) -> float | None:
         recent = self._recent.get(arm)
@@ -154,6 +171,9 @@ class PathGuard:
         est = self.seconds_per_miss
         challenger = min(est, key=est.get)
         if self.best not in est or est[challenger] < est[self.best] * (1 - self.MARGIN):
+            if self.best in est:
+                self._recheck[self.best] = 1
+            self._recheck.pop(challenger, None)
             self.best = challenger
 
     def _next_arm(self) -> tuple[str, int]:
@@ -197,10 +217,13 @@ class PathGuard:
 
     def _interval(self, way: str) -> int:
         """Windows between measurements of `way`: a way measured fewer than RECENT times is measured again soon
-        (one window can mislead), one measured far slower than the best rarely."""
+        (one window can mislead), as is one that just lost the lead (at doubling intervals), one measured far
+        slower than the best rarely."""
         est = self.seconds_per_miss
         if self._measured.get(self._arm(way), 0) < self.RECENT:
             return 1
+        if way in self._recheck:
+            return self._recheck[way]
         return self.explore_every * (4 if est[way] > self.FAR * est[self.best] else 1)
 
     def describe_history(self) -> str:

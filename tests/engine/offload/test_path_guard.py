@@ -100,6 +100,26 @@ def test_one_odd_window_cannot_condemn_a_way():
     assert ways[200:].count("split") / 200 > 0.85
 
 
+def test_a_passing_slowdown_of_the_cpu_ways_does_not_keep_the_guard_on_the_copies():
+    """A1 at 57d4689 (H100): a few windows in which the host's CPU ran slow (the cpu way and the split, not the
+    copies) handed the lead to the copies, 8% slower in normal times, and the guard stayed there for whole turns:
+    the cpu way was measured again only after 24 windows and needed two more good windows to outvote its slow
+    ones. A way that loses the lead is measured again soon, at doubling intervals."""
+    window = 48
+    normal = {"split": 1.20e-3, "cpu": 1.0e-3, "copy": 1.08e-3}
+    slow = {**normal, "split": 1.35e-3, "cpu": 1.25e-3}
+    guard = PathGuard(window=window)
+    run(guard, normal, 200 * window)
+    assert guard.best == "cpu"
+    run(guard, slow, 6 * window, seed=1)
+    assert guard.best == "copy"  # the slowdown is real while it lasts
+    bests = []
+    for i in range(40):
+        run(guard, normal, window, seed=2 + i)
+        bests.append(guard.best)
+    assert bests.index("cpu") < 8 and bests[8:].count("cpu") == len(bests) - 8
+
+
 def test_the_planner_sends_every_miss_down_the_guards_way():
     planner = MissPlanner(30, 30, copy_fixed_s=0, cpu_fixed_s=0)
     assert planner.guard is not None and not MissPlanner(30, 30, learn=False).guard
@@ -281,4 +301,6 @@ def test_a_split_measured_while_its_models_settled_is_measured_again(monkeypatch
 
     assert best_after(PathGuard(window=8, search_bias=False)) == "split"
     monkeypatch.setattr(PathGuard, "LEARNING", 10**9)  # without the second look
+    # ... and with a way that lost the lead measured again only once (the split lost it while still settling)
+    monkeypatch.setattr(PathGuard, "_space_recheck", lambda guard, way, per_miss: guard._recheck.pop(way))
     assert best_after(PathGuard(window=8, search_bias=False)) == "copy"
