@@ -40,7 +40,7 @@ class Variant:
     int8_tiles: tuple = (2, 0)  # ft_set_amx_q8: the token counts Q8_0's int8 tiles take ((2, 0): never, default)
     rows: int = 16            # ft_set_amx_q8_rows: weight rows a pass of the int8 tiles takes
     prefetch: int = 0         # ft_set_amx_prefetch: the tile paths' software prefetch distance (32-weight chunks)
-    dequant_prefetch: int = 0  # ft_set_amx_dequant_prefetch: bytes ahead while block formats dequantize for tiles
+    dequant_prefetch: int = 4096  # ft_set_amx_dequant_prefetch: bytes ahead while block formats dequantize for tiles
     huge: bool = False        # the expert pool on huge pages
     formats: tuple = ("BF16", "Q8_0")
     batches: tuple = (1, 2, 4, 6, 8, 16, 32)
@@ -53,8 +53,8 @@ VARIANTS = {
     "Q8_0 int8 tiles, 32 rows": Variant(int8_tiles=(2, 32), rows=32, formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
     "tiles, prefetch 4": Variant(prefetch=4, batches=(2, 4, 8, 16, 32)),
     "tiles, prefetch 8": Variant(prefetch=8, batches=(2, 4, 8, 16, 32)),
-    "Q8_0 tiles, dequant prefetch 1 KiB": Variant(dequant_prefetch=1024, formats=("Q8_0",), batches=(6, 8, 16)),
-    "Q8_0 tiles, dequant prefetch 4 KiB": Variant(dequant_prefetch=4096, formats=("Q8_0",), batches=(6, 8, 16)),
+    "Q8_0 tiles, no dequant prefetch": Variant(dequant_prefetch=0, formats=("Q8_0",), batches=(6, 8, 16)),
+    "Q8_0 tiles, dequant prefetch 16 KiB": Variant(dequant_prefetch=16384, formats=("Q8_0",), batches=(6, 8, 16)),
 }
 MADV_HUGEPAGE = 14
 
@@ -134,7 +134,7 @@ def main() -> int:
     kernel.lib.ft_set_q16_form(1)
     kernel.lib.ft_set_amx_q8(2, 0)
     kernel.lib.ft_set_amx_prefetch(0)
-    kernel.lib.ft_set_amx_dequant_prefetch(0)
+    kernel.lib.ft_set_amx_dequant_prefetch(Variant.dequant_prefetch)
     kernel.lib.ft_set_amx_q8_rows(16)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)

@@ -567,8 +567,8 @@ void ft_set_amx_prefetch(int chunks) {
 #endif
 }
 
-/* Software prefetch distance in bytes while block-format rows are dequantized for the bf16 tiles (0: off, the
-   default), for measuring; returns the distance it replaces. */
+/* Software prefetch distance in bytes while block-format rows are dequantized for the bf16 tiles (0: off; 4 KiB by
+   default); returns the distance it replaces. */
 int ft_set_amx_dequant_prefetch(int bytes) {
 #if HAVE_AMX
     int before = amx_dequant_prefetch;

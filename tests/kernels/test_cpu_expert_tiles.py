@@ -40,8 +40,8 @@ def test_amx_tiles_match_the_reference(kernel, tokens):
 
 
 def test_the_dequantization_prefetch_changes_no_result(kernel):
-    """ft_set_amx_dequant_prefetch (software prefetch while Q8_0 rows are dequantized for the tiles, off by
-    default) reads further ahead only: the tiles' result is the same bit for bit at any distance."""
+    """ft_set_amx_dequant_prefetch (software prefetch while Q8_0 rows are dequantized for the tiles, 4 KiB ahead
+    by default) reads further ahead only: the tiles' result is the same bit for bit at any distance, none too."""
     if not kernel.amx:
         pytest.skip("no AMX on this CPU")
     gen = torch.Generator().manual_seed(8)
@@ -50,13 +50,15 @@ def test_the_dequantization_prefetch_changes_no_result(kernel):
     x = torch.randn(8, 256, generator=gen).bfloat16().float()
     routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32),
                torch.arange(8, dtype=torch.int32).repeat(2), torch.rand(16, generator=gen))
-    plain = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert kernel.lib.ft_set_amx_dequant_prefetch(1024) == 0
+    ahead = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    default = kernel.lib.ft_set_amx_dequant_prefetch(0)
     try:
-        ahead = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        none = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        assert kernel.lib.ft_set_amx_dequant_prefetch(1024) == 0
+        near = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     finally:
-        assert kernel.lib.ft_set_amx_dequant_prefetch(0) == 1024
-    assert torch.equal(plain, ahead)
+        assert kernel.lib.ft_set_amx_dequant_prefetch(default) == 1024
+    assert default == 4096 and torch.equal(none, ahead) and torch.equal(near, ahead)
 
 
 def test_amx_tiles_cover_long_calls(kernel):
