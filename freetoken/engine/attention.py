@@ -25,13 +25,67 @@ from freetoken.engine import gpu_paths
 from freetoken.engine.kv_cache import PagedKVCache, RecurrentStateError, SequenceKV
 
 
+class KeyReading:
+    """How one sequence's forward reads its cached keys and values, chosen once per forward (after `reserve`): as
+    views of the pools where its positions sit in consecutive slots; on the CPU, for a decode-sized forward whose
+    slots form a few runs (a prefix reused from the prefix cache, then its last page's copy and the new pages
+    elsewhere: every request a server answers from it), run by run without gathering (`run_attention`); else
+    gathered."""
+
+    RUN_ROWS = 4  # new tokens at most for reading by runs (a decode token, a speculative pass's two)
+    MAX_RUNS = 8  # more runs than this and their per-run calls cost more than the gather saves
+
+    def __init__(self, cache: PagedKVCache, seq: SequenceKV, n_new: int):
+        self.cache, self.seq = cache, seq
+        self.base = cache.contiguous_base(seq, seq.length + n_new)
+        self.runs = None
+        if (self.base is None and n_new <= self.RUN_ROWS and seq.length and cache.device.type == "cpu"
+                and cache.dtype == torch.float32):
+            runs = cache.slot_runs(seq, seq.length + n_new)
+            self.runs = runs if len(runs) <= self.MAX_RUNS else None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+               window: int | None, select: KeySelection | None, first_row: int) -> torch.Tensor:
+        """Writes the new tokens' k, v and attends q [T, H, D] (the forward's rows `first_row`..) over the
+        sequence's keys (see `SequenceAttention.attend`)."""
+        past = self.seq.length
+        if self.runs is not None and sinks is None and window is None and select is None \
+                and q.dtype == torch.float32:
+            self.cache.write(layer, self.seq, k, v)
+            return run_attention(q, *self.cache.read_runs(layer, self.runs), past=past)
+        keys, values = self.cache.update(layer, self.seq, k, v, base=self.base)  # [L + T, Hkv, D]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if select is not None:
+            return selected_attention(q, keys, values, past, select, first_row, sinks, window)
+        return causal_attention(q, keys, values, past=past, sinks=sinks, window=window)
+
+
+def run_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], past: int) -> torch.Tensor:
+    """`causal_attention` over keys and values held as runs ([n, Hkv, D] views of the pools in position order,
+    past + T rows in all) without gathering them: each run's scores, one softmax over all of them, each run's share
+    of the values summed. For a few query rows q [T, H, D]: the scores are [H, T, past + T]."""
+    t, h, d = q.shape
+    kv_heads = keys[0].shape[1]
+    group = h // kv_heads
+    rows = q.reshape(t, kv_heads, group, d).transpose(0, 1).reshape(kv_heads, t * group, d) * d ** -0.5
+    scores = torch.cat([torch.bmm(rows, k.permute(1, 2, 0)) for k in keys], dim=-1)  # [Hkv, T * G, L]
+    if t > 1:  # row r is token r // G, at position past + r // G: later keys are masked
+        last = past + torch.arange(t, device=q.device).repeat_interleave(group)
+        scores.masked_fill_(torch.arange(scores.shape[-1], device=q.device) > last[:, None], float("-inf"))
+    probs = scores.softmax(-1).split([k.shape[0] for k in keys], dim=-1)
+    out = torch.bmm(probs[0], values[0].transpose(0, 1))
+    for p, v in zip(probs[1:], values[1:], strict=True):
+        out.baddbmm_(p, v.transpose(0, 1))
+    return out.reshape(kv_heads, t, group, -1).transpose(0, 1).reshape(t, h, -1)
+
+
 class SequenceAttention:
     def __init__(self, cache: PagedKVCache, seq: SequenceKV, n_new: int, device: torch.device):
         cache.reserve(seq, n_new)
         self.cache, self.seq, self.n_new = cache, seq, n_new
         self.positions = torch.arange(seq.length, seq.length + n_new, device=device)
         self._pending_state: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._base = cache.contiguous_base(seq, seq.length + n_new)  # keys as views where the slots allow
+        self._read = KeyReading(cache, seq, n_new)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None,
@@ -39,12 +93,7 @@ class SequenceAttention:
         """`sinks` [H] (gpt-oss: a learnt logit per head in every softmax's denominator), `window`: each token
         sees only its last `window` positions (itself included), `select`: each token sees only the cached keys
         the selection picks for it (sparse attention)."""
-        keys, values = self.cache.update(layer, self.seq, k, v, base=self._base)  # [L + T, Hkv, D]
-        if select is not None:
-            return selected_attention(q, keys.to(q.dtype), values.to(q.dtype), self.seq.length, select, 0, sinks,
-                                      window)
-        return causal_attention(q, keys.to(q.dtype), values.to(q.dtype), past=self.seq.length, sinks=sinks,
-                                window=window)
+        return self._read.attend(layer, q, k, v, sinks, window, select, first_row=0)
 
     def recurrent_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
         """A recurrent layer's state after the committed tokens (None before its first token)."""
@@ -140,8 +189,8 @@ class BatchAttention:
                 torch.tensor([self.bounds[i] for i in decoding], device=device)
             self._decode = rows, write, read, positions
             self._chunks = [i for i, n in enumerate(counts) if n != 1]
-        # the sequences attended one at a time read their keys as views where their slots allow
-        self._bases = {i: cache.contiguous_base(seqs[i], seqs[i].length + counts[i]) for i in self._chunks}
+        # the sequences attended one at a time read their keys as views, by runs or gathered (KeyReading)
+        self._reads = {i: KeyReading(cache, seqs[i], counts[i]) for i in self._chunks}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None,
@@ -160,13 +209,10 @@ class BatchAttention:
 
     def _attend_one(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     sinks: torch.Tensor | None, window: int | None, select: KeySelection | None) -> torch.Tensor:
-        a, b, seq = self.bounds[i], self.bounds[i + 1], self.seqs[i]
-        keys, values = self.cache.update(layer, seq, k[a:b], v[a:b], base=self._bases.get(i))
-        if select is not None:
-            return selected_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), seq.length, select, a, sinks,
-                                      window)
-        return causal_attention(q[a:b], keys.to(q.dtype), values.to(q.dtype), past=seq.length, sinks=sinks,
-                                window=window)
+        a, b = self.bounds[i], self.bounds[i + 1]
+        if i not in self._reads:  # a decode row attended alone (the batched path set aside)
+            self._reads[i] = KeyReading(self.cache, self.seqs[i], self.counts[i])
+        return self._reads[i].attend(layer, q[a:b], k[a:b], v[a:b], sinks, window, select, first_row=a)
 
     def _attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        sinks: torch.Tensor | None = None, window: int | None = None,

@@ -278,27 +278,48 @@ class PagedKVCache:
         self._share_values()
         self.allocator.grow(new_total)
 
+    def slot_runs(self, seq: SequenceKV, end: int) -> list[tuple[int, int]]:
+        """The sequence's positions [0, end) as runs of consecutive slots, in position order: (first slot, count)
+        per run. Call after `reserve`, once per forward: a reservation's copy on write can move a page."""
+        runs: list[tuple[int, int]] = []
+        for i, page in enumerate(seq.pages[:-(-end // self.page_size)]):
+            first, count = page * self.page_size, min(self.page_size, end - i * self.page_size)
+            if runs and sum(runs[-1]) == first:
+                runs[-1] = (runs[-1][0], runs[-1][1] + count)
+            else:
+                runs.append((first, count))
+        return runs
+
     def contiguous_base(self, seq: SequenceKV, end: int) -> int | None:
         """The slot of position 0 when the sequence's positions [0, end) sit in consecutive slots (its pages
         consecutive, as a sequence filling a fresh or unfragmented pool gets them), else None. `update` then
         returns views of the pools instead of gathering the keys (a decode step over a 5k-token context on the
-        CI-class CPU spent 15-48 ms of ~100-150 in those gathers). Call after `reserve`, once per forward: a
-        reservation's copy on write can move a page."""
-        pages = seq.pages[:-(-end // self.page_size)]
-        first = pages[0] if pages else 0
-        return first * self.page_size if pages == list(range(first, first + len(pages))) else None
+        CI-class CPU spent 15-48 ms of ~100-150 in those gathers). Call after `reserve`, once per forward."""
+        runs = self.slot_runs(seq, end)
+        return (runs[0][0] if runs else 0) if len(runs) <= 1 else None
 
-    def update(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor, start: int | None = None,
-               base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> int:
         """Writes k, v [T, Hkv, D] after the committed tokens (or at positions from `start`, rows the sequence
-        already holds); returns all keys/values up to the last written [start + T, Hkv, D]: gathered, or (`base`:
-        `contiguous_base` of this forward) views of the pools, which the caller must only read."""
+        already holds); returns the position after the last written."""
         start = seq.length if start is None else start
         end = start + k.shape[0]
         self.k[layer].index_copy_(0, seq.slots[start:end], k.to(self.dtype))
         if not self.values_are_keys:
             self.v[layer].index_copy_(0, seq.slots[start:end], v.to(self.dtype))
-        if start == 0:
+        return end
+
+    def read_runs(self, layer: int, runs: list[tuple[int, int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The layer's keys and values of each run (`slot_runs`) as views of the pools, which the caller must only
+        read."""
+        keys = [self.k[layer][first:first + count] for first, count in runs]
+        return keys, keys if self.values_are_keys else [self.v[layer][first:first + count] for first, count in runs]
+
+    def update(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor, start: int | None = None,
+               base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write`s k, v; returns all keys/values up to the last written [start + T, Hkv, D]: gathered, or (`base`:
+        `contiguous_base` of this forward) views of the pools, which the caller must only read."""
+        end = self.write(layer, seq, k, v, start)
+        if end == k.shape[0]:
             return k, v  # nothing cached before: skip the gather
         if base is not None:
             keys = self.k[layer][base:base + end]

@@ -139,17 +139,24 @@ def _generate(scheduler: BatchScheduler, prompt: list[int]) -> tuple[list[int], 
     return out, req, first[0]
 
 
-def test_an_agents_next_turn_reuses_the_last_turns_kv_and_gets_the_fresh_runs_logits_and_tokens(model):
+def test_an_agents_next_turn_reuses_the_last_turns_kv_and_gets_the_fresh_runs_logits_and_tokens(model, monkeypatch):
+    """With another request's pages cached between (a title request), the reused turn's new pages are not next to
+    the cached ones: its decode reads its keys run by run (attention.KeyReading)."""
+    from freetoken.engine import attention
+
+    by_runs, plain = [], attention.run_attention
+    monkeypatch.setattr(attention, "run_attention", lambda *a, **kw: by_runs.append(1) or plain(*a, **kw))
     scheduler = BatchScheduler(model, prefill_chunk=8, page_size=4)
     turn1 = prompt_ids("You are a coding agent. The repository has three files and a failing test. Fix it.")
     out1, req1, _ = _generate(scheduler, turn1)
     assert req1.cached == 0 and len(scheduler.prefix) == (len(turn1) + len(out1) - 1) // 4
+    _generate(scheduler, prompt_ids("Write a five-word title for this conversation."))
     turn2 = turn1 + out1 + prompt_ids(" The test passes now; what next?")
     out2, req2, logits2 = _generate(scheduler, turn2)
     reused = (len(turn1) + len(out1) - 1) // 4 * 4  # whole pages of turn 1's prompt and reply
     assert req2.cached == reused and req2.reply.cached_tokens == reused
     torch.testing.assert_close(logits2, model.prefill_logits(turn2)[-1], atol=1e-4, rtol=1e-4)
-    assert out2 == Generator(model).generate_ids(turn2, GREEDY)
+    assert out2 == Generator(model).generate_ids(turn2, GREEDY) and by_runs
     # the same prompt again: everything but its last partial page (and at least one token) comes from the cache
     out3, req3, _ = _generate(scheduler, turn2)
     assert out3 == out2 and req3.cached == (len(turn2) - 1) // 4 * 4
