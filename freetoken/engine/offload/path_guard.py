@@ -142,7 +142,8 @@ class PathGuard:
     def _space_recheck(self, way: str, per_miss: float) -> None:
         """After a window of a way that lost the lead: one that beat the best is measured again at once (its
         median needs a second good window), else twice as late as last time, until the usual interval."""
-        if per_miss < self._estimate(self._arm(self.best)) * (1 - self.MARGIN):
+        best = self._estimate(self._arm(self.best))
+        if best is not None and per_miss < best * (1 - self.MARGIN):
             self._recheck[way] = 1
         elif (later := 2 * self._recheck[way]) < self.explore_every:
             self._recheck[way] = later
