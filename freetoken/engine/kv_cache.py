@@ -294,9 +294,11 @@ class PagedKVCache:
         """The slot of position 0 when the sequence's positions [0, end) sit in consecutive slots (its pages
         consecutive, as a sequence filling a fresh or unfragmented pool gets them), else None. `update` then
         returns views of the pools instead of gathering the keys (a decode step over a 5k-token context on the
-        CI-class CPU spent 15-48 ms of ~100-150 in those gathers). Call after `reserve`, once per forward."""
-        runs = self.slot_runs(seq, end)
-        return (runs[0][0] if runs else 0) if len(runs) <= 1 else None
+        CI-class CPU spent 15-48 ms of ~100-150 in those gathers). Call after `reserve`, once per forward. (A list
+        compare, not `slot_runs`: every forward asks this first, and a long sequence has thousands of pages.)"""
+        pages = seq.pages[:-(-end // self.page_size)]
+        first = pages[0] if pages else 0
+        return first * self.page_size if pages == list(range(first, first + len(pages))) else None
 
     def write(self, layer: int, seq: SequenceKV, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> int:
         """Writes k, v [T, Hkv, D] after the committed tokens (or at positions from `start`, rows the sequence

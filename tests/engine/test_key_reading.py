@@ -12,8 +12,8 @@ from freetoken.engine.attention import KeyReading, SequenceAttention, causal_att
 from freetoken.engine.kv_cache import PagedKVCache
 
 
-def _cache_with(tokens: int, values_are_keys: bool = False, page_size: int = 4) -> tuple[PagedKVCache, object]:
-    cache = PagedKVCache(n_layers=1, n_kv_heads=2, head_dim=8, page_size=page_size, initial_pages=64,
+def _cache_with(tokens: int, values_are_keys: bool = False) -> tuple[PagedKVCache, object]:
+    cache = PagedKVCache(n_layers=1, n_kv_heads=2, head_dim=8, page_size=4, initial_pages=64,
                          values_are_keys=values_are_keys)
     seq = cache.new_sequence()
     k = torch.randn(tokens, 2, 8, generator=torch.Generator().manual_seed(tokens))
