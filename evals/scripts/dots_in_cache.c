@@ -49,7 +49,7 @@ static void amx_rate(int type, const uint8_t *w, size_t row_bytes, int rows, int
                     size_t gb = row_bytes, ub = row_bytes;
                     const uint8_t *gate = amx_block_rows(w + r * row_bytes, &gt, &gb, k, 0);
                     const uint8_t *up = amx_block_rows(w + (r + 16) * row_bytes, &ut, &ub, k, 1);
-                    if (part) amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, packed, k, &g[0][0], &u[0][0]);
+                    if (part) amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, packed, 1, k, &g[0][0], &u[0][0]);
                 }
             double dt = now() - t0;
             if (dt < best) best = dt;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | dequant-prefetch | dots-in-cache | attn-ab (ATTN_FILES) | attn-sweep | kernel-launch | kernel-paths | contention | block-tests | d1-blocks (TOKENS, BUDGETS, STRATEGIES, SHARES) | profile-blocks | kernel-phases | speculative (SPEC_FORMAT) | speculative-tests | serve-hybrid | reuse-ab (FORMATS, ARMS, EDITS, REUSE_S, SKEW) | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | tile-pairs | dequant-prefetch | dots-in-cache | attn-ab (ATTN_FILES) | attn-sweep | kernel-launch | kernel-paths | contention | block-tests | d1-blocks (TOKENS, BUDGETS, STRATEGIES, SHARES) | profile-blocks | kernel-phases | speculative (SPEC_FORMAT) | speculative-tests | serve-hybrid | reuse-ab (FORMATS, ARMS, EDITS, REUSE_S, SKEW) | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -322,6 +322,14 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     attn-sweep) (cd /tmp && python3 "$OLDPWD/evals/scripts/paged_decode_sweep.py" | tee "$OUT/paged-decode-sweep.md") ;;
     # Q8_0 on the bf16 tiles with software prefetch while blocks are dequantized (kernel_variants.py: every variant
     # each round, 15 threads, 1 GiB pool), then the tiles' tests
+    # every variant of kernel_variants.py (token tiles in pairs against one a pass at 32-64 tokens, the dequantization
+    # prefetch's distances at 6-16), the launch path at prefill-sized batches, and the tile tests
+    tile-pairs) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds 7 --batches 1 2 4 6 8 16 32 48 64 \
+               | tee "$OUT/kernel-variants.md"
+             FREETOKEN_CPU_THREADS=15 python3 -m freetoken.kernels.cpu_experts.bench --batches 1 8 16 32 64 \
+               | tee "$OUT/kernel-prefill.txt"
+             python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -k "amx or prefetch or tile" \
+               "$OLDPWD/tests/kernels/test_cpu_experts.py" "$OLDPWD/tests/kernels/test_cpu_expert_tiles.py" 2>&1 | tail -3 | tee -a "$OUT/tests.txt") ;;
     dequant-prefetch) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds 7 --formats Q8_0 \
                --batches 6 8 16 | tee "$OUT/dequant-prefetch.md"
              python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -k "amx or prefetch" \

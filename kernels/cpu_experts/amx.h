@@ -22,6 +22,9 @@ static int amx_prefetch;
    read Q8_0 at 6/8/16 tokens 1.18/1.20/1.16x faster than none on an H100 host (57d4689,
    evals/results/cpu-expert-kernel-h200.md); 1 KiB 1.12/1.13/1.11x. */
 static int amx_dequant_prefetch = 4096;
+/* Two token tiles a pass (17+ tokens per expert, a prefill chunk's share): both multiply the weight tiles of one
+   load, where a pass per token tile loaded the whole 16-row block again from L2 for each (0: one a pass). */
+static int amx_tile_pairs = 1;
 
 INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
     for (int r = 0; r < 16; r++) __builtin_prefetch(w + r * stride, 0, 3);
@@ -39,12 +42,12 @@ static int amx_permitted(void) {  /* the kernel must enable the tile state for t
     return state;
 }
 
-/* Tiles 0-1 accumulators, 2-3 weights, 4 activations. Loaded at every use and released after it: other code on
-   the same thread (oneDNN inside torch uses AMX too) releases the tiles when it is done, which would leave a
-   configuration cached per thread dangling (the next tile instruction would fault). */
+/* Tiles 0-1 and 5-6 accumulators, 2-3 weights, 4 and 7 activations. Loaded at every use and released after it:
+   other code on the same thread (oneDNN inside torch uses AMX too) releases the tiles when it is done, which would
+   leave a configuration cached per thread dangling (the next tile instruction would fault). */
 static void amx_configure(void) {
     tile_config cfg = {.palette = 1};
-    for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
@@ -121,28 +124,41 @@ static inline void amx_load_weights(int t, int type, const uint8_t *w, size_t st
     }
 }
 
-/* out[r][t] (16 x 16) = rows r0..r0+15 of w (stride bytes per row) . packed activations over k weights. */
-static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const uint16_t *packed, int k, float *out) {
+/* out[i][r][t] (tiles x 16 x 16) = rows r0..r0+15 of w (stride bytes per row) . token tile i of packed (tiles of
+   k * 16 elements back to back; 1 or 2 tiles) over k weights. */
+static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const uint16_t *packed, int tiles, int k,
+                              float *out) {
     uint16_t scratch[16 * 32] __attribute__((aligned(64)));
+    const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
     amx_configure();
     _tile_zero(0);
+    _tile_zero(1);
     for (int kc = 0; kc < k / 32; kc++) {
         if (amx_prefetch && type == FT_BF16 && kc + amx_prefetch < k / 32)
             amx_prefetch_rows(w + (size_t)(kc + amx_prefetch) * 64, stride);
         amx_load_weights(2, type, w, stride, kc, scratch);
         _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
         _tile_dpbf16ps(0, 2, 4);
+        if (tiles > 1) {
+            _tile_loadd(5, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+            _tile_dpbf16ps(1, 2, 5);
+        }
     }
     _tile_stored(0, out, 64);
+    if (tiles > 1) _tile_stored(1, out + 256, 64);
     _tile_release();
 }
 
+/* The same for two weight blocks (gate and up) against the same token tiles: out0 and out1 as out above. */
 static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
-                               const uint16_t *packed, int k, float *out0, float *out1) {
+                               const uint16_t *packed, int tiles, int k, float *out0, float *out1) {
     uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
+    const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
     amx_configure();
     _tile_zero(0);
     _tile_zero(1);
+    _tile_zero(5);
+    _tile_zero(6);
     for (int kc = 0; kc < k / 32; kc++) {
         if (amx_prefetch && t0 == FT_BF16 && t1 == FT_BF16 && kc + amx_prefetch < k / 32) {
             amx_prefetch_rows(w0 + (size_t)(kc + amx_prefetch) * 64, s0);
@@ -153,11 +169,23 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
         amx_load_weights(3, t1, w1, s1, kc, scratch1);
         _tile_dpbf16ps(0, 2, 4);
         _tile_dpbf16ps(1, 3, 4);
+        if (tiles > 1) {
+            _tile_loadd(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+            _tile_dpbf16ps(5, 2, 7);
+            _tile_dpbf16ps(6, 3, 7);
+        }
     }
     _tile_stored(0, out0, 64);
     _tile_stored(1, out1, 64);
+    if (tiles > 1) {
+        _tile_stored(5, out0 + 256, 64);
+        _tile_stored(6, out1 + 256, 64);
+    }
     _tile_release();
 }
+
+/* How many of an expert's token tiles, from `tile` of `tiles`, the next pass takes. */
+static inline int amx_pass_tiles(int tile, int tiles) { return amx_tile_pairs && tiles - tile >= 2 ? 2 : 1; }
 
 /* A 16-row weight block as the tiles read it: block-format rows dequantized to bf16 rows first (block by block
    into a scratch tile where that buffer cannot be had). Sets *type and *stride to how the returned rows are read. */
@@ -177,30 +205,33 @@ static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, co
     size_t gb = row_bytes(gt, j->hidden), ub = row_bytes(ut, j->hidden);
     const uint8_t *gate = amx_block_rows(j->gate + expert * j->gate_stride + r0 * gb, &gt, &gb, j->hidden, 0);
     const uint8_t *up = amx_block_rows(j->up + expert * j->up_stride + r0 * ub, &ut, &ub, j->hidden, 1);
-    float g[16][16], u[16][16];
-    for (int tile = 0; tile < tiles; tile++) {
+    float g[2][16][16], u[2][16][16];
+    for (int tile = 0, now; tile < tiles; tile += now) {
+        now = amx_pass_tiles(tile, tiles);
         size_t base = (size_t)(tile_base[e] + tile);
-        amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, j->hidden,
-                           &g[0][0], &u[0][0]);
-        uint16_t *dst = actp + base * j->inter * AMX_TOKENS;
-        for (int r = 0; r < ROW_BLOCK; r++)
-            for (int c = 0; c < AMX_TOKENS; c++) {
-                int row = r0 + r, t = tile * AMX_TOKENS + c;
-                float a = 0.0f;
-                if (t < n) {
-                    a = expert_act(j, expert, row, g[r][c], u[r][c]);  /* bf16 rounding is on with tiles */
-                    j->act[(size_t)(p0 + t) * j->inter + row] = a;
+        amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, now, j->hidden,
+                           &g[0][0][0], &u[0][0][0]);
+        for (int i = 0; i < now; i++) {
+            uint16_t *dst = actp + (base + i) * j->inter * AMX_TOKENS;
+            for (int r = 0; r < ROW_BLOCK; r++)
+                for (int c = 0; c < AMX_TOKENS; c++) {
+                    int row = r0 + r, t = (tile + i) * AMX_TOKENS + c;
+                    float a = 0.0f;
+                    if (t < n) {
+                        a = expert_act(j, expert, row, g[i][r][c], u[i][r][c]);  /* bf16 rounding is on with tiles */
+                        j->act[(size_t)(p0 + t) * j->inter + row] = a;
+                    }
+                    uint32_t bits;
+                    memcpy(&bits, &a, 4);
+                    dst[(size_t)(row / 2) * AMX_TOKENS * 2 + c * 2 + (row & 1)] = (uint16_t)(bits >> 16);
                 }
-                uint32_t bits;
-                memcpy(&bits, &a, 4);
-                dst[(size_t)(row / 2) * AMX_TOKENS * 2 + c * 2 + (row & 1)] = (uint16_t)(bits >> 16);
-            }
+        }
     }
 }
 
 static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile_base, int task) {
     int h0 = task * ROW_BLOCK;
-    float d[16][16];
+    float d[2][16][16];
     for (int h = h0; h < h0 + ROW_BLOCK; h++)
         for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
     for (int e = 0; e < j->n_experts; e++) {
@@ -209,15 +240,17 @@ static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile
         size_t db = row_bytes(dt, j->inter);
         const uint8_t *down = amx_block_rows(j->down + j->experts[e] * j->down_stride + h0 * db, &dt, &db,
                                              j->inter, 0);
-        for (int tile = 0; tile < tiles; tile++) {
-            amx_rows_x_tokens(dt, down, db, actp + (size_t)(tile_base[e] + tile) * j->inter * AMX_TOKENS,
-                              j->inter, &d[0][0]);
-            for (int r = 0; r < ROW_BLOCK; r++)
-                for (int c = 0; c < AMX_TOKENS && tile * AMX_TOKENS + c < n; c++) {
-                    int p = p0 + tile * AMX_TOKENS + c;
-                    float v = expert_out(j, j->experts[e], h0 + r, d[r][c], j->pair_weights[p]);
-                    j->y[(size_t)j->pair_tokens[p] * j->hidden + h0 + r] += v;
-                }
+        for (int tile = 0, now; tile < tiles; tile += now) {
+            now = amx_pass_tiles(tile, tiles);
+            amx_rows_x_tokens(dt, down, db, actp + (size_t)(tile_base[e] + tile) * j->inter * AMX_TOKENS, now,
+                              j->inter, &d[0][0][0]);
+            for (int i = 0; i < now; i++)
+                for (int r = 0; r < ROW_BLOCK; r++)
+                    for (int c = 0; c < AMX_TOKENS && (tile + i) * AMX_TOKENS + c < n; c++) {
+                        int p = p0 + (tile + i) * AMX_TOKENS + c;
+                        float v = expert_out(j, j->experts[e], h0 + r, d[i][r][c], j->pair_weights[p]);
+                        j->y[(size_t)j->pair_tokens[p] * j->hidden + h0 + r] += v;
+                    }
         }
     }
 }

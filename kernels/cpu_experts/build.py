@@ -97,6 +97,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_set_amx_q8_rows.argtypes, lib.ft_set_amx_q8_rows.restype = [i], None
     lib.ft_set_amx_prefetch.argtypes, lib.ft_set_amx_prefetch.restype = [i], None
     lib.ft_set_amx_dequant_prefetch.argtypes, lib.ft_set_amx_dequant_prefetch.restype = [i], i
+    lib.ft_set_amx_tile_pairs.argtypes, lib.ft_set_amx_tile_pairs.restype = [i], i
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
     lib.ft_set_block_bf16.argtypes, lib.ft_set_block_bf16.restype = [i], i

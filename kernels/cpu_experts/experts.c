@@ -580,6 +580,19 @@ int ft_set_amx_dequant_prefetch(int bytes) {
 #endif
 }
 
+/* Whether a bf16 tile pass takes two of an expert's token tiles at once (1, default) or one (0); returns the
+   setting it replaces. */
+int ft_set_amx_tile_pairs(int on) {
+#if HAVE_AMX
+    int before = amx_tile_pairs;
+    amx_tile_pairs = on != 0;
+    return before;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* The weight rows one pass of Q8_0's int8 tiles takes: 16 or 32 (two A tiles against the same activations). */
 void ft_set_amx_q8_rows(int rows) {
 #if HAVE_AMX_Q8

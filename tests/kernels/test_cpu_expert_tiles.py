@@ -83,6 +83,32 @@ def test_amx_tiles_cover_long_calls(kernel):
     assert (got - want).norm() / want.norm() < 2e-3
 
 
+@pytest.mark.parametrize("fmt", ["BF16", "Q8_0"])
+def test_token_tiles_in_pairs_change_no_result(kernel, fmt):
+    """ft_set_amx_tile_pairs: two token tiles a pass (on by default) load each weight tile once for both; every
+    (row, token) sum still adds the same products in the same order, so the result equals one tile a pass bit for
+    bit (experts of 1, 2, 3 and 5 token tiles, so pairs and a last single tile meet in one call)."""
+    if not kernel.amx:
+        pytest.skip("no AMX on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    gate, up = (expert_matrix(fmt, 4, 64, 96, gen) for _ in range(2))
+    down = expert_matrix(fmt, 4, 96, 64, gen)
+    x = torch.randn(80, 96, generator=gen).bfloat16().float()
+    counts = [9, 32, 40, 80]
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    routing = (torch.arange(4, dtype=torch.int32), offsets,
+               torch.cat([torch.randperm(80, generator=gen)[:n].sort().values for n in counts]).int(),
+               torch.rand(sum(counts), generator=gen))
+    paired = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert kernel.lib.ft_set_amx_tile_pairs(0) == 1
+    try:
+        single = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    finally:
+        kernel.lib.ft_set_amx_tile_pairs(1)
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert torch.equal(paired, single) and (paired - want).norm() / want.norm() < 2e-2
+
+
 @pytest.fixture(scope="module")
 def emulated_tiles(tmp_path_factory):
     """The kernel built over AMX tiles emulated in C (FT_AMX_EMULATE), so the int8 tile path's layouts are tested
