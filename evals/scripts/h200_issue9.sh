@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): issue 9's A1 agent replays with the D1 model.
 #   bash evals/scripts/h200_issue9.sh COMMIT PART...
-#   PART: model | reuse | reuse-stream | no-reuse | no-reuse-norest
+#   PART: model | reuse | reuse-stream | no-reuse | no-reuse-think | no-reuse-norest
 # model: the D1 model (synthetic Qwen3-30B-A3B, 48 layers, experts Q8_0) as a GGUF at $MODEL (kept between calls
 # while the machine stays warm); reuse / no-reuse: one `ft serve --expert-cache $BUDGET` (a consumer card's
 # budget; a KV pool for the model's whole 40k context) with and without the prefix cache, and every trace in
@@ -33,11 +33,15 @@ serve_and_replay() {  # $1: label, $2: traces, rest: extra ft serve args
   local pid=$!
   for _ in $(seq 600); do grep -q "serving " "$log" && break; kill -0 $pid 2>/dev/null || break; sleep 0.5; done
   grep "serving \|expert cache" "$log" | head -3
+  # the host's reported CPU clock, mean over its CPUs, once a second (where the machine reports a live one)
+  (while sleep 1; do echo "$(date +%s.%N) $(awk '/cpu MHz/ {s += $4; n++} END {printf "%.0f", s / n}' /proc/cpuinfo)"
+   done) > "$RUNS/mhz-$label.log" 2>/dev/null &
+  local sampler=$!
   for t in $traces; do
     local params=$SHORT
     [ "$t" = reasoning ] && params="--param output_tokens=256"
     echo "--- $t ($label) $(date +%T)"
-    timeout 300 ft eval --trace "$t" $params --endpoint "http://127.0.0.1:$port" --label "$label" -q \
+    timeout 300 ft eval --trace "$t" $params ${EVAL_ARGS:-} --endpoint "http://127.0.0.1:$port" --label "$label" -q \
       --out "$RUNS/$t-$label" 2>&1 | grep -v "^freetoken:" | tail -16
     python3 - "$RUNS/$t-$label/result.json" 2>/dev/null <<'PY'  # the path guard's way at each turn's end
 import collections, json, statistics, sys
@@ -50,7 +54,7 @@ print("guard way at turn end:", ", ".join(f"{w} {len(r)} turns at {statistics.me
 PY
     tar czf "$OUT/a1.tgz" -C "$RUNS" .
   done
-  kill $pid; wait $pid 2>/dev/null
+  kill $pid $sampler; wait $pid 2>/dev/null
   tar czf "$OUT/a1.tgz" -C "$RUNS" .
 }
 
@@ -64,6 +68,8 @@ for part in "$@"; do
     reuse-stream) export FREETOKEN_EXPERIMENTAL=stream-short-chunks
                   serve_and_replay reuse-stream "$STREAM_TRACES"; unset FREETOKEN_EXPERIMENTAL ;;
     no-reuse) serve_and_replay no-reuse "$TRACES" --no-prefix-cache ;;
+    # each turn's think time honoured (idle gaps as an agent's tool calls leave them): does the host recover?
+    no-reuse-think) EVAL_ARGS=--think serve_and_replay no-reuse-think "$TRACES" --no-prefix-cache ;;
     # without the path guard's rest after prefills (GPU path guard-rest, on by default): no-reuse's baseline
     no-reuse-norest) export FREETOKEN_DISABLE=guard-rest
                      serve_and_replay no-reuse-norest "$TRACES" --no-prefix-cache; unset FREETOKEN_DISABLE ;;
