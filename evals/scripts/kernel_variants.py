@@ -44,7 +44,7 @@ class Variant:
     tile_pairs: int = 1       # ft_set_amx_tile_pairs: two of an expert's token tiles a bf16 tile pass (17+ tokens)
     huge: bool = False        # the expert pool on huge pages
     formats: tuple = ("BF16", "Q8_0")
-    batches: tuple = (1, 2, 4, 6, 8, 16, 32)
+    batches: tuple = (1, 2, 4, 6, 8, 16, 32, 48, 64)
 
 
 VARIANTS = {
