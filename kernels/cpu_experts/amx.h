@@ -215,18 +215,20 @@ static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, co
                            &g[0][0][0], &u[0][0][0]);
         for (int i = 0; i < now; i++) {
             uint16_t *dst = actp + (base + i) * j->inter * AMX_TOKENS;
-            for (int r = 0; r < ROW_BLOCK; r++)
+            int valid = n - (tile + i) * AMX_TOKENS < AMX_TOKENS ? n - (tile + i) * AMX_TOKENS : AMX_TOKENS;
+            for (int r = 0; r < ROW_BLOCK; r++) {
+                int row = r0 + r;
+                float acts[AMX_TOKENS];
+                /* all 16 columns (unused ones are zero and dropped), bf16 rounding on as always with tiles */
+                expert_acts(j, expert, row, g[i][r], u[i][r], AMX_TOKENS, acts);
                 for (int c = 0; c < AMX_TOKENS; c++) {
-                    int row = r0 + r, t = (tile + i) * AMX_TOKENS + c;
-                    float a = 0.0f;
-                    if (t < n) {
-                        a = expert_act(j, expert, row, g[i][r][c], u[i][r][c]);  /* bf16 rounding is on with tiles */
-                        j->act[(size_t)(p0 + t) * j->inter + row] = a;
-                    }
+                    float a = c < valid ? acts[c] : 0.0f;
+                    if (c < valid) j->act[(size_t)(p0 + (tile + i) * AMX_TOKENS + c) * j->inter + row] = a;
                     uint32_t bits;
                     memcpy(&bits, &a, 4);
                     dst[(size_t)(row / 2) * AMX_TOKENS * 2 + c * 2 + (row & 1)] = (uint16_t)(bits >> 16);
                 }
+            }
         }
     }
 }

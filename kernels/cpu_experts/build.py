@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("experts.c")
-PARTS = ("dots.h", "q16.h", "pool.h", "amx.h", "amx_q8.h")  # included by experts.c (one translation unit)
+PARTS = ("act.h", "dots.h", "q16.h", "pool.h", "amx.h", "amx_q8.h")  # included by experts.c (one translation unit)
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 
 
@@ -98,6 +98,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_set_amx_prefetch.argtypes, lib.ft_set_amx_prefetch.restype = [i], None
     lib.ft_set_amx_dequant_prefetch.argtypes, lib.ft_set_amx_dequant_prefetch.restype = [i], i
     lib.ft_set_amx_tile_pairs.argtypes, lib.ft_set_amx_tile_pairs.restype = [i], i
+    lib.ft_set_vector_act.argtypes, lib.ft_set_vector_act.restype = [i], i
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
     lib.ft_set_block_bf16.argtypes, lib.ft_set_block_bf16.restype = [i], i

@@ -119,44 +119,7 @@ typedef struct {
     float alpha, limit;
 } moe_job;
 
-/* act of one (row, pair) from its gate and up dots: silu(g) * u, or the job's form (biases, clamped SwiGLU).
-   With bf16 rounding it rounds where a bf16 GPU expert rounds: the dots, (then the biased values,) the result. */
-INLINE float expert_act(const moe_job *j, int expert, int row, float g, float u) {
-    if (!j->gate_bias && j->activation != 1) {  /* SwiGLU, V4's with its clamps first: rounded as a plain expert */
-        if (j->bf16_rounding) g = round_bf16(g), u = round_bf16(u);
-        if (j->activation == 2) g = fminf(g, j->limit), u = fmaxf(fminf(u, j->limit), -j->limit);
-        if (!j->bf16_rounding) return g / (1.0f + expf(-g)) * u;
-        return round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
-    }
-    if (j->bf16_rounding) g = round_bf16(g), u = round_bf16(u);
-    if (j->gate_bias) {
-        g += j->gate_bias[(size_t)expert * j->inter + row];
-        u += j->up_bias[(size_t)expert * j->inter + row];
-        if (j->bf16_rounding) g = round_bf16(g), u = round_bf16(u);
-    }
-    float a;
-    if (j->activation == 2) {
-        g = fminf(g, j->limit);
-        u = fmaxf(fminf(u, j->limit), -j->limit);
-        a = g / (1.0f + expf(-g)) * u;
-    } else if (j->activation) {
-        g = fminf(g, j->limit);
-        u = fmaxf(fminf(u, j->limit), -j->limit);
-        a = (u + 1.0f) * (g / (1.0f + expf(-j->alpha * g)));
-    } else {
-        a = g / (1.0f + expf(-g)) * u;
-    }
-    return j->bf16_rounding ? round_bf16(a) : a;
-}
-
-/* One pair's contribution to output row h: its down dot (plus the expert's bias) times its routing weight. */
-INLINE float expert_out(const moe_job *j, int expert, int h, float v, float w) {
-    if (j->down_bias) {
-        v = j->bf16_rounding ? round_bf16(v) : v;
-        v += j->down_bias[(size_t)expert * j->hidden + h];
-    }
-    return j->bf16_rounding ? round_bf16(round_bf16(v) * round_bf16(w)) : v * w;
-}
+#include "act.h"
 
 /* tuning: the tokens per expert (in one pass) from which block-format rows of a bf16 model take the bf16 dot
    path (dequantized to bf16 in registers, BF16_TILE tokens a pass) rather than the fp32 path (widened to fp32 per
@@ -214,8 +177,10 @@ static void phase_gate_up(void *ctx, int task) {
                 rows_dots_n(j->gate_type, rows, 1, xs, j->hidden, nt, gu);
                 rows_dots_n(j->up_type, rows + 1, 1, xs, j->hidden, nt, gu + nt);
             }
+            float acts[MAX_PAIRS];
+            expert_acts(j, expert, r, gu, gu + nt, nt, acts);
             for (int t = 0; t < nt; t++) {
-                float a = expert_act(j, expert, r, gu[t], gu[nt + t]);
+                float a = acts[t];
                 j->act[(size_t)(p0 + t0 + t) * j->inter + r] = a;
                 if (j->actb) {  /* a is a bf16 value here (bf16 rounding is on): its top half is exact */
                     uint32_t bits;
@@ -578,6 +543,14 @@ int ft_set_amx_dequant_prefetch(int bytes) {
     (void)bytes;
     return 0;
 #endif
+}
+
+/* Whether expert_acts computes a row's activations LANES at a time (1, default) or one by one (0), for measuring;
+   returns the setting it replaces. */
+int ft_set_vector_act(int on) {
+    int before = vector_act;
+    vector_act = on != 0;
+    return before;
 }
 
 /* Whether a bf16 tile pass takes two of an expert's token tiles at once (1, default) or one (0); returns the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import numpy as np
 import pytest
@@ -149,6 +150,40 @@ def test_v4_clamped_swiglu_without_biases_matches_the_reference(kernel, formats,
     assert (plain - want).norm() / want.norm() > 0.1
 
 
+@pytest.mark.parametrize("fmt", ["F32", "Q8_0"])
+@pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v4", [False, True])
+def test_activations_computed_a_vector_at_a_time_match_one_by_one(kernel, fmt, round_to, v4):
+    """Rows of 16+ tokens of one expert take the vector form of the activation (the sigmoid's exp as a vector
+    polynomial, ft_set_vector_act); it equals libm's value by value to fp32 rounding, and with bf16 rounding to the
+    rare flip of a rounding point. Inputs large enough that the exp's clamps are reached (|g| past 88), 40
+    tokens an expert (two vectors and a rest)."""
+    gen = torch.Generator().manual_seed(17 + v4 + 2 * (round_to == torch.bfloat16))
+    gate, up = (expert_matrix(fmt, 3, 64, 96, gen) for _ in range(2))
+    down = expert_matrix(fmt, 3, 96, 64, gen)
+    x = torch.randn(40, 96, generator=gen) * torch.logspace(-1, 2, 40).unsqueeze(1)
+    if round_to == torch.bfloat16:
+        x = x.bfloat16().float()
+    every = list(range(40))
+    routing = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 40, 80], dtype=torch.int32),
+               torch.tensor(every + every, dtype=torch.int32), torch.rand(80, generator=gen))
+    form = reference.ExpertForm(limit=5.0, clamp_silu=True) if v4 else None
+    vector = kernel.moe_forward(x, gate, up, down, *routing, round_to=round_to, form=form)
+    assert kernel.lib.ft_set_vector_act(0) == 1
+    try:
+        one_by_one = kernel.moe_forward(x, gate, up, down, *routing, round_to=round_to, form=form)
+    finally:
+        kernel.lib.ft_set_vector_act(1)
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to, form=form)
+    gates = torch.einsum("th,ih->ti", x, gate.expert(0).float())
+    assert gates.abs().max() > 88  # the clamps of the exp are reached
+    assert torch.isfinite(vector).all()
+    close = 1e-6 if round_to == torch.float32 else 1e-3
+    assert (vector - one_by_one).norm() / one_by_one.norm() < close
+    tol = 1e-5 if round_to == torch.float32 else 2e-2
+    assert (vector - want).norm() / want.norm() < tol
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4"])
 @pytest.mark.parametrize("tokens", [1, 2, 5])
 @pytest.mark.parametrize("hidden", [96, 544, 2048])
@@ -235,6 +270,13 @@ def test_each_job_reports_where_its_time_went(kernel):
     after = kernel.timing()
     jobs, first, gate_up, total = (a - b for a, b in zip(after, before, strict=True))
     assert jobs == 3 and 0 < first <= gate_up <= total
+
+
+def test_every_file_the_kernel_includes_is_part_of_its_build_key():
+    """A header missing from build.PARTS would leave an edited kernel's cached build in use."""
+    texts = [build.SOURCE.read_text(), *(build.SOURCE.with_name(part).read_text() for part in build.PARTS)]
+    included = {name for text in texts for name in re.findall(r'#include "([^"]+)"', text)}
+    assert included and included <= set(build.PARTS)
 
 
 def test_build_is_cached_and_failures_fall_back(tmp_path, monkeypatch, caplog):
