@@ -94,7 +94,7 @@ int main(void) {
             printf("\n");
         }
 #if HAVE_AMX
-        if (amx_permitted()) amx_rate(type, w, row_bytes, rows, k);
+        if (tiles_permitted()) amx_rate(type, w, row_bytes, rows, k);
 #endif
         free(w);
     }

@@ -80,11 +80,15 @@ INLINE float expert_out(const moe_job *j, int expert, int h, float v, float w) {
 /* Switch for measuring: expert_acts computes its values one by one (0) instead of LANES at a time (1). */
 static int vector_act = 1;
 
-/* expert_act for n values of one row (g[i], u[i] -> out[i]): LANES at a time for the common forms (SwiGLU and
-   DeepSeek-V4's clamped one, no biases), the rest one by one. */
+/* Whether expert_acts takes the job's values LANES at a time: the common forms (SwiGLU and DeepSeek-V4's clamped
+   one, no biases). */
+INLINE int acts_in_vectors(const moe_job *j) { return vector_act && !j->gate_bias && j->activation != 1; }
+
+/* expert_act for n values of one row (g[i], u[i] -> out[i]): LANES at a time where acts_in_vectors, the rest one
+   by one. */
 INLINE void expert_acts(const moe_job *j, int expert, int row, const float *g, const float *u, int n, float *out) {
     int i = 0;
-    if (vector_act && !j->gate_bias && j->activation != 1)
+    if (acts_in_vectors(j))
         for (; i + LANES <= n; i += LANES) {
             vf gv = load_f32(g + i), uv = load_f32(u + i), a;
             if (j->bf16_rounding) gv = vround_bf16(gv), uv = vround_bf16(uv);

@@ -31,26 +31,13 @@ static int amx_tile_pairs = 1;
 INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
     for (int r = 0; r < 16; r++) __builtin_prefetch(w + r * stride, 0, 3);
 }
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static int amx_permitted(void) {  /* the kernel must enable the tile state for this process, once */
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
-
 /* Tiles 0-1 and 5-6 accumulators, 2-3 weights, 4 and 7 activations. Loaded at every use and released after it:
    other code on the same thread (oneDNN inside torch uses AMX too) releases the tiles when it is done, which would
    leave a configuration cached per thread dangling (the next tile instruction would fault). */
 static void amx_configure(void) {
     tile_config cfg = {.palette = 1};
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
+    TILE_CONFIG(&cfg);
 }
 
 static uint16_t *amx_scratch(size_t elements) {  /* one job at a time: a growing buffer serves every job */
@@ -118,11 +105,11 @@ static const uint8_t *amx_dequant_rows(int type, const uint8_t *w, size_t stride
 static inline void amx_load_weights(int t, int type, const uint8_t *w, size_t stride, int kc, uint16_t *scratch) {
     if (type != FT_BF16) {
         amx_block_tile(type, w, stride, kc, scratch, 32);
-        if (t == 2) _tile_loadd(2, scratch, 64); else _tile_loadd(3, scratch, 64);
+        if (t == 2) TILE_LOAD(2, scratch, 64); else TILE_LOAD(3, scratch, 64);
     } else if (t == 2) {
-        _tile_loadd(2, w + (size_t)kc * 64, stride);
+        TILE_LOAD(2, w + (size_t)kc * 64, stride);
     } else {
-        _tile_loadd(3, w + (size_t)kc * 64, stride);
+        TILE_LOAD(3, w + (size_t)kc * 64, stride);
     }
 }
 
@@ -133,22 +120,22 @@ static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const u
     uint16_t scratch[16 * 32] __attribute__((aligned(64)));
     const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
     amx_configure();
-    _tile_zero(0);
-    _tile_zero(1);
+    TILE_ZERO(0);
+    TILE_ZERO(1);
     for (int kc = 0; kc < k / 32; kc++) {
         if (amx_prefetch && type == FT_BF16 && kc + amx_prefetch < k / 32)
             amx_prefetch_rows(w + (size_t)(kc + amx_prefetch) * 64, stride);
         amx_load_weights(2, type, w, stride, kc, scratch);
-        _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-        _tile_dpbf16ps(0, 2, 4);
+        TILE_LOAD(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+        TILE_BF16(0, 2, 4);
         if (tiles > 1) {
-            _tile_loadd(5, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-            _tile_dpbf16ps(1, 2, 5);
+            TILE_LOAD(5, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+            TILE_BF16(1, 2, 5);
         }
     }
-    _tile_stored(0, out, 64);
-    if (tiles > 1) _tile_stored(1, out + 256, 64);
-    _tile_release();
+    TILE_STORE(0, out, 64);
+    if (tiles > 1) TILE_STORE(1, out + 256, 64);
+    TILE_RELEASE();
 }
 
 /* The same for two weight blocks (gate and up) against the same token tiles: out0 and out1 as out above. */
@@ -157,33 +144,33 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
     uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
     const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
     amx_configure();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(5);
-    _tile_zero(6);
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(5);
+    TILE_ZERO(6);
     for (int kc = 0; kc < k / 32; kc++) {
         if (amx_prefetch && t0 == FT_BF16 && t1 == FT_BF16 && kc + amx_prefetch < k / 32) {
             amx_prefetch_rows(w0 + (size_t)(kc + amx_prefetch) * 64, s0);
             amx_prefetch_rows(w1 + (size_t)(kc + amx_prefetch) * 64, s1);
         }
-        _tile_loadd(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+        TILE_LOAD(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
         amx_load_weights(2, t0, w0, s0, kc, scratch0);
         amx_load_weights(3, t1, w1, s1, kc, scratch1);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
+        TILE_BF16(0, 2, 4);
+        TILE_BF16(1, 3, 4);
         if (tiles > 1) {
-            _tile_loadd(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-            _tile_dpbf16ps(5, 2, 7);
-            _tile_dpbf16ps(6, 3, 7);
+            TILE_LOAD(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+            TILE_BF16(5, 2, 7);
+            TILE_BF16(6, 3, 7);
         }
     }
-    _tile_stored(0, out0, 64);
-    _tile_stored(1, out1, 64);
+    TILE_STORE(0, out0, 64);
+    TILE_STORE(1, out1, 64);
     if (tiles > 1) {
-        _tile_stored(5, out0 + 256, 64);
-        _tile_stored(6, out1 + 256, 64);
+        TILE_STORE(5, out0 + 256, 64);
+        TILE_STORE(6, out1 + 256, 64);
     }
-    _tile_release();
+    TILE_RELEASE();
 }
 
 /* How many of an expert's token tiles, from `tile` of `tiles`, the next pass takes. */
@@ -219,8 +206,8 @@ static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, co
             for (int r = 0; r < ROW_BLOCK; r++) {
                 int row = r0 + r;
                 float acts[AMX_TOKENS];
-                /* all 16 columns (unused ones are zero and dropped), bf16 rounding on as always with tiles */
-                expert_acts(j, expert, row, g[i][r], u[i][r], AMX_TOKENS, acts);
+                /* in vectors all 16 columns (unused ones are zero and dropped); bf16 rounding is on with tiles */
+                expert_acts(j, expert, row, g[i][r], u[i][r], acts_in_vectors(j) ? AMX_TOKENS : valid, acts);
                 for (int c = 0; c < AMX_TOKENS; c++) {
                     float a = c < valid ? acts[c] : 0.0f;
                     if (c < valid) j->act[(size_t)(p0 + (tile + i) * AMX_TOKENS + c) * j->inter + row] = a;

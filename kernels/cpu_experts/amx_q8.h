@@ -17,8 +17,8 @@
    Phase 0 packs x per expert; phase 1 (tasks: expert x 32 rows, one block of act) writes act packed the same
    way; phase 2 (tasks: 16 output rows) reads it.
 
-   FT_AMX_EMULATE builds the same code over tiles emulated in C, so the layouts are tested on any AVX-512
-   machine (tests/kernels/test_cpu_expert_tiles.py); real tiles run on Sapphire Rapids and later. */
+   FT_AMX_EMULATE builds the same code over tiles emulated in C (tiles.h), so the layouts are tested on any
+   AVX-512 machine (tests/kernels/test_cpu_expert_tiles.py); real tiles run on Sapphire Rapids and later. */
 #if HAVE_Q16 && ((HAVE_AMX && defined(__AMX_INT8__)) || defined(FT_AMX_EMULATE))
 #define HAVE_AMX_Q8 1
 #if !HAVE_AMX
@@ -34,55 +34,10 @@ INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
    threads; evals/results/cpu-expert-kernel-h200.md); ft_set_amx_q8(2, 32) turns them on for measuring. */
 static int amx_q8_min_tokens = 2, amx_q8_max_tokens = 0;
 
-#if HAVE_AMX && defined(__AMX_INT8__) && !defined(FT_AMX_EMULATE)
-#define TQ_LOAD(t, p, stride) _tile_loadd(t, p, stride)
-#define TQ_STORE(t, p, stride) _tile_stored(t, p, stride)
-#define TQ_ZERO(t) _tile_zero(t)
-#define TQ_SS(c, a, b) _tile_dpbssd(c, a, b)
-#define TQ_SU(c, a, b) _tile_dpbsud(c, a, b)
-#define TQ_RELEASE() _tile_release()
-static int amx_q8_permitted(void) { return amx_permitted(); }
-static void tq_config(const tile_config *cfg) { _tile_loadconfig(cfg); }
-#else
+#if defined(TILES_EMULATED)
 #define AMX_Q8_EMULATED 1
-#if !HAVE_AMX
-typedef struct {  /* as amx.h has it */
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 #endif
-/* The tile instructions' semantics in C (Intel SDM, AMX): 8 tiles of up to 16 rows x 64 bytes. */
-static __thread struct { uint8_t data[8][16][64]; int rows[8], colsb[8]; } tq;
-static int amx_q8_permitted(void) { return 1; }
-static void tq_config(const tile_config *cfg) {
-    for (int t = 0; t < 8; t++) tq.rows[t] = cfg->rows[t], tq.colsb[t] = cfg->colsb[t];
-}
-static void TQ_LOAD(int t, const void *p, size_t stride) {
-    for (int r = 0; r < tq.rows[t]; r++) memcpy(tq.data[t][r], (const uint8_t *)p + r * stride, tq.colsb[t]);
-}
-static void TQ_STORE(int t, void *p, size_t stride) {
-    for (int r = 0; r < tq.rows[t]; r++) memcpy((uint8_t *)p + r * stride, tq.data[t][r], tq.colsb[t]);
-}
-static void TQ_ZERO(int t) { memset(tq.data[t], 0, sizeof tq.data[t]); }
-/* c[m][n] += sum over k of a[m][k] * b[k/4][4n + k%4]; a signed, b signed or unsigned */
-static void tq_dot(int c, int a, int b, int b_signed) {
-    for (int m = 0; m < tq.rows[a]; m++)
-        for (int n = 0; n < tq.colsb[b] / 4; n++) {
-            int32_t sum;
-            memcpy(&sum, &tq.data[c][m][n * 4], 4);
-            for (int k = 0; k < tq.colsb[a]; k++) {
-                int bv = b_signed ? (int8_t)tq.data[b][k / 4][n * 4 + k % 4] : tq.data[b][k / 4][n * 4 + k % 4];
-                sum += (int8_t)tq.data[a][m][k] * bv;
-            }
-            memcpy(&tq.data[c][m][n * 4], &sum, 4);
-        }
-}
-#define TQ_SS(c, a, b) tq_dot(c, a, b, 1)
-#define TQ_SU(c, a, b) tq_dot(c, a, b, 0)
-#define TQ_RELEASE() ((void)0)
-#endif
+static int amx_q8_permitted(void) { return tiles_permitted(); }
 
 /* Tile 0: A, 16 weight rows x one block (32 int8), and tile 7 the next 16 rows where a pass takes 32; 1-2: B, the
    block's activations (hi, lo: 8 rows x 16 tokens x 4 bytes); 3-6: C, the block sums (hi, lo) of the even and odd
@@ -93,7 +48,7 @@ static void amx_q8_configure(void) {
     cfg.rows[0] = cfg.rows[7] = 16, cfg.colsb[0] = cfg.colsb[7] = 32;
     for (int t = 1; t <= 2; t++) cfg.rows[t] = 8, cfg.colsb[t] = 64;
     for (int t = 3; t <= 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    tq_config(&cfg);
+    TILE_CONFIG(&cfg);
 }
 
 /* Weight rows a pass takes: 16, or 32 (two A tiles against the same B tiles: two independent tile chains, twice
@@ -177,37 +132,37 @@ static void amx_q8_rows_x_tokens(const uint8_t *w, size_t stride, int k, const u
             amx_prefetch_rows(w + at + amx_prefetch * Q8_BYTES, stride);
             if (halves == 2) amx_prefetch_rows(w1 + at + amx_prefetch * Q8_BYTES, stride);
         }
-        TQ_LOAD(1, hi + (size_t)kc * 512, 64);
-        TQ_LOAD(2, lo + (size_t)kc * 512, 64);
-        TQ_LOAD(0, w + at + 2, stride);
+        TILE_LOAD(1, hi + (size_t)kc * 512, 64);
+        TILE_LOAD(2, lo + (size_t)kc * 512, 64);
+        TILE_LOAD(0, w + at + 2, stride);
         if (halves == 2) {
-            TQ_LOAD(7, w1 + at + 2, stride);
-            TQ_ZERO(3);
-            TQ_ZERO(4);
-            TQ_ZERO(5);
-            TQ_ZERO(6);
-            TQ_SS(3, 0, 1);
-            TQ_SU(4, 0, 2);
-            TQ_SS(5, 7, 1);
-            TQ_SU(6, 7, 2);
-            TQ_STORE(3, sums[b][0][0], 64);
-            TQ_STORE(4, sums[b][0][1], 64);
-            TQ_STORE(5, sums[b][1][0], 64);
-            TQ_STORE(6, sums[b][1][1], 64);
+            TILE_LOAD(7, w1 + at + 2, stride);
+            TILE_ZERO(3);
+            TILE_ZERO(4);
+            TILE_ZERO(5);
+            TILE_ZERO(6);
+            TILE_SS(3, 0, 1);
+            TILE_SU(4, 0, 2);
+            TILE_SS(5, 7, 1);
+            TILE_SU(6, 7, 2);
+            TILE_STORE(3, sums[b][0][0], 64);
+            TILE_STORE(4, sums[b][0][1], 64);
+            TILE_STORE(5, sums[b][1][0], 64);
+            TILE_STORE(6, sums[b][1][1], 64);
         } else if (b) {
-            TQ_ZERO(5);
-            TQ_ZERO(6);
-            TQ_SS(5, 0, 1);
-            TQ_SU(6, 0, 2);
-            TQ_STORE(5, sums[b][0][0], 64);
-            TQ_STORE(6, sums[b][0][1], 64);
+            TILE_ZERO(5);
+            TILE_ZERO(6);
+            TILE_SS(5, 0, 1);
+            TILE_SU(6, 0, 2);
+            TILE_STORE(5, sums[b][0][0], 64);
+            TILE_STORE(6, sums[b][0][1], 64);
         } else {
-            TQ_ZERO(3);
-            TQ_ZERO(4);
-            TQ_SS(3, 0, 1);
-            TQ_SU(4, 0, 2);
-            TQ_STORE(3, sums[b][0][0], 64);
-            TQ_STORE(4, sums[b][0][1], 64);
+            TILE_ZERO(3);
+            TILE_ZERO(4);
+            TILE_SS(3, 0, 1);
+            TILE_SU(4, 0, 2);
+            TILE_STORE(3, sums[b][0][0], 64);
+            TILE_STORE(4, sums[b][0][1], 64);
         }
         for (int h = 0; h < halves; h++) amx_q8_row_scales(h ? w1 : w, stride, kc, wscale[b][h]);
         if (kc > 0)  /* the previous block's sums, while the tiles work on this one */
@@ -215,7 +170,7 @@ static void amx_q8_rows_x_tokens(const uint8_t *w, size_t stride, int k, const u
                 amx_q8_accumulate(acc + 16 * h, sums[b ^ 1][h][0], sums[b ^ 1][h][1], wscale[b ^ 1][h],
                                   _mm512_loadu_ps(xs + (kc - 1) * 16));
     }
-    TQ_RELEASE();
+    TILE_RELEASE();
     int last = (blocks - 1) & 1;
     for (int h = 0; h < halves; h++)
         amx_q8_accumulate(acc + 16 * h, sums[last][h][0], sums[last][h][1], wscale[last][h],

@@ -22,7 +22,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("experts.c")
-PARTS = ("act.h", "dots.h", "q16.h", "pool.h", "amx.h", "amx_q8.h")  # included by experts.c (one translation unit)
+# included by experts.c (one translation unit)
+PARTS = ("act.h", "dots.h", "q16.h", "pool.h", "tiles.h", "amx.h", "amx_q8.h")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 
 
@@ -52,7 +53,7 @@ def _build_key(compiler: str, flags: list[str]) -> str:
 
 def build(build_dir: Path, emulate_amx: bool = False) -> Path | None:
     """The path of the compiled library (building it if needed), or None with a warning when it cannot be built.
-    `emulate_amx`: the int8 tile path over tiles emulated in C (slow; for testing its layouts without AMX)."""
+    `emulate_amx`: the tile paths over tiles emulated in C (slow; for testing their layouts without AMX)."""
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found (set CC): CPU experts use the slower plain-torch path")

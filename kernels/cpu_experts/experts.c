@@ -22,7 +22,9 @@
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(FT_AMX_EMULATE) && defined(__AVX512BF16__)
+#define HAVE_AMX 1  /* over tiles emulated in C (tiles.h): a build for tests */
+#elif defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -240,6 +242,7 @@ static void phase_down(void *ctx, int task) {
     }
 }
 
+#include "tiles.h"
 #include "amx.h"
 
 #include "amx_q8.h"
@@ -336,7 +339,7 @@ static int use_amx(const moe_job *j, const uint16_t *xb_amx) {
        Rapids-class core). */
     int q8 = j->gate_type >= FT_Q8_0 || j->up_type >= FT_Q8_0 || j->down_type >= FT_Q8_0;
     int least = q8 ? amx_block_min_tokens : amx_min_tokens;
-    return most >= least && amx_permitted();
+    return most >= least && tiles_permitted();
 #else
     (void)j, (void)xb_amx;
     return 0;
@@ -589,7 +592,7 @@ int ft_has_amx_q8(void) {
 /* Whether AMX tiles are compiled in and the OS lets this process use them. */
 int ft_has_amx(void) {
 #if HAVE_AMX
-    return amx_permitted();
+    return tiles_permitted();
 #else
     return 0;
 #endif

@@ -1,5 +1,5 @@
-"""The CPU expert kernel's AMX tile paths: bf16 tiles (real AMX only) and Q8_0 on int8 tiles (real, and emulated in C
-on any AVX-512 machine), against the reference."""
+"""The CPU expert kernel's AMX tile paths, bf16 tiles and Q8_0 on int8 tiles, against the reference: on real tiles
+where the CPU has AMX, and on tiles emulated in C on any AVX-512 machine (bf16: AVX-512-BF16)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,40 @@ from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from support.cpu_kernel import expert_matrix
 
 
+@pytest.fixture(scope="module")
+def emulated_kernel(tmp_path_factory):
+    """The kernel built over AMX tiles emulated in C (FT_AMX_EMULATE, kernels/cpu_experts/tiles.h), so the tile
+    paths' layouts are tested on machines without AMX."""
+    lib = build.load(tmp_path_factory.mktemp("emulated-amx"), emulate_amx=True)
+    if lib is None:
+        pytest.fail("the CPU expert kernel did not build: CI machines have a C compiler")
+    return CpuExpertKernel(lib, 2)
+
+
+@pytest.fixture
+def emulated_tiles(emulated_kernel):
+    """The emulated build, for the int8 tile path."""
+    if not emulated_kernel.amx_q8:
+        pytest.skip("no AVX-512BW: the int8 tile path needs it, emulated or not")
+    return emulated_kernel
+
+
+@pytest.fixture(params=["native", "emulated"])
+def tiles(request):
+    """A kernel whose bf16 experts run on AMX tiles: the CPU's own (skipped without AMX) or tiles emulated in C
+    (skipped without AVX-512-BF16, which the bf16 tile path needs for its conversions, emulated or not)."""
+    kernel = request.getfixturevalue("kernel" if request.param == "native" else "emulated_kernel")
+    if not kernel.amx:
+        pytest.skip("no AMX on this CPU" if request.param == "native" else "no AVX-512-BF16 on this CPU")
+    return kernel
+
+
 @pytest.mark.parametrize("tokens", [2, 7, 16, 17, 40])
-def test_amx_tiles_match_the_reference(kernel, tokens):
+def test_amx_tiles_match_the_reference(tiles, tokens):
     """Where the CPU has AMX (Sapphire Rapids and later), a bf16 model's experts from 2 tokens on run on tiles
     (several token tiles per expert above 16, experts with different tile counts in one call); the result must
     equal the reference's as closely as the AVX-512 path does."""
-    if not kernel.amx:
-        pytest.skip("no AMX on this CPU")
+    kernel = tiles
     gen = torch.Generator().manual_seed(tokens)
     gate, up = (expert_matrix("BF16", 4, 64, 96, gen) for _ in range(2))
     down = expert_matrix("BF16", 4, 96, 64, gen)
@@ -29,21 +56,20 @@ def test_amx_tiles_match_the_reference(kernel, tokens):
                torch.tensor([0, tokens, tokens + len(some)], dtype=torch.int32),
                torch.tensor(every + some, dtype=torch.int32), torch.rand(tokens + len(some), generator=gen))
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    tiles = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    on_tiles = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     kernel.lib.ft_set_amx(2, 6, 1)
     try:
         vectors = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     finally:
         kernel.lib.ft_set_amx(2, 6, 0)
-    assert torch.isfinite(tiles).all()
-    assert (tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
+    assert torch.isfinite(on_tiles).all()
+    assert (on_tiles - want).norm() / want.norm() < 2e-3 and (vectors - want).norm() / want.norm() < 2e-3
 
 
-def test_the_dequantization_prefetch_changes_no_result(kernel):
+def test_the_dequantization_prefetch_changes_no_result(tiles):
     """ft_set_amx_dequant_prefetch (software prefetch while Q8_0 rows are dequantized for the tiles, 4 KiB ahead
     by default) reads further ahead only: the tiles' result is the same bit for bit at any distance, none too."""
-    if not kernel.amx:
-        pytest.skip("no AMX on this CPU")
+    kernel = tiles
     gen = torch.Generator().manual_seed(8)
     gate, up = (expert_matrix("Q8_0", 3, 64, 256, gen) for _ in range(2))
     down = expert_matrix("Q8_0", 3, 256, 64, gen)
@@ -61,11 +87,10 @@ def test_the_dequantization_prefetch_changes_no_result(kernel):
     assert default == 4096 and torch.equal(none, ahead) and torch.equal(near, ahead)
 
 
-def test_amx_tiles_cover_long_calls(kernel):
+def test_amx_tiles_cover_long_calls(tiles):
     """A prefill-sized call on tiles: an expert with 17 token tiles (272 tokens) beside 35 experts of 5-6 tokens
     (each down task walks 52 token tiles); the result equals the reference's as the short calls' do."""
-    if not kernel.amx:
-        pytest.skip("no AMX on this CPU")
+    kernel = tiles
     gen = torch.Generator().manual_seed(5)
     experts, tokens = 36, 272
     gate, up = (expert_matrix("BF16", experts, 32, 64, gen) for _ in range(2))
@@ -84,12 +109,11 @@ def test_amx_tiles_cover_long_calls(kernel):
 
 
 @pytest.mark.parametrize("fmt", ["BF16", "Q8_0"])
-def test_token_tiles_in_pairs_change_no_result(kernel, fmt):
+def test_token_tiles_in_pairs_change_no_result(tiles, fmt):
     """ft_set_amx_tile_pairs: two token tiles a pass (on by default) load each weight tile once for both; every
     (row, token) sum still adds the same products in the same order, so the result equals one tile a pass bit for
     bit (experts of 1, 2, 3 and 5 token tiles, so pairs and a last single tile meet in one call)."""
-    if not kernel.amx:
-        pytest.skip("no AMX on this CPU")
+    kernel = tiles
     gen = torch.Generator().manual_seed(11)
     gate, up = (expert_matrix(fmt, 4, 64, 96, gen) for _ in range(2))
     down = expert_matrix(fmt, 4, 96, 64, gen)
@@ -109,17 +133,6 @@ def test_token_tiles_in_pairs_change_no_result(kernel, fmt):
     assert torch.equal(paired, single) and (paired - want).norm() / want.norm() < 2e-2
 
 
-@pytest.fixture(scope="module")
-def emulated_tiles(tmp_path_factory):
-    """The kernel built over AMX tiles emulated in C (FT_AMX_EMULATE), so the int8 tile path's layouts are tested
-    on machines without AMX."""
-    lib = build.load(tmp_path_factory.mktemp("emulated-amx"), emulate_amx=True)
-    if lib is None:
-        pytest.fail("the CPU expert kernel did not build: CI machines have a C compiler")
-    k = CpuExpertKernel(lib, 2)
-    if not k.amx_q8:
-        pytest.skip("no AVX-512BW: the int8 tile path needs it, emulated or not")
-    return k
 
 
 @contextlib.contextmanager
