@@ -43,15 +43,7 @@ serve_and_replay() {  # $1: label, $2: traces, rest: extra ft serve args
     echo "--- $t ($label) $(date +%T)"
     timeout 300 ft eval --trace "$t" $params ${EVAL_ARGS:-} --endpoint "http://127.0.0.1:$port" --label "$label" -q \
       --out "$RUNS/$t-$label" 2>&1 | grep -v "^freetoken:" | tail -16
-    python3 - "$RUNS/$t-$label/result.json" 2>/dev/null <<'PY'  # the path guard's way at each turn's end
-import collections, json, statistics, sys
-rates = collections.defaultdict(list)
-for turn in json.load(open(sys.argv[1]))["turns"]:
-    if turn.get("decode_tok_s"):
-        rates[(turn.get("engine") or {}).get("guard_way")].append(turn["decode_tok_s"])
-print("guard way at turn end:", ", ".join(f"{w} {len(r)} turns at {statistics.median(r):.1f} tok/s"
-                                          for w, r in rates.items()))
-PY
+    python3 evals/scripts/a1_turns.py --brief "$RUNS/$t-$label/result.json" 2>/dev/null
     tar czf "$OUT/a1.tgz" -C "$RUNS" .
   done
   kill $pid $sampler; wait $pid 2>/dev/null
