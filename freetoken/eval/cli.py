@@ -81,7 +81,7 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
 
     model = a.model or served_model(endpoint, headers) or "default"
     opts = ReplayOptions(endpoint, model, a.protocol, a.concurrency, not a.no_fixed_output, a.think,
-                         a.reference_runs, not a.no_fixed_output, headers)
+                         a.reference_runs, a.reference_context, not a.no_fixed_output, headers)
     out.mkdir(parents=True, exist_ok=True)
     live = open(out / "turns.jsonl", "w", encoding="utf-8")  # each turn as it finishes: kept if the run dies
     before = server_counters(endpoint, headers)
@@ -111,7 +111,7 @@ def _replay(a, trace: Trace, source: str, out: Path, endpoint: str, headers: dic
     after = server_counters(endpoint, headers)
     order = {t.id: i for i, t in enumerate(trace.turns)}
     turns = [r.to_json() for r in sorted(results, key=lambda r: (r.replica, order[r.turn.id]))]
-    ref = [{**o.to_json(), "when": when} for when, o in reference]
+    ref = [{**o.to_json(), "when": when, "prompt": kind} for when, kind, o in reference]
     result = {
         "format": FORMAT, "version": VERSION, "freetoken": __version__, "started_at": started_at,
         "label": a.label or model, "endpoint": endpoint, "model": model, "protocol": a.protocol,
@@ -221,11 +221,17 @@ def main(verb: str, argv: list[str]) -> int:
     p.add_argument("--reference-runs", type=int, default=3,
                    help="single-turn requests measured before the trace and as many after it, for the decode "
                         "ratio (default 3)")
+    p.add_argument("--reference-context", type=int, default=0, metavar="TOKENS",
+                   help="also measure the references over a prompt of about this many tokens (the trace's "
+                        "contexts), so a decode gap can be told from the longer context's own cost (default 0: "
+                        "short references only)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _shape_args(p)
     a = p.parse_args(argv)
     if a.concurrency < 1:
         raise FreeTokenError(f"--concurrency must be at least 1, got {a.concurrency}")
+    if a.reference_context < 0:
+        raise FreeTokenError(f"--reference-context must be 0 or more tokens, got {a.reference_context}")
     return run(a, serve_args)
 
 

@@ -1,6 +1,7 @@
 """Replaying a trace: every turn sent once its `after` turns have finished, `concurrency` copies of the trace at
 once (as that many users of one agent), think time honoured or skipped, single-turn references measured before
-and after it.
+and after it (short ones, and optionally as many over a long prompt: a decode rate falls with the context it
+attends over, so those tell a multi-turn gap from the longer context's own cost).
 
 A failed turn (an HTTP error, a dropped connection, a server that died) is recorded with its error and the run
 goes on, so a partial run still yields its result file.
@@ -19,6 +20,7 @@ from typing import Any
 from freetoken import host_load
 from freetoken.eval.client import Outcome, fixed_length, send
 from freetoken.eval.convert import converted
+from freetoken.eval.text import TextGen
 from freetoken.eval.trace import Trace, Turn
 
 REFERENCE_TOKENS = 64
@@ -34,6 +36,7 @@ class ReplayOptions:
     fixed_output: bool = True  # ask for each turn's recorded reply length, ignoring end of turn
     think: bool = False  # honour think time
     reference_runs: int = 3  # single-turn requests measured before the trace, and as many after it (0: none)
+    reference_context: int = 0  # also as many over a prompt of about this many tokens, each side (0: none)
     ignore_eos: bool = True  # send the extension with fixed lengths; cleared when the server refuses it
     headers: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 3600.0
@@ -62,14 +65,16 @@ class TurnResult:
                 **({"engine": self.engine} if self.engine is not None else {})}
 
 
-def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnResult], list[tuple[str, Outcome]]]:
-    """(every turn's result in the order they finished, the single-turn reference requests, each with "before"
-    or "after" the trace). References run on both sides because a server's single-turn rate depends on its
-    state: with offloaded experts, on what the expert cache holds (the same server measured 16 and 25 tok/s
-    before two traces of one session), and the trace's turns decode in the state the trace leaves."""
+def replay(trace: Trace, opts: ReplayOptions,
+           on_turn=None) -> tuple[list[TurnResult], list[tuple[str, str, Outcome]]]:
+    """(every turn's result in the order they finished, the single-turn reference requests, each as ("before" or
+    "after" the trace, "short" or "long" its prompt, outcome)). References run on both sides because a server's
+    single-turn rate depends on its state: with offloaded experts, on what the expert cache holds (the same server
+    measured 16 and 25 tok/s before two traces of one session), and the trace's turns decode in the state the
+    trace leaves."""
     # one untimed first: a server's first request pays its warm-up (planner, caches); kept in `warmup`
     opts.warmup = reference_turn(trace, opts) if opts.reference_runs else None
-    reference = [("before", reference_turn(trace, opts)) for _ in range(opts.reference_runs)]
+    reference = _references(trace, opts, "before")
     started = time.perf_counter()
     results: list[TurnResult] = []
     lock = threading.Lock()
@@ -89,8 +94,16 @@ def replay(trace: Trace, opts: ReplayOptions, on_turn=None) -> tuple[list[TurnRe
             opts.stop.set()
             raise
     if not opts.stop.is_set():
-        reference += [("after", reference_turn(trace, opts)) for _ in range(opts.reference_runs)]
+        reference += _references(trace, opts, "after")
     return results, reference
+
+
+def _references(trace: Trace, opts: ReplayOptions, when: str) -> list[tuple[str, str, Outcome]]:
+    out = [(when, "short", reference_turn(trace, opts)) for _ in range(opts.reference_runs)]
+    if opts.reference_context:
+        out += [(when, "long", reference_turn(trace, opts, opts.reference_context))
+                for _ in range(opts.reference_runs)]
+    return out
 
 
 def _replica(trace: Trace, opts: ReplayOptions, replica: int, started: float):
@@ -146,16 +159,18 @@ def _send_sized(opts: ReplayOptions, protocol: str, body: dict, tokens: int | No
     return outcome
 
 
-def reference_turn(trace: Trace, opts: ReplayOptions) -> Outcome:
-    """One short single-turn request with the trace's typical reply length (at least REFERENCE_TOKENS, so the
-    rate is not a few tokens' noise): the decode rate the multi-turn rate is compared with (a short context and
-    nothing cached)."""
+def reference_turn(trace: Trace, opts: ReplayOptions, context: int = 0) -> Outcome:
+    """One single-turn request with the trace's typical reply length (at least REFERENCE_TOKENS, so the rate is
+    not a few tokens' noise): the decode rate the multi-turn rate is compared with. Short (nothing cached), or
+    with `context` tokens of seeded filler prose before the same request (the same bytes every time, so a server
+    that reuses prefixes prefills it once)."""
     protocol = trace.turns[0].protocol if opts.protocol == "auto" else opts.protocol
     lengths = sorted(t.output_tokens for t in trace.turns if t.output_tokens) or [128]
     tokens = max(REFERENCE_TOKENS, lengths[len(lengths) // 2])
-    messages: list[Any] = [{"role": "user", "content": REFERENCE_PROMPT}]
+    text = f"{TextGen(0).prose(context)}\n\n{REFERENCE_PROMPT}" if context else REFERENCE_PROMPT
+    messages: list[Any] = [{"role": "user", "content": text}]
     if protocol == "responses":
-        messages = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": REFERENCE_PROMPT}]}]
+        messages = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
     body = Turn("reference", "reference", protocol, {}, messages).body(opts.model)
     return _send_sized(opts, protocol, body, tokens)
 

@@ -72,9 +72,13 @@ def plots(result: dict, out: Path) -> dict[str, Path]:
         draw(ax)
         if ylabel:
             ax.set_ylabel(ylabel)
-        reference = result["summary"]["single_turn_decode_tok_s"]
+        summary = result["summary"]
+        reference, long = summary["single_turn_decode_tok_s"], summary.get("single_turn_long_decode_tok_s")
         if name == "decode_per_turn" and reference:
             ax.axhline(reference, linestyle="--", color="gray", linewidth=1, label="single turn")
+        if name == "decode_per_turn" and long:
+            ax.axhline(long, linestyle=":", color="gray", linewidth=1,
+                       label=f"single turn, {summary['long_reference_prompt_tokens']:,.0f}-token prompt")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         ax.set_title(f"{_title(result)}: {title}", fontsize=9)

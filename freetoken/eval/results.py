@@ -29,6 +29,8 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
     ttft = [t["ttft_s"] for t in ok if t["ttft_s"] is not None]
     decode = [t["decode_tok_s"] for t in ok if t["decode_tok_s"]]
     prefill = [t["prefill_tok_s"] for t in ok if t["prefill_tok_s"]]
+    long_ref = [r for r in reference if r.get("prompt") == "long"]  # over a long prompt (--reference-context)
+    reference = [r for r in reference if r.get("prompt") != "long"]  # the short ones (all, in older results)
     ref = [r["decode_tok_s"] for r in reference if r.get("decode_tok_s")]  # before and after the trace
     sides = {side: [r["decode_tok_s"] for r in reference if r.get("decode_tok_s") and r.get("when") == side]
              for side in ("before", "after")}
@@ -43,6 +45,9 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
     ref_steady = [r["steady_decode_tok_s"] for r in reference if r.get("steady_decode_tok_s")]
     steady_median = statistics.median(steady) if steady else None
     ref_steady_median = statistics.median(ref_steady) if ref_steady else None
+    long_rates = [r["decode_tok_s"] for r in long_ref if r.get("decode_tok_s")]
+    long_median = statistics.median(long_rates) if long_rates else None
+    long_prompt = [r["prompt_tokens"] for r in long_ref if r.get("prompt_tokens")]
     return {
         "turns": len(turns), "ok": len(ok), "errors": len(turns) - len(ok), "wall_s": round(wall_s, 3),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95), "ttft_max_s": max(ttft, default=None),
@@ -55,6 +60,9 @@ def summarize(turns: list[dict], reference: list[dict], wall_s: float) -> dict[s
         "steady_decode_tok_s_median": steady_median, "single_turn_steady_decode_tok_s": ref_steady_median,
         "steady_decode_vs_single_turn": steady_median / ref_steady_median
         if steady_median and ref_steady_median else None,
+        "long_reference_prompt_tokens": statistics.median(long_prompt) if long_prompt else None,
+        "single_turn_long_decode_tok_s": long_median,
+        "decode_vs_single_turn_long": decode_median / long_median if decode_median and long_median else None,
         "prompt_tokens": prompt, "cached_tokens": cached, "cached_share": cached / prompt if prompt else None,
         "output_tokens": sum(t["output_tokens"] or 0 for t in ok),
         "host_busy_median": statistics.median(h["busy"] for h in host) if host else None,
@@ -126,6 +134,10 @@ def summary_table(summary: dict) -> str:
                 f"({summary['steady_decode_tok_s_median']:.1f} against "
                 f"{summary['single_turn_steady_decode_tok_s']:.1f} tok/s)")]
               if summary.get("steady_decode_vs_single_turn") else []),
+            *([(f"single turn at {summary['long_reference_prompt_tokens']:,.0f} tokens of context",
+                f"{summary['single_turn_long_decode_tok_s']:.1f} tok/s; decode vs it "
+                f"{summary['decode_vs_single_turn_long']:.3f}×")]
+              if summary.get("decode_vs_single_turn_long") else []),
             ("prompt tokens (cached)", f"{summary['prompt_tokens']:,} ({'—' if share is None else f'{share:.1%}'})"),
             ("output tokens", f"{summary['output_tokens']:,}"),
             ("wall s", _num(summary["wall_s"], 1))]

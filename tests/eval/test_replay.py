@@ -85,8 +85,8 @@ def check_result(out, trace_name: str, replicas: int = 1) -> dict:
     steady = [t["steady_decode_tok_s"] for t in turns if t["steady_decode_tok_s"]]
     if steady:
         assert summary["steady_decode_tok_s_median"] == pytest.approx(statistics.median(steady))
-    for side in ("before", "after"):
-        rates = [r["decode_tok_s"] for r in result["reference"] if r["when"] == side]
+    for side in ("before", "after"):  # the short references' (long ones: --reference-context)
+        rates = [r["decode_tok_s"] for r in result["reference"] if r["when"] == side and r["prompt"] == "short"]
         assert summary[f"single_turn_{side}_tok_s"] == pytest.approx(statistics.median(rates))
     lines = (out / "turns.jsonl").read_text().splitlines()
     assert len(lines) == len(turns)
@@ -123,6 +123,35 @@ def test_a_trace_replays_in_another_protocol(name, protocol, endpoint, tmp_path)
     assert proc.returncode == 0, proc.stderr
     result = check_result(out, name)
     assert {t["protocol"] for t in result["turns"]} == {protocol}
+
+
+def test_long_references_measure_single_turn_decode_over_a_long_prompt(endpoint, tmp_path):
+    out = tmp_path / "run"
+    proc = ft_eval("--trace", "codex", "--scale", SCALE, "--endpoint", endpoint, "--out", str(out), "-q",
+                   "--reference-runs", "2", "--reference-context", "400")
+    assert proc.returncode == 0, proc.stderr
+    result = check_result(out, "codex")
+    ref, summary = result["reference"], result["summary"]
+    assert [(r["when"], r["prompt"]) for r in ref] == [("before", "short")] * 2 + [("before", "long")] * 2 + \
+        [("after", "short")] * 2 + [("after", "long")] * 2
+    short = [r for r in ref if r["prompt"] == "short"]
+    long = [r for r in ref if r["prompt"] == "long"]
+    assert len({r["prompt_tokens"] for r in long}) == 1  # the same filler every time
+    assert 300 < long[0]["prompt_tokens"] - short[0]["prompt_tokens"] < 500  # about the 400 tokens asked for
+    assert summary["long_reference_prompt_tokens"] == long[0]["prompt_tokens"]
+    rates = [r["decode_tok_s"] for r in long]
+    assert summary["single_turn_long_decode_tok_s"] == pytest.approx(statistics.median(rates))
+    assert summary["decode_vs_single_turn_long"] == pytest.approx(
+        summary["decode_tok_s_median"] / summary["single_turn_long_decode_tok_s"])
+    assert summary["single_turn_decode_tok_s"] == pytest.approx(statistics.median(r["decode_tok_s"] for r in short))
+    assert re.search(r"single turn at [\d,]+ tokens of context +[\d.]+ tok/s; decode vs it [\d.]+×", proc.stdout)
+
+
+@pytest.mark.parametrize("args, message", [(["--concurrency", "0"], "--concurrency must be at least 1"),
+                                           (["--reference-context", "-5"], "--reference-context must be 0 or more")])
+def test_bad_options_get_one_line_naming_them(args, message):
+    proc = ft_eval("--trace", "codex", "--endpoint", "http://127.0.0.1:9", *args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_concurrent_copies_and_think_time(endpoint, tmp_path):
