@@ -322,7 +322,7 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     attn-sweep) (cd /tmp && python3 "$OLDPWD/evals/scripts/paged_decode_sweep.py" | tee "$OUT/paged-decode-sweep.md") ;;
     # Q8_0 on the bf16 tiles with software prefetch while blocks are dequantized (kernel_variants.py: every variant
     # each round, 15 threads, 1 GiB pool), then the tiles' tests
-    # a row's activations 16 at a time against one by one (the tiles' epilogue), every variant at 6-64 tokens
+    # the epilogues (activations, pair outputs) 16 values at a time against one by one, every variant at 6-64 tokens
     act-vector) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds 5 --batches 6 8 16 32 64 \
                | grep -v "^round" | tee "$OUT/kernel-variants.md"
              python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -k "amx or tile or vector" \

@@ -42,7 +42,7 @@ class Variant:
     prefetch: int = 0         # ft_set_amx_prefetch: the tile paths' software prefetch distance (32-weight chunks)
     dequant_prefetch: int = 4096  # ft_set_amx_dequant_prefetch: bytes ahead while block formats dequantize for tiles
     tile_pairs: int = 1       # ft_set_amx_tile_pairs: two of an expert's token tiles a bf16 tile pass (17+ tokens)
-    vector_act: int = 1       # ft_set_vector_act: a row's activations computed 16 at a time
+    vector_act: int = 1       # ft_set_vector_act: the epilogues (activations, pair outputs) 16 values at a time
     huge: bool = False        # the expert pool on huge pages
     formats: tuple = ("BF16", "Q8_0")
     batches: tuple = (1, 2, 4, 6, 8, 16, 32, 48, 64)
@@ -58,7 +58,7 @@ VARIANTS = {
     "Q8_0 tiles, no dequant prefetch": Variant(dequant_prefetch=0, formats=("Q8_0",), batches=(6, 8, 16)),
     "Q8_0 tiles, dequant prefetch 16 KiB": Variant(dequant_prefetch=16384, formats=("Q8_0",), batches=(6, 8, 16)),
     "tiles, one token tile a pass": Variant(tile_pairs=0, batches=(32, 48, 64)),
-    "activations one by one": Variant(vector_act=0, batches=(6, 8, 16, 32, 64)),
+    "epilogues one by one": Variant(vector_act=0, batches=(6, 8, 16, 32, 64)),
 }
 MADV_HUGEPAGE = 14
 

@@ -1,7 +1,7 @@
-/* Part of experts.c (included once, where it stands): the expert function between the projections, act =
-   silu(g) * u or a model's form of it, and each pair's output; per value, and over a vector of values, where the
-   sigmoid's exp is a vector polynomial instead of one libm call a value (the tiles' epilogue computes 256 a
-   tile). */
+/* Part of experts.c (included once, where it stands): the experts' epilogues. The expert function between the
+   projections, act = silu(g) * u or a model's form of it, and each pair's output (its down dot times its routing
+   weight); per value, and over a vector of values, where the sigmoid's exp is a vector polynomial instead of one
+   libm call a value (a tile's epilogue computes 256 values). */
 
 /* e^x in every lane, within ~1 ulp of expf: n = round(x / ln 2) by the 1.5 * 2^23 trick, r = x - n ln 2 in two
    parts (Cody-Waite), Cephes' degree-7 polynomial for e^r, 2^n built in the exponent bits. x is clamped to
@@ -77,7 +77,8 @@ INLINE float expert_out(const moe_job *j, int expert, int h, float v, float w) {
     return j->bf16_rounding ? round_bf16(round_bf16(v) * round_bf16(w)) : v * w;
 }
 
-/* Switch for measuring: expert_acts computes its values one by one (0) instead of LANES at a time (1). */
+/* Switch for measuring: expert_acts and expert_outs compute their values one by one (0) instead of LANES at a
+   time (1). */
 static int vector_act = 1;
 
 /* Whether expert_acts takes the job's values LANES at a time: the common forms (SwiGLU and DeepSeek-V4's clamped
@@ -98,4 +99,20 @@ INLINE void expert_acts(const moe_job *j, int expert, int row, const float *g, c
             memcpy(out + i, &a, sizeof a);
         }
     for (; i < n; i++) out[i] = expert_act(j, expert, row, g[i], u[i]);
+}
+
+/* Whether expert_outs takes the job's values LANES at a time: experts without a down bias. */
+INLINE int outs_in_vectors(const moe_job *j) { return vector_act && !j->down_bias; }
+
+/* expert_out for n pairs of one output row (down dots d[i], routing weights w[i] -> out[i]): LANES at a time where
+   outs_in_vectors, the rest one by one. */
+INLINE void expert_outs(const moe_job *j, int expert, int h, const float *d, const float *w, int n, float *out) {
+    int i = 0;
+    if (outs_in_vectors(j))
+        for (; i + LANES <= n; i += LANES) {
+            vf v = load_f32(d + i), wv = load_f32(w + i);
+            v = j->bf16_rounding ? vround_bf16(vround_bf16(v) * vround_bf16(wv)) : v * wv;
+            memcpy(out + i, &v, sizeof v);
+        }
+    for (; i < n; i++) out[i] = expert_out(j, expert, h, d[i], w[i]);
 }

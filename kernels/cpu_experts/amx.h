@@ -235,13 +235,18 @@ static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile
             now = amx_pass_tiles(tile, tiles);
             amx_rows_x_tokens(dt, down, db, actp + (size_t)(tile_base[e] + tile) * j->inter * AMX_TOKENS, now,
                               j->inter, &d[0][0][0]);
-            for (int i = 0; i < now; i++)
-                for (int r = 0; r < ROW_BLOCK; r++)
-                    for (int c = 0; c < AMX_TOKENS && (tile + i) * AMX_TOKENS + c < n; c++) {
-                        int p = p0 + (tile + i) * AMX_TOKENS + c;
-                        float v = expert_out(j, j->experts[e], h0 + r, d[i][r][c], j->pair_weights[p]);
-                        j->y[(size_t)j->pair_tokens[p] * j->hidden + h0 + r] += v;
-                    }
+            for (int i = 0; i < now; i++) {
+                int first = p0 + (tile + i) * AMX_TOKENS, left = p0 + n - first;
+                int valid = left < AMX_TOKENS ? left : AMX_TOKENS;
+                float w[AMX_TOKENS] = {0};  /* the tile's routing weights, unused columns zero */
+                memcpy(w, j->pair_weights + first, (size_t)valid * sizeof *w);
+                for (int r = 0; r < ROW_BLOCK; r++) {
+                    float v[AMX_TOKENS];
+                    expert_outs(j, j->experts[e], h0 + r, d[i][r], w, outs_in_vectors(j) ? AMX_TOKENS : valid, v);
+                    for (int c = 0; c < valid; c++)
+                        j->y[(size_t)j->pair_tokens[first + c] * j->hidden + h0 + r] += v[c];
+                }
+            }
         }
     }
 }

@@ -232,11 +232,11 @@ static void phase_down(void *ctx, int task) {
                     rows_dots_bf16_n(j->down_type, rows, nr, abs_, j->inter, nt, d);
                 else
                     rows_dots_n(j->down_type, rows, nr, as, j->inter, nt, d);
-                for (int r = 0; r < nr; r++)
-                    for (int t = 0; t < nt; t++) {
-                        float v = expert_out(j, j->experts[e], h + r, d[r * nt + t], j->pair_weights[p0 + t]);
-                        j->y[(size_t)j->pair_tokens[p0 + t] * j->hidden + h + r] += v;
-                    }
+                for (int r = 0; r < nr; r++) {
+                    float v[MAX_PAIRS];
+                    expert_outs(j, j->experts[e], h + r, d + r * nt, j->pair_weights + p0, nt, v);
+                    for (int t = 0; t < nt; t++) j->y[(size_t)j->pair_tokens[p0 + t] * j->hidden + h + r] += v[t];
+                }
             }
         }
     }
@@ -548,8 +548,8 @@ int ft_set_amx_dequant_prefetch(int bytes) {
 #endif
 }
 
-/* Whether expert_acts computes a row's activations LANES at a time (1, default) or one by one (0), for measuring;
-   returns the setting it replaces. */
+/* Whether the experts' epilogues (act.h: activations, each pair's output) take a row's values LANES at a time
+   (1, default) or one by one (0), for measuring; returns the setting it replaces. */
 int ft_set_vector_act(int on) {
     int before = vector_act;
     vector_act = on != 0;

@@ -153,11 +153,11 @@ def test_v4_clamped_swiglu_without_biases_matches_the_reference(kernel, formats,
 @pytest.mark.parametrize("fmt", ["F32", "Q8_0"])
 @pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v4", [False, True])
-def test_activations_computed_a_vector_at_a_time_match_one_by_one(kernel, fmt, round_to, v4):
-    """Rows of 16+ tokens of one expert take the vector form of the activation (the sigmoid's exp as a vector
-    polynomial, ft_set_vector_act); it equals libm's value by value to fp32 rounding, and with bf16 rounding to the
-    rare flip of a rounding point. Inputs large enough that the exp's clamps are reached (|g| past 88), 40
-    tokens an expert (two vectors and a rest)."""
+def test_epilogues_computed_a_vector_at_a_time_match_one_by_one(kernel, fmt, round_to, v4):
+    """Rows of 16+ tokens of one expert take the vector forms of the epilogues (ft_set_vector_act): the activation,
+    its sigmoid's exp a vector polynomial, equal to libm's value by value to fp32 rounding (with bf16 rounding, to
+    the rare flip of a rounding point), and each pair's output (the same arithmetic a lane at a time). Inputs large
+    enough that the exp's clamps are reached (|g| past 88), 40 tokens an expert (two vectors and a rest)."""
     gen = torch.Generator().manual_seed(17 + v4 + 2 * (round_to == torch.bfloat16))
     gate, up = (expert_matrix(fmt, 3, 64, 96, gen) for _ in range(2))
     down = expert_matrix(fmt, 3, 96, 64, gen)
