@@ -26,6 +26,7 @@ except ImportError:  # no triton on this platform: `available()` says so
     triton = None
 
 BLOCK_N = 64  # keys per inner step
+VARIANTS = ("slots_ahead",)  # the split kernel's variants (its docstring), off by default: unmeasured
 MIN_G = 16  # tl.dot wants at least 16 rows: a KV head's G query rows are padded up to this
 MERGE_SPLITS = 32  # splits the merge loads at once (a [32, D] fp32 tile)
 
@@ -56,10 +57,11 @@ if triton is not None:
     def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, part_ptr, lse_ptr, scale,
                       stride_ks, stride_kh, stride_vs, stride_vh, stride_qb, stride_sb,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, SLOTS_AHEAD: tl.constexpr):
         """Program (kv head, split, row): the split's share of the row's valid keys (whole blocks, as
         `split_keys`; a split past them writes an empty result). Writes the split's unnormalised output [GP, D]
-        and its (max, sum) per query row."""
+        and its (max, sum) per query row. SLOTS_AHEAD (a variant, for measuring): the next block's slot ids are
+        loaded during this block, so its K/V gathers need not wait for them."""
         kvh, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv, n_splits = tl.num_programs(0), tl.num_programs(1)
         q_ptr += row * stride_qb
@@ -75,10 +77,17 @@ if triton is not None:
         acc = tl.zeros([GP, D], tl.float32)
         start = split * per_split
         end = tl.minimum(start + per_split, valid)
+        if SLOTS_AHEAD:
+            first = start + tl.arange(0, BLOCK_N)
+            slot_next = tl.load(slots_ptr + first, mask=first < end, other=0)
         for block in range(start, end, BLOCK_N):
             keys = block + tl.arange(0, BLOCK_N)
             inside = keys < end
-            slot = tl.load(slots_ptr + keys, mask=inside, other=0)
+            if SLOTS_AHEAD:
+                slot = slot_next
+                slot_next = tl.load(slots_ptr + keys + BLOCK_N, mask=keys + BLOCK_N < end, other=0)
+            else:
+                slot = tl.load(slots_ptr + keys, mask=inside, other=0)
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dims[None, :], mask=inside[:, None],
                         other=0.0)
             # fp32 operands: bf16 K/V widen exactly and tf32 keeps all their bits (and more of p's than bf16);
@@ -140,10 +149,13 @@ class PagedDecodeAttention:
 
     def __init__(self, window: int, heads: int, kv_heads: int, head_dim: int, device: torch.device,
                  dtype: torch.dtype, programs: int | None = None, batch: int = 1, block_n: int = BLOCK_N,
-                 launch: dict | None = None):
+                 launch: dict | None = None, variants: tuple[str, ...] = ()):
         """`programs`: split programs over all rows (default 2 per SM); `block_n` keys per inner step; `launch`:
-        Triton's num_warps / num_stages for the split kernel (its defaults when absent). The last three are for
-        tuning (evals/scripts/paged_decode_sweep.py)."""
+        Triton's num_warps / num_stages for the split kernel (its defaults when absent); `variants`: of VARIANTS.
+        The last four are for tuning (evals/scripts/paged_decode_sweep.py)."""
+        unknown = set(variants) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown paged decode variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
         if triton is None:
             raise RuntimeError("paged decode attention needs triton")
         if not supports(heads, kv_heads, head_dim):
@@ -153,7 +165,7 @@ class PagedDecodeAttention:
                 if device.type == "cuda" else 8
         self.group, self.head_dim, self.kv_heads, self.batch = heads // kv_heads, head_dim, kv_heads, batch
         self.padded = max(MIN_G, triton.next_power_of_2(self.group))
-        self.block_n, self.launch = block_n, dict(launch or {})
+        self.block_n, self.launch, self.variants = block_n, dict(launch or {}), frozenset(variants)
         self.splits = splits_for(window, kv_heads * batch, programs, block_n)  # programs over all rows
         self.merge_splits = min(MERGE_SPLITS, triton.next_power_of_2(self.splits))
         rows = batch * kv_heads * self.splits * self.padded
@@ -174,7 +186,7 @@ class PagedDecodeAttention:
             q, k_pool, v_pool, slots, position, self.parts, self.lse, 1.0 / math.sqrt(self.head_dim),
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), q.stride(0), slots.stride(0),
             G=self.group, GP=self.padded, D=self.head_dim, BLOCK_N=self.block_n, IEEE=q.dtype == torch.float32,
-            **self.launch)
+            SLOTS_AHEAD="slots_ahead" in self.variants, **self.launch)
         _merge_kernel[(self.kv_heads * self.group, self.batch)](self.parts, self.lse, self.out, self.splits,
                                                                G=self.group, GP=self.padded, D=self.head_dim,
                                                                SPLITS=self.merge_splits)

@@ -39,15 +39,18 @@ CHECK = textwrap.dedent("""
         k[slots[n:]] = 1e4  # keys past the valid length must not leak in
         block_n = (64, 32, 128)[i % 3]  # the default and the sweep's other step sizes
         programs = 4 * 45 if i == 5 else 12
-        attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=programs, block_n=block_n)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        for position in (n - 1, n // 2):
-            pos = torch.tensor([position], device=device)
-            attn.out.fill_(float("nan"))  # every output element must be written
-            got = attn(q, k, v, slots, pos).float()
-            want = paged_decode_attention(q, k, v, slots, pos).float()
-            err = ((got - want).norm() / want.norm()).item()
-            assert err < tol, (heads, kv, d, window, position, dtype, block_n, err)
+        # the kernel's variants (off by default): each must compute the same
+        for variant in [(), ("slots_ahead",)]:
+            attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=programs, block_n=block_n,
+                                        variants=variant)
+            for position in (n - 1, n // 2):
+                pos = torch.tensor([position], device=device)
+                attn.out.fill_(float("nan"))  # every output element must be written
+                got = attn(q, k, v, slots, pos).float()
+                want = paged_decode_attention(q, k, v, slots, pos).float()
+                err = ((got - want).norm() / want.norm()).item()
+                assert err < tol, (heads, kv, d, window, position, dtype, block_n, variant, err)
     # a batch: rows of their own slot tables and positions (one of them a single valid key), one launch
     heads, kv, d, window, dtype = 16, 4, 64, 200, torch.float32
     pool, batch = 3 * window, 3
