@@ -4,8 +4,8 @@ heads of 128) over W keys on pages of 16 slots in random order; median times of 
 geometry first, then the fastest.
 
     python evals/scripts/paged_decode_sweep.py [--windows 4096 32768] [--top 8]
-    python evals/scripts/paged_decode_sweep.py --ab [--windows ...]   the kernel's variants (VARIANTS) on and off at a
-                                                                      few geometries, 5 interleaved rounds
+    python evals/scripts/paged_decode_sweep.py --ab [--windows ...]   every set of the kernel's variants (VARIANTS) at
+                                                                      a few geometries, 5 interleaved rounds
 """
 
 import argparse
@@ -36,7 +36,8 @@ for w in a.windows:
     want = paged_decode_attention(q, k, v, slots, pos).float()
     kv_bytes = 2 * w * kv_heads * dim * 2
     if a.ab:
-        arms = [(g, var) for g in AB_GEOMETRIES for var in ((), *((name,) for name in VARIANTS))]
+        every_set = [var for n in range(len(VARIANTS) + 1) for var in itertools.combinations(VARIANTS, n)]
+        arms = [(g, var) for g in AB_GEOMETRIES for var in every_set]
         built = {}
         for (per_sm, block_n, warps, stages), var in arms:
             launch = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
