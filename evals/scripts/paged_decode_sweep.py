@@ -4,8 +4,6 @@ heads of 128) over W keys on pages of 16 slots in random order; median times of 
 geometry first, then the fastest.
 
     python evals/scripts/paged_decode_sweep.py [--windows 4096 32768] [--top 8]
-    python evals/scripts/paged_decode_sweep.py --ab [--windows ...]   every set of the kernel's variants (VARIANTS) at
-                                                                      a few geometries, 5 interleaved rounds
 """
 
 import argparse
@@ -14,15 +12,13 @@ import itertools
 import torch
 from triton.testing import do_bench
 
-from freetoken.kernels.paged_decode.kernel import VARIANTS, PagedDecodeAttention
+from freetoken.kernels.paged_decode.kernel import PagedDecodeAttention
 from freetoken.kernels.paged_decode.reference import paged_decode_attention
 
 p = argparse.ArgumentParser()
 p.add_argument("--windows", type=int, nargs="+", default=[4096, 32768])
 p.add_argument("--top", type=int, default=8)
-p.add_argument("--ab", action="store_true", help="variants on and off instead of the geometry sweep")
 a = p.parse_args()
-AB_GEOMETRIES = ((2, 64, 4, None), (2, 128, 4, 2), (1, 128, 4, 2))  # the default, the sweep's best, fewer programs
 dev, dt, heads, kv_heads, dim, page = torch.device("cuda"), torch.bfloat16, 32, 4, 128, 16
 sms = torch.cuda.get_device_properties(dev).multi_processor_count
 print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs")
@@ -34,29 +30,6 @@ for w in a.windows:
     q = torch.randn(1, heads, dim, device=dev, dtype=dt)
     pos = torch.tensor([w - 1], device=dev)
     want = paged_decode_attention(q, k, v, slots, pos).float()
-    kv_bytes = 2 * w * kv_heads * dim * 2
-    if a.ab:
-        every_set = [var for n in range(len(VARIANTS) + 1) for var in itertools.combinations(VARIANTS, n)]
-        arms = [(g, var) for g in AB_GEOMETRIES for var in every_set]
-        built = {}
-        for (per_sm, block_n, warps, stages), var in arms:
-            launch = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
-            attn = PagedDecodeAttention(w, heads, kv_heads, dim, dev, dt, programs=per_sm * sms, block_n=block_n,
-                                        launch=launch, variants=var)
-            err = ((attn(q, k, v, slots, pos).float() - want).norm() / want.norm()).item()
-            built[(per_sm, block_n, warps, stages), var] = (attn, err, [])
-        args = (q, k, v, slots, pos)
-        for _ in range(5):  # interleaved rounds
-            for attn, _, times in built.values():
-                times.append(do_bench(lambda attn=attn, args=args: attn(*args), return_mode="median"))
-        print(f"\nwindow {w} ({kv_bytes / 1e6:.0f} MB of K/V), medians of 5 rounds\n| programs/SM | keys/step | "
-              "warps | stages | variants | ms | GB/s | rel. error |\n| ---: | ---: | ---: | ---: | --- | ---: | ---: "
-              "| ---: |")
-        for ((per_sm, block_n, warps, stages), var), (_, err, times) in built.items():
-            ms = sorted(times)[2]
-            print(f"| {per_sm} | {block_n} | {warps} | {stages or 'default'} | {', '.join(var) or 'none'} | "
-                  f"{ms:.4f} | {kv_bytes / ms / 1e6:.0f} | {err:.1e} |")
-        continue
     rows = []
     for per_sm, block_n, warps, stages in itertools.product((2, 4, 8), (32, 64, 128), (4, 8), (None, 1, 2, 3)):
         launch = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
@@ -70,6 +43,7 @@ for w in a.windows:
         args = (q, k, v, slots, pos)
         ms = do_bench(lambda attn=attn, args=args: attn(*args), return_mode="median")
         rows.append((ms, per_sm, block_n, warps, stages, err))
+    kv_bytes = 2 * w * kv_heads * dim * 2
     default = next(r for r in rows if r[1:5] == (2, 64, 4, None))
     print(f"\nwindow {w} ({kv_bytes / 1e6:.0f} MB of K/V)\n| programs/SM | keys/step | warps | stages | ms | GB/s | "
           "vs default | rel. error |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -11,6 +11,11 @@ once): one graph can serve every length up to the cache's capacity. Checked agai
 `reference.py`; tests run it under Triton's interpreter on the CPU.
 
 Shapes: B rows, H query heads, Hkv KV heads, G = H / Hkv, D head dim, W window, P splits.
+
+Tried and dropped (one bf16 token of Qwen3-30B-A3B, H100, evals/results/decode-attention-h200.md): the next block's
+slot ids loaded during this block (1.00x at 4k and 32k keys), and bf16 operands for both dots with the
+probabilities rounded to bf16 (1.03-1.04x, twice the error against the reference): at batch 1 the loop waits on
+neither the dependent slot load nor the widening to fp32.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ except ImportError:  # no triton on this platform: `available()` says so
     triton = None
 
 BLOCK_N = 64  # keys per inner step
-VARIANTS = ("slots_ahead", "bf16_dots")  # the split kernel's variants (its docstring), off by default: unmeasured
 MIN_G = 16  # tl.dot wants at least 16 rows: a KV head's G query rows are padded up to this
 MERGE_SPLITS = 32  # splits the merge loads at once (a [32, D] fp32 tile)
 
@@ -57,14 +61,10 @@ if triton is not None:
     def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, part_ptr, lse_ptr, scale,
                       stride_ks, stride_kh, stride_vs, stride_vh, stride_qb, stride_sb,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      IEEE: tl.constexpr, SLOTS_AHEAD: tl.constexpr, BF16_DOTS: tl.constexpr):
+                      IEEE: tl.constexpr):
         """Program (kv head, split, row): the split's share of the row's valid keys (whole blocks, as
         `split_keys`; a split past them writes an empty result). Writes the split's unnormalised output [GP, D]
-        and its (max, sum) per query row. SLOTS_AHEAD (a variant, for measuring): the next block's slot ids are
-        loaded during this block, so its K/V gathers need not wait for them. BF16_DOTS (a variant, bf16 pools
-        only): both products take bf16 operands (q and K/V as stored, the probabilities rounded to bf16, as
-        flash attention does) with fp32 sums, so the loaded tiles feed the dots unconverted and Triton's
-        pipeliner may fetch the next block's K/V during this one."""
+        and its (max, sum) per query row."""
         kvh, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv, n_splits = tl.num_programs(0), tl.num_programs(1)
         q_ptr += row * stride_qb
@@ -73,32 +73,22 @@ if triton is not None:
         per_split = tl.cdiv(tl.cdiv(valid, BLOCK_N), n_splits) * BLOCK_N
         rows = tl.arange(0, GP)
         dims = tl.arange(0, D)
-        q = tl.load(q_ptr + (kvh * G + rows)[:, None] * D + dims[None, :], mask=(rows < G)[:, None], other=0.0)
-        if not BF16_DOTS:
-            q = q.to(tl.float32)
+        q = tl.load(q_ptr + (kvh * G + rows)[:, None] * D + dims[None, :], mask=(rows < G)[:, None],
+                    other=0.0).to(tl.float32)
         m = tl.full([GP], float("-inf"), tl.float32)
         s = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         start = split * per_split
         end = tl.minimum(start + per_split, valid)
-        if SLOTS_AHEAD:
-            first = start + tl.arange(0, BLOCK_N)
-            slot_next = tl.load(slots_ptr + first, mask=first < end, other=0)
         for block in range(start, end, BLOCK_N):
             keys = block + tl.arange(0, BLOCK_N)
             inside = keys < end
-            if SLOTS_AHEAD:
-                slot = slot_next
-                slot_next = tl.load(slots_ptr + keys + BLOCK_N, mask=keys + BLOCK_N < end, other=0)
-            else:
-                slot = tl.load(slots_ptr + keys, mask=inside, other=0)
+            slot = tl.load(slots_ptr + keys, mask=inside, other=0)
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dims[None, :], mask=inside[:, None],
                         other=0.0)
             # fp32 operands: bf16 K/V widen exactly and tf32 keeps all their bits (and more of p's than bf16);
             # fp32 models take the ieee product, so replays match the eager path's fp32 attention
-            if BF16_DOTS:
-                scores = tl.dot(q, tl.trans(k))
-            elif IEEE:
+            if IEEE:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32")
@@ -109,9 +99,7 @@ if triton is not None:
             p = tl.exp(scores - m_new[:, None])
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + dims[None, :], mask=inside[:, None],
                         other=0.0)
-            if BF16_DOTS:
-                pv = tl.dot(p.to(v.dtype), v)
-            elif IEEE:
+            if IEEE:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="tf32")
@@ -157,13 +145,10 @@ class PagedDecodeAttention:
 
     def __init__(self, window: int, heads: int, kv_heads: int, head_dim: int, device: torch.device,
                  dtype: torch.dtype, programs: int | None = None, batch: int = 1, block_n: int = BLOCK_N,
-                 launch: dict | None = None, variants: tuple[str, ...] = ()):
+                 launch: dict | None = None):
         """`programs`: split programs over all rows (default 2 per SM); `block_n` keys per inner step; `launch`:
-        Triton's num_warps / num_stages for the split kernel (its defaults when absent); `variants`: of VARIANTS.
-        The last four are for tuning (evals/scripts/paged_decode_sweep.py)."""
-        unknown = set(variants) - set(VARIANTS)
-        if unknown:
-            raise ValueError(f"unknown paged decode variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+        Triton's num_warps / num_stages for the split kernel (its defaults when absent). The last three are for
+        tuning (evals/scripts/paged_decode_sweep.py)."""
         if triton is None:
             raise RuntimeError("paged decode attention needs triton")
         if not supports(heads, kv_heads, head_dim):
@@ -173,10 +158,7 @@ class PagedDecodeAttention:
                 if device.type == "cuda" else 8
         self.group, self.head_dim, self.kv_heads, self.batch = heads // kv_heads, head_dim, kv_heads, batch
         self.padded = max(MIN_G, triton.next_power_of_2(self.group))
-        self.block_n, self.launch, self.variants = block_n, dict(launch or {}), frozenset(variants)
-        if "bf16_dots" in self.variants and dtype != torch.bfloat16:
-            raise ValueError(f"the bf16_dots variant needs bf16 K/V pools, not {dtype}")
-        self.bf16_dots = "bf16_dots" in self.variants
+        self.block_n, self.launch = block_n, dict(launch or {})
         self.splits = splits_for(window, kv_heads * batch, programs, block_n)  # programs over all rows
         self.merge_splits = min(MERGE_SPLITS, triton.next_power_of_2(self.splits))
         rows = batch * kv_heads * self.splits * self.padded
@@ -197,7 +179,7 @@ class PagedDecodeAttention:
             q, k_pool, v_pool, slots, position, self.parts, self.lse, 1.0 / math.sqrt(self.head_dim),
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), q.stride(0), slots.stride(0),
             G=self.group, GP=self.padded, D=self.head_dim, BLOCK_N=self.block_n, IEEE=q.dtype == torch.float32,
-            SLOTS_AHEAD="slots_ahead" in self.variants, BF16_DOTS=self.bf16_dots, **self.launch)
+            **self.launch)
         _merge_kernel[(self.kv_heads * self.group, self.batch)](self.parts, self.lse, self.out, self.splits,
                                                                G=self.group, GP=self.padded, D=self.head_dim,
                                                                SPLITS=self.merge_splits)

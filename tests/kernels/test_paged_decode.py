@@ -9,17 +9,10 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
-from freetoken.kernels.paged_decode.kernel import (  # noqa: E402
-    BLOCK_N,
-    PagedDecodeAttention,
-    split_keys,
-    splits_for,
-    supports,
-)
+from freetoken.kernels.paged_decode.kernel import BLOCK_N, split_keys, splits_for, supports  # noqa: E402
 from support.decode_checks import KERNEL_RUNS, run_fresh  # noqa: E402
 
 # Grouped-query layouts (8, 1 and 3 query heads per KV head), bf16 and fp32, windows with several splits, one
@@ -30,9 +23,6 @@ CHECK = textwrap.dedent("""
     import torch
     from freetoken.kernels.paged_decode.kernel import PagedDecodeAttention
     from freetoken.kernels.paged_decode.reference import paged_decode_attention
-    from support.decode_checks import interpreter_bf16_dots_widened
-
-    interpreter_bf16_dots_widened()  # the interpreter's bf16 dots multiply raw bits: widened as the GPU does
 
     device = torch.device(sys.argv[1])
     gen = torch.Generator().manual_seed(0)
@@ -49,21 +39,15 @@ CHECK = textwrap.dedent("""
         k[slots[n:]] = 1e4  # keys past the valid length must not leak in
         block_n = (64, 32, 128)[i % 3]  # the default and the sweep's other step sizes
         programs = 4 * 45 if i == 5 else 12
+        attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=programs, block_n=block_n)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        # the kernel's variants (off by default): each must compute the same (bf16 dots: bf16 pools only)
-        variants = [(), ("slots_ahead",)]
-        if dtype == torch.bfloat16:
-            variants += [("bf16_dots",), ("slots_ahead", "bf16_dots")]
-        for variant in variants:
-            attn = PagedDecodeAttention(window, heads, kv, d, device, dtype, programs=programs, block_n=block_n,
-                                        variants=variant)
-            for position in (n - 1, n // 2):
-                pos = torch.tensor([position], device=device)
-                attn.out.fill_(float("nan"))  # every output element must be written
-                got = attn(q, k, v, slots, pos).float()
-                want = paged_decode_attention(q, k, v, slots, pos).float()
-                err = ((got - want).norm() / want.norm()).item()
-                assert err < tol, (heads, kv, d, window, position, dtype, block_n, variant, err)
+        for position in (n - 1, n // 2):
+            pos = torch.tensor([position], device=device)
+            attn.out.fill_(float("nan"))  # every output element must be written
+            got = attn(q, k, v, slots, pos).float()
+            want = paged_decode_attention(q, k, v, slots, pos).float()
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < tol, (heads, kv, d, window, position, dtype, block_n, err)
     # a batch: rows of their own slot tables and positions (one of them a single valid key), one launch
     heads, kv, d, window, dtype = 16, 4, 64, 200, torch.float32
     pool, batch = 3 * window, 3
@@ -103,9 +87,3 @@ def test_splits_cover_the_valid_keys_in_whole_blocks():
 def test_supported_shapes():
     assert supports(32, 4, 128) and supports(8, 8, 16)
     assert not supports(32, 5, 128) and not supports(8, 8, 8) and not supports(8, 8, 96)
-
-
-def test_bf16_dots_variant_needs_bf16_pools():
-    with pytest.raises(ValueError, match="bf16_dots variant needs bf16"):
-        PagedDecodeAttention(256, 32, 4, 128, torch.device("cpu"), torch.float32, programs=8,
-                             variants=("bf16_dots",))

@@ -93,31 +93,6 @@ def run_fresh(script: str, *args: str, interpret: bool, env: dict | None = None)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
 
-def interpreter_bf16_dots_widened() -> None:
-    """Triton's interpreter (3.9) holds bf16 values as their raw 16 bits and multiplies those bits in `tl.dot`
-    (a 16x16 product off by ~1e10); this makes its dot widen bf16 operands to fp32 first, what the GPU's bf16
-    products with fp32 sums compute, so kernels with bf16 dots can be checked without a GPU. Call it in the fresh
-    interpreter before the kernel runs; a no-op when the interpreter is off."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def widened(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << 16  # a bf16 value is the top half of its fp32 value
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
-
-    interpreter.InterpreterBuilder.create_dot = create_dot
-
-
 # Triton's interpreter stands in for the GPU where there is none (CI). With a GPU the compiled kernels are tested
 # instead, and the interpreter of some Triton releases cannot run these kernels (3.6 with numpy 2 rejects a
 # runtime loop bound: "only 0-dimensional arrays can be converted to Python scalars", seen on the H200 machine).
