@@ -1,0 +1,82 @@
+/* Part of experts.c (included once, where it stands): whole-buffer passes beside the expert kernel: the DRAM read
+   probe, the activations' bf16 conversion, and seeded random fills for synthetic models. */
+
+/* ---- DRAM read bandwidth probe: the ceiling the expert kernel is judged against ---- */
+
+typedef struct { const uint8_t *buf; size_t chunk, n; _Atomic uint64_t sum; } read_job;
+
+static void read_task(void *ctx, int task) {
+    read_job *j = ctx;
+    size_t lo = task * j->chunk, hi = lo + j->chunk < j->n ? lo + j->chunk : j->n;
+    vu64 acc = {0};
+    for (size_t i = lo; i + 64 <= hi; i += 64) { vu64 v; memcpy(&v, j->buf + i, 64); acc ^= v; }
+    uint64_t s = 0;
+    for (int i = 0; i < 8; i++) s ^= acc[i];
+    atomic_fetch_xor(&j->sum, s);  /* keeps the loads alive */
+}
+
+/* Reads n bytes once with every pool thread; returns a checksum so the reads cannot be optimised away. */
+uint64_t ft_read_bytes(const void *buf, size_t n) {
+    read_job j = {.buf = buf, .n = n, .chunk = 1 << 20};
+    parallel_for(read_task, &j, (int)((n + j.chunk - 1) / j.chunk));
+    return atomic_load(&j.sum);
+}
+
+/* x's high halves into out (bf16 by truncation); returns 1 when every low half is zero, i.e. x held bf16 values
+   exactly. On the calling thread, one pass: the same done with torch ops over more than 32k values wakes torch's
+   OpenMP pool, whose threads then spin for milliseconds on the cores the kernel's workers need (a call with 17+
+   tokens at hidden 2048 ran 3-10x slower on the H200 host). */
+int ft_to_bf16_exact(const float *x, uint16_t *out, size_t n) {
+    const uint32_t *bits = (const uint32_t *)x;
+    uint32_t low = 0;
+    for (size_t i = 0; i < n; i++) {
+        low |= bits[i] & 0xFFFFu;
+        out[i] = (uint16_t)(bits[i] >> 16);
+    }
+    return low == 0;
+}
+
+/* ---- Seeded random fills for synthetic models (freetoken/bench/random_fill.py has the same in torch) ----
+   Word i of a fill is splitmix64's finaliser of i * GOLDEN + seed: counter-based, so the bytes do not depend on
+   the thread count or the chunking, and every pool thread fills at memory speed. */
+
+#define FILL_GOLDEN 0x9E3779B97F4A7C15ull
+
+INLINE uint64_t fill_mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+typedef struct { uint8_t *buf; size_t n, chunk; uint64_t seed; int dtype; float bound; } fill_job;
+
+static void fill_task(void *ctx, int task) {
+    fill_job *j = ctx;
+    size_t lo = task * j->chunk, hi = lo + j->chunk < j->n ? lo + j->chunk : j->n;
+    if (j->dtype < 0) {  /* bytes: 8 a word */
+        for (size_t w = lo / 8; w * 8 < hi; w++) {
+            uint64_t v = fill_mix(w * FILL_GOLDEN + j->seed);
+            size_t at = w * 8, take = hi - at < 8 ? hi - at : 8;
+            memcpy(j->buf + at, &v, take);
+        }
+        return;
+    }
+    float scale = 2.0f * j->bound / (float)(1 << 24);
+    for (size_t i = lo; i < hi; i++) {  /* values: 24 random bits each, uniform in [-bound, bound) */
+        float f = (float)((fill_mix(i * FILL_GOLDEN + j->seed) >> 40) & 0xFFFFFF) * scale - j->bound;
+        if (j->dtype == FT_F32) {
+            ((float *)j->buf)[i] = f;
+        } else {  /* bf16, rounded to nearest even (as torch converts) */
+            uint32_t bits;
+            memcpy(&bits, &f, 4);
+            ((uint16_t *)j->buf)[i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+        }
+    }
+}
+
+/* Fills n bytes (dtype -1) or n values (FT_F32 / FT_BF16, uniform in [-bound, bound)) of buf from seed. Chunks
+   are whole words of bytes (a multiple of 8) so that each word is written by one task. */
+void ft_random_fill(void *buf, size_t n, uint64_t seed, int dtype, float bound) {
+    fill_job j = {.buf = buf, .n = n, .chunk = 1 << 20, .seed = seed, .dtype = dtype, .bound = bound};
+    parallel_for(fill_task, &j, (int)((n + j.chunk - 1) / j.chunk));
+}
