@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("experts.c")
 # included by experts.c (one translation unit)
-PARTS = ("act.h", "dots.h", "q16.h", "pool.h", "tiles.h", "amx.h", "amx_q8.h", "switches.h", "memory.h")
+PARTS = ("act.h", "dots.h", "dots_avx2.h", "q16.h", "pool.h", "tiles.h", "amx.h", "amx_q8.h", "switches.h", "memory.h")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 
 
@@ -103,6 +103,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
     lib.ft_set_block_bf16.argtypes, lib.ft_set_block_bf16.restype = [i], i
+    lib.ft_set_avx2_dots.argtypes, lib.ft_set_avx2_dots.restype = [i], i
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_moe_timing.argtypes, lib.ft_moe_timing.restype = [ctypes.POINTER(ctypes.c_double)], None

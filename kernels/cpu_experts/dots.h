@@ -201,6 +201,19 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
         }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "dots_avx2.h"
+#define ROWS_DOTS(NR, NT)                                                       \
+    do {                                                                        \
+        if (avx2_dots) rows_dots_avx2(type, rows, NR, xs + t0, k, NT, tile);    \
+        else rows_dots(type, rows, NR, xs + t0, k, NT, tile);                   \
+    } while (0)
+#define HAVE_AVX2_DOTS 1
+#else
+#define ROWS_DOTS(NR, NT) rows_dots(type, rows, NR, xs + t0, k, NT, tile)
+#define HAVE_AVX2_DOTS 0
+#endif
+
 /* rows_dots over any number of tokens, in tiles of TILE; each row is read from DRAM once, later tiles find it
    in L1. nr is 1 or 2; both rows have the same format. */
 static void rows_dots_n(int type, const void *const *rows, int nr, const float *const *xs, int k, int n,
@@ -210,10 +223,10 @@ static void rows_dots_n(int type, const void *const *rows, int nr, const float *
         float tile[2 * TILE];
 #define CASES(NR)                                                                              \
     switch (nt) {                                                                             \
-        case 1: rows_dots(type, rows, NR, xs + t0, k, 1, tile); break;                        \
-        case 2: rows_dots(type, rows, NR, xs + t0, k, 2, tile); break;                        \
-        case 3: rows_dots(type, rows, NR, xs + t0, k, 3, tile); break;                        \
-        default: rows_dots(type, rows, NR, xs + t0, k, 4, tile); break;                       \
+        case 1: ROWS_DOTS(NR, 1); break;                                                      \
+        case 2: ROWS_DOTS(NR, 2); break;                                                      \
+        case 3: ROWS_DOTS(NR, 3); break;                                                      \
+        default: ROWS_DOTS(NR, 4); break;                                                     \
     }
 #define FORMATS(NR)                       \
     if (type == FT_Q8_0) { CASES(NR) }    \

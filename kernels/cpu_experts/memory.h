@@ -4,14 +4,22 @@
 /* ---- DRAM read bandwidth probe: the ceiling the expert kernel is judged against ---- */
 
 typedef struct { const uint8_t *buf; size_t chunk, n; _Atomic uint64_t sum; } read_job;
+typedef uint64_t probe_vec __attribute__((vector_size(32)));  /* a YMM register (two 16-byte ones on NEON) */
 
 static void read_task(void *ctx, int task) {
     read_job *j = ctx;
     size_t lo = task * j->chunk, hi = lo + j->chunk < j->n ? lo + j->chunk : j->n;
-    vu64 acc = {0};
-    for (size_t i = lo; i + 64 <= hi; i += 64) { vu64 v; memcpy(&v, j->buf + i, 64); acc ^= v; }
+    /* two register-wide accumulators: without AVX-512 GCC moves a 64-byte vector through the stack, and the probe
+       read 9 GB/s where the loads alone reach 23 (Zen 3, 2 threads) */
+    probe_vec acc[2] = {{0}, {0}};
+    for (size_t i = lo; i + 64 <= hi; i += 64)
+        for (int h = 0; h < 2; h++) {
+            probe_vec v;
+            memcpy(&v, j->buf + i + h * sizeof v, sizeof v);
+            acc[h] ^= v;
+        }
     uint64_t s = 0;
-    for (int i = 0; i < 8; i++) s ^= acc[i];
+    for (int i = 0; i < (int)(sizeof acc[0] / 8); i++) s ^= acc[0][i] ^ acc[1][i];
     atomic_fetch_xor(&j->sum, s);  /* keeps the loads alive */
 }
 

@@ -12,6 +12,19 @@ int ft_set_block_bf16(int min_tokens) {
     return before;
 }
 
+/* The 8-lane dot products (dots_avx2.h) on or off; on by default only where AVX-512 is missing. Returns the setting
+   it replaces, or -1 where the build has no AVX2 (the switch does nothing there). */
+int ft_set_avx2_dots(int on) {
+#if HAVE_AVX2_DOTS
+    int before = avx2_dots;
+    avx2_dots = on;
+    return before;
+#else
+    (void)on;
+    return -1;
+#endif
+}
+
 /* Whether the int16-activation path dots rows in interleaved pairs (default) or one at a time, for measuring. */
 void ft_set_q16_form(int two_rows) { q16_two_rows = two_rows; }
 

@@ -237,6 +237,37 @@ def test_int16_forms_agree_exactly(kernel, fmt, hidden):
     assert outs[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("fmt", ["F32", "BF16", "Q8_0", "MXFP4", "FP8_B32"])
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_eight_lane_dots_match_the_sixteen_lane_ones(kernel, fmt, tokens):
+    """On x86 without AVX-512 the dot products run on 8-lane registers (dots_avx2.h); `ft_set_avx2_dots` switches
+    them on or off anywhere AVX2 is, so both forms are checked on every x86 CI machine. fp32 activations and the
+    int16 path off keep every row on these dot products; float rows of 100 leave a tail of 4."""
+    before = kernel.lib.ft_set_avx2_dots(1)
+    if before < 0:
+        pytest.skip("built without AVX2: there is one form only")
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter, experts = (96, 64, 6) if fmt not in ("F32", "BF16") else (100, 64, 6)
+    gate, up = (expert_matrix(fmt, experts, inter, hidden, gen) for _ in range(2))
+    down = expert_matrix(fmt, experts, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    routing = _routing(tokens, experts, 2, gen)
+    want = reference.moe_forward(x, gate, up, down, *routing)
+    outs = []
+    kernel.lib.ft_set_q16(0)
+    try:
+        for on in (0, 1):
+            kernel.lib.ft_set_avx2_dots(on)
+            outs.append(kernel.moe_forward(x, gate, up, down, *routing))
+    finally:
+        kernel.lib.ft_set_avx2_dots(before)
+        kernel.lib.ft_set_q16(1)
+    for got in outs:
+        assert (got - want).norm() / want.norm() < 1e-5
+    assert not torch.equal(outs[0], outs[1])  # two summation orders: a sign the switch took effect
+    assert (outs[0] - outs[1]).abs().max() <= 1e-5 * want.abs().max()
+
+
 @pytest.mark.parametrize("hidden", [40, 17])
 def test_float_rows_of_any_length(kernel, hidden):
     gen = torch.Generator().manual_seed(hidden)
