@@ -1,12 +1,14 @@
 """CPU expert kernel variants compared fairly on a noisy host: every variant is timed once per round, rounds
 interleave, and the table gives each variant's median and best GB/s with the DRAM read probe timed the same way.
 
-    python evals/scripts/kernel_variants.py [--rounds 15] [--threads 15] [--pool-mib 1024] [--out FILE]
+    python evals/scripts/kernel_variants.py [--rounds 15] [--threads 15] [--pool-mib 1024] [--variants NAME ...]
+                                            [--out FILE]
 
 Variants are the kernel's switches (`ft_set_q16`: Q8_0 rows against int16 activations at one token per expert,
 or the fp32 path; `ft_set_q16_form`: that path's rows in interleaved pairs or one at a time; `ft_set_amx`: tiles
 on or off, and from how many tokens per expert Q8_0 takes bf16 tiles; `ft_set_amx_q8`: the token counts Q8_0
-takes int8 tiles at), switched between calls in one process, so every
+takes int8 tiles at; `ft_set_avx2_dots`: the dot products on 8-lane registers, the default without AVX-512,
+or on the 16-lane vectors), switched between calls in one process, so every
 variant reads the very same expert pool; "huge pages" reads a copy of the pool advised for transparent huge pages
 (the probe is then also timed on such a copy). (Earlier variants, measured and dropped: software prefetch, Q8_0
 through bf16 dot products (commit 7389ec5), the int16 path's block scales by scalar loads instead of one gather
@@ -43,6 +45,7 @@ class Variant:
     dequant_prefetch: int = 4096  # ft_set_amx_dequant_prefetch: bytes ahead while block formats dequantize for tiles
     tile_pairs: int = 1       # ft_set_amx_tile_pairs: two of an expert's token tiles a bf16 tile pass (17+ tokens)
     vector_act: int = 1       # ft_set_vector_act: the epilogues (activations, pair outputs) 16 values at a time
+    avx2_dots: int | None = None  # ft_set_avx2_dots: 8-lane dot products (1) or 16-lane (0); None: the build's
     huge: bool = False        # the expert pool on huge pages
     formats: tuple = ("BF16", "Q8_0")
     batches: tuple = (1, 2, 4, 6, 8, 16, 32, 48, 64)
@@ -59,6 +62,8 @@ VARIANTS = {
     "Q8_0 tiles, dequant prefetch 16 KiB": Variant(dequant_prefetch=16384, formats=("Q8_0",), batches=(6, 8, 16)),
     "tiles, one token tile a pass": Variant(tile_pairs=0, batches=(32, 48, 64)),
     "epilogues one by one": Variant(vector_act=0, batches=(6, 8, 16, 32, 64)),
+    "8-lane dots": Variant(avx2_dots=1, batches=(1, 2, 4, 8)),
+    "16-lane dots": Variant(avx2_dots=0, batches=(1, 2, 4, 8)),
 }
 MADV_HUGEPAGE = 14
 
@@ -81,19 +86,23 @@ def main() -> int:
     p.add_argument("--pool-mib", type=int, default=1024)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--formats", nargs="+", default=["BF16", "Q8_0"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--out")
     a = p.parse_args()
+    variants = {name: VARIANTS[name] for name in a.variants}
     os.environ["FREETOKEN_CPU_THREADS"] = str(a.threads)
     kernel = CpuExpertKernel.get()
+    avx2_default = kernel.lib.ft_set_avx2_dots(0)  # -1: a build without AVX2, where the switch does nothing
+    kernel.lib.ft_set_avx2_dots(avx2_default)
     gen = torch.Generator().manual_seed(0)
     probe = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8)
-    huge_probe = on_huge_pages(probe) if any(v.huge for v in VARIANTS.values()) else None
+    huge_probe = on_huge_pages(probe) if any(v.huge for v in variants.values()) else None
     pools = {}
     for fmt in a.formats:
         per_expert = 3 * HIDDEN * INTER * {"BF16": 2, "Q8_0": 34 / 32}[fmt]
         n = max(PER_CALL, int(a.pool_mib * 2**20 / per_expert) // PER_CALL * PER_CALL)
         pools[fmt] = (expert_pool(fmt, n, gen), n, n * per_expert)
-        if any(v.huge for v in VARIANTS.values()):
+        if any(v.huge for v in variants.values()):
             mats = tuple(ExpertMatrix(on_huge_pages(m.data), m.format, m.shape) for m in pools[fmt][0])
             pools[fmt, "huge"] = (mats, n, n * per_expert)
     xs = {b: torch.randn(b, HIDDEN, generator=gen).bfloat16().float() for b in a.batches}
@@ -120,7 +129,7 @@ def main() -> int:
             kernel.read_bytes(huge_probe)
             results.setdefault(("DRAM read probe, huge pages", "bytes", 0), []).append(
                 probe.numel() / (time.perf_counter() - t0) / 1e9)
-        for name, v in VARIANTS.items():
+        for name, v in variants.items():
             kernel.lib.ft_set_q16(v.q16)
             kernel.lib.ft_set_amx(2, v.q8_tiles_from, v.amx_off)
             kernel.lib.ft_set_q16_form(v.two_rows)
@@ -130,6 +139,7 @@ def main() -> int:
             kernel.lib.ft_set_amx_q8_rows(v.rows)
             kernel.lib.ft_set_amx_tile_pairs(v.tile_pairs)
             kernel.lib.ft_set_vector_act(v.vector_act)
+            kernel.lib.ft_set_avx2_dots(avx2_default if v.avx2_dots is None else v.avx2_dots)
             for fmt in a.formats:
                 for batch in a.batches:
                     if fmt in v.formats and batch in v.batches:
@@ -144,6 +154,7 @@ def main() -> int:
     kernel.lib.ft_set_amx_q8_rows(16)
     kernel.lib.ft_set_amx_tile_pairs(1)
     kernel.lib.ft_set_vector_act(1)
+    kernel.lib.ft_set_avx2_dots(avx2_default)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

@@ -91,6 +91,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i, p, p,
                                  p, p, p, i, f, f]
     lib.ft_has_bf16_dot.argtypes, lib.ft_has_bf16_dot.restype = [], i
+    lib.ft_has_q16.argtypes, lib.ft_has_q16.restype = [], i
     lib.ft_has_amx.argtypes, lib.ft_has_amx.restype = [], i
     lib.ft_set_amx.argtypes, lib.ft_set_amx.restype = [i, i, i], None
     lib.ft_has_amx_q8.argtypes, lib.ft_has_amx_q8.restype = [], i

@@ -126,3 +126,6 @@ int ft_has_amx(void) {
 
 /* Whether this build has the bf16 dot path (AVX-512-BF16). */
 int ft_has_bf16_dot(void) { return HAVE_BF16_DOT; }
+
+/* Whether block formats (Q8_0, MXFP4) of a bf16 model can dot int16 activations at one token per expert. */
+int ft_has_q16(void) { return HAVE_Q16; }
