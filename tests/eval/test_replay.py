@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import statistics
 import subprocess
 import time
@@ -182,7 +183,10 @@ def _eval_until_turns(trace: str, endpoint: str, out, turns: int, think_s: float
     have finished."""
     run = subprocess.Popen([FT, "eval", "--trace", trace, "--scale", SCALE, "--endpoint", endpoint, "--out", str(out),
                             "-q", "--think", "--param", f"think_s={think_s}", "--reference-runs", "0"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           # SIGINT as a terminal delivers it: a runner that starts the tests in the background of
+                           # a script passes it on ignored, and Python then never raises KeyboardInterrupt
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (out / "turns.jsonl").exists() or len((out / "turns.jsonl").read_text().splitlines()) < turns:
         assert run.poll() is None and time.monotonic() < deadline
@@ -359,8 +363,6 @@ def test_a_server_without_ignore_eos_is_asked_again_without_it(endpoint, tmp_pat
 
 
 def test_ctrl_c_keeps_what_was_measured(endpoint, tmp_path):
-    import signal
-
     out = tmp_path / "run"
     run = _eval_until_turns("claude-code", endpoint, out, turns=2, think_s=0.5)
     run.send_signal(signal.SIGINT)
