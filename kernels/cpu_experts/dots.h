@@ -77,18 +77,25 @@ INLINE vf f16_splat(const uint8_t *p) {
 #endif
 }
 
-/* The 16 values one half of an MXFP4 block codes (`high`: the high nibbles, values 16..31), unscaled: the
-doubled e2m1 codes ±{0, 1, 2, 3, 4, 6, 8, 12}. */
-INLINE vf load_mxfp4(const uint8_t *qs, int high) {
-    static const int8_t codes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-#if defined(__AVX512F__) && defined(__SSSE3__)
+/* MXFP4's 16 nibble values as the doubled e2m1 codes ±{0, 1, 2, 3, 4, 6, 8, 12} (the block's scale is halved). */
+static const int8_t mxfp4_codes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+#if defined(__SSSE3__)
+/* One half of an MXFP4 block's 16 code bytes `qs` looked up as int8 (`high`: the high nibbles, values 16..31). */
+INLINE __m128i mxfp4_half(const uint8_t *qs, int high) {
     __m128i b = _mm_loadu_si128((const __m128i *)qs);
     __m128i nib = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0F));
-    __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)codes), nib);
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+    return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)mxfp4_codes), nib);
+}
+#endif
+
+/* The 16 values one half of an MXFP4 block codes (`high`: the high nibbles, values 16..31), unscaled. */
+INLINE vf load_mxfp4(const uint8_t *qs, int high) {
+#if defined(__AVX512F__) && defined(__SSSE3__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(mxfp4_half(qs, high)));
 #else
     vf out;
-    for (int i = 0; i < LANES; i++) out[i] = codes[high ? qs[i] >> 4 : qs[i] & 0x0F];
+    for (int i = 0; i < LANES; i++) out[i] = mxfp4_codes[high ? qs[i] >> 4 : qs[i] & 0x0F];
     return out;
 #endif
 }

@@ -50,11 +50,7 @@ INLINE void avx2_block(int type, const uint8_t *blk, __m256 w[4]) {
         __m256 d = avx2_f16_splat(blk);
         for (int q = 0; q < 4; q++) w[q] = _mm256_mul_ps(avx2_q8((const int8_t *)blk + 2 + 8 * q), d);
     } else if (type == FT_MXFP4) {  /* codes looked up as the doubled e2m1 integers, as load_mxfp4 does */
-        const __m128i codes = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-        const __m128i nibble = _mm_set1_epi8(0x0F);
-        __m128i b = _mm_loadu_si128((const __m128i *)(blk + 1));
-        __m128i half[2] = {_mm_shuffle_epi8(codes, _mm_and_si128(b, nibble)),
-                           _mm_shuffle_epi8(codes, _mm_and_si128(_mm_srli_epi16(b, 4), nibble))};
+        __m128i half[2] = {mxfp4_half(blk + 1, 0), mxfp4_half(blk + 1, 1)};
         __m256 d = _mm256_set1_ps(mxfp4_scale(blk[0]));
         for (int q = 0; q < 4; q++) {
             __m128i v = q & 1 ? _mm_srli_si128(half[q >> 1], 8) : half[q >> 1];

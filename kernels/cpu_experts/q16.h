@@ -29,14 +29,8 @@ INLINE size_t q16_block_bytes(int type) { return type == FT_MXFP4 ? MX_BYTES : Q
 /* A block's 32 weights as int16, in value order (MXFP4: low nibbles are values 0..15, high nibbles 16..31, each
    code looked up as its doubled e2m1 value, as load_mxfp4 does). */
 INLINE __m512i q16_weights(int type, const uint8_t *blk) {
-    if (type == FT_MXFP4) {
-        const __m128i codes = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-        const __m128i nibble = _mm_set1_epi8(0x0F);
-        __m128i b = _mm_loadu_si128((const __m128i *)(blk + 1));
-        __m128i lo = _mm_shuffle_epi8(codes, _mm_and_si128(b, nibble));
-        __m128i hi = _mm_shuffle_epi8(codes, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
-        return _mm512_cvtepi8_epi16(_mm256_set_m128i(hi, lo));
-    }
+    if (type == FT_MXFP4)
+        return _mm512_cvtepi8_epi16(_mm256_set_m128i(mxfp4_half(blk + 1, 1), mxfp4_half(blk + 1, 0)));
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
 }
 
