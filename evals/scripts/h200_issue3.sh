@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | act-vector | tile-pairs | dequant-prefetch | dots-in-cache | attn-ab (ATTN_FILES) | attn-sweep | kernel-launch | kernel-paths | contention | block-tests | d1-blocks (TOKENS, BUDGETS, STRATEGIES, SHARES) | profile-blocks | kernel-phases | speculative (SPEC_FORMAT) | speculative-tests | serve-hybrid | reuse-ab (FORMATS, ARMS, EDITS, REUSE_S, SKEW) | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | dots-prefetch (ROUNDS) | d1-caller-ab (FORMATS, BUDGETS, WARMUP) | act-vector | tile-pairs | dequant-prefetch | dots-in-cache | attn-ab (ATTN_FILES) | attn-sweep | kernel-launch | kernel-paths | contention | block-tests | d1-blocks (TOKENS, BUDGETS, STRATEGIES, SHARES) | profile-blocks | kernel-phases | speculative (SPEC_FORMAT) | speculative-tests | serve-hybrid | reuse-ab (FORMATS, ARMS, EDITS, REUSE_S, SKEW) | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -322,6 +322,22 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     attn-sweep) (cd /tmp && python3 "$OLDPWD/evals/scripts/paged_decode_sweep.py" | tee "$OUT/paged-decode-sweep.md") ;;
     # Q8_0 on the bf16 tiles with software prefetch while blocks are dequantized (kernel_variants.py: every variant
     # each round, 15 threads, 1 GiB pool), then the tiles' tests
+    # GPU path cpu-caller-waits (the GPU's thread only waits for a layer's CPU share; a worker more) against the
+    # default, A/B/A/B in separate processes (the pool is sized at start), budget 0 (BUDGETS), per format (FORMATS)
+    d1-caller-ab) for f in ${FORMATS:-Q8_0 dense}; do for arm in a1 b1 a2 b2; do
+               x=""; [ ${arm:0:1} = b ] && x=cpu-caller-waits
+               FREETOKEN_EXPERIMENTAL=$x ft bench decode --shape qwen3-30b-a3b --context 1024 --warmup ${WARMUP:-48} \
+                 --tokens 24 --budgets ${BUDGETS:-0} --expert-format $f --strategies auto --commit "$commit ${x:-default}" \
+                 --out "$OUT/d1-caller-$f-$arm.md" 2>&1 | grep -v Warning | tee -a "$OUT/d1-caller-ab.log" \
+                 | grep -E "^\| auto|CPU share started|CPU kernel, mean" | sed "s/^/$f $arm: /"; done; done ;;
+    # software prefetch ahead in each row on the vector and int16 paths (ft_set_dots_prefetch) at 1-8 tokens per
+    # expert, 1/4/16 KiB against none (tiles take BF16 from 2 tokens and Q8_0 from 6: those rows are controls),
+    # then every kernel test on this CPU (real tiles, AVX-512)
+    dots-prefetch) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds ${ROUNDS:-7} --batches 1 2 3 4 5 8 \
+               --variants default "Q8_0 fp32 path" "vector prefetch 1 KiB" "vector prefetch 4 KiB" "vector prefetch 16 KiB" \
+               | grep -v "^round" | tee "$OUT/kernel-variants-prefetch.md"
+             python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" "$OLDPWD/tests/kernels/test_cpu_experts.py" \
+               "$OLDPWD/tests/kernels/test_cpu_expert_tiles.py" 2>&1 | tail -3 | tee -a "$OUT/tests.txt") ;;
     # the epilogues (activations, pair outputs) 16 values at a time against one by one, every variant at 6-64 tokens
     act-vector) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds 5 --batches 6 8 16 32 64 \
                | grep -v "^round" | tee "$OUT/kernel-variants.md"

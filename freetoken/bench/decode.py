@@ -92,11 +92,11 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
 
 def measure_ceilings(device: torch.device, expert_format: str, dtype: torch.dtype, mib: int = 1024) -> Ceilings:
     """`mib`: bytes read by each probe; must be well past the last-level cache to measure DRAM."""
+    from freetoken.engine.offload.cpu_experts import gpu_host_kernel
     from freetoken.kernels.cpu_experts import bench as kernel_bench
-    from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel, default_threads
+    from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 
-    # sized as the executor sizes it: one core left to the thread driving the GPU
-    kernel = CpuExpertKernel.get(threads=max(1, default_threads() - 1) if device.type == "cuda" else None)
+    kernel = gpu_host_kernel() if device.type == "cuda" else CpuExpertKernel.get()  # sized as the executor sizes it
     fmt = expert_format if expert_format in ("Q8_0", "MXFP4") else \
         {torch.bfloat16: "BF16", torch.float32: "F32"}.get(dtype, "BF16")
     if kernel is None:

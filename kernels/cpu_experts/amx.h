@@ -62,7 +62,7 @@ static void amx_pack_x(const moe_job *j, const uint16_t *xb, uint16_t *xp, const
    apart): the scaled values rounded to bf16, exactly the weights a bf16 GPU expert computes with after
    dequantization. One 32-value block is one tile row. */
 static void amx_block_tile(int type, const uint8_t *w, size_t stride, int kc, uint16_t *tile, size_t pitch) {
-    size_t bytes = type == FT_Q8_0 ? Q8_BYTES : type == FT_MXFP4 ? MX_BYTES : FP8_BYTES;
+    size_t bytes = block_bytes(type);
     for (int r = 0; r < 16; r++) {
         vf w0, w1;
         block_weights(type, w + r * stride + (size_t)kc * bytes, &w0, &w1);
@@ -85,7 +85,7 @@ static const uint8_t *amx_dequant_rows(int type, const uint8_t *w, size_t stride
         capacity[which] = buf[which] ? need : 0;
         if (!buf[which]) return NULL;
     }
-    size_t bytes = type == FT_Q8_0 ? Q8_BYTES : type == FT_MXFP4 ? MX_BYTES : FP8_BYTES;
+    size_t bytes = block_bytes(type);
     const uint8_t *end = w + 15 * stride + (size_t)(k / 32) * bytes;  /* the block's last byte, exclusive */
     size_t ahead = (size_t)amx_dequant_prefetch;
     for (size_t at = 0; at < ahead && w + at < end; at += 64) __builtin_prefetch(w + at, 0, 3);

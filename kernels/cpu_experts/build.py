@@ -87,6 +87,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_pool_wake.argtypes, lib.ft_pool_wake.restype = [ctypes.c_long], None
     lib.ft_pool_set_tree_wake.argtypes, lib.ft_pool_set_tree_wake.restype = [i], i
     lib.ft_pool_set_join.argtypes, lib.ft_pool_set_join.restype = [i], i
+    lib.ft_pool_set_caller_joins.argtypes, lib.ft_pool_set_caller_joins.restype = [i], i
     f = ctypes.c_float
     lib.ft_moe_start.argtypes = [p, p, p, i64, i64, i64, i, i, i, p, i, p, p, p, p, p, p, i, i, i, i, p, p,
                                  p, p, p, i, f, f]
@@ -105,6 +106,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
     lib.ft_set_block_bf16.argtypes, lib.ft_set_block_bf16.restype = [i], i
     lib.ft_set_avx2_dots.argtypes, lib.ft_set_avx2_dots.restype = [i], i
+    lib.ft_set_dots_prefetch.argtypes, lib.ft_set_dots_prefetch.restype = [i, i], i
     lib.ft_moe_start.restype = i
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_moe_timing.argtypes, lib.ft_moe_timing.restype = [ctypes.POINTER(ctypes.c_double)], None

@@ -71,7 +71,7 @@ typedef uint64_t vu64 __attribute__((vector_size(64)));
 
 static size_t row_bytes(int type, int k) {
     if (type >= FT_Q8_0)
-        return (size_t)(k / Q8_BLOCK) * (type == FT_Q8_0 ? Q8_BYTES : type == FT_MXFP4 ? MX_BYTES : FP8_BYTES);
+        return (size_t)(k / Q8_BLOCK) * block_bytes(type);
     return (size_t)k * (type == FT_BF16 ? 2 : 4);
 }
 

@@ -209,6 +209,11 @@ class CpuExpertKernel:
         two) instead of all by the caller. Returns whether it is on: never off Linux."""
         return bool(self.lib.ft_pool_set_tree_wake(int(on)))
 
+    def set_caller_joins(self, joins: bool) -> bool:
+        """Whether the thread that waits for a call runs its tasks too (default) or only waits (where the pool has
+        workers; with none it always runs them). Returns the setting it replaces."""
+        return bool(self.lib.ft_pool_set_caller_joins(int(joins)))
+
     def set_join(self, by_tasks: bool) -> bool:
         """A call ends with its last task (default), or (False, for measuring) only once every worker has also
         looked for tasks in it, so that a worker the OS has descheduled delays it. Returns whether by tasks."""

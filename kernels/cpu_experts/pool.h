@@ -230,14 +230,24 @@ static void parallel_start(task_fn fn, void *ctx, int ntasks) {
     wake_sleepers();
 }
 
+static int caller_joins = 1;  /* ft_pool_set_caller_joins */
+
 static void parallel_wait(void) {
-    run_tasks();
+    if (caller_joins) run_tasks();
     while (atomic_load(&pool.done) < pool.ntasks) CPU_RELAX();
     if (atomic_load(&pool.join_all)) {
         unsigned generation = atomic_load(&pool.generation);
         for (int w = 0; w < pool.nworkers; w++)
             while (atomic_load(&bells[w].finished) != generation) CPU_RELAX();
     }
+}
+
+/* Whether the thread that waits for a job runs its tasks too (1, default) or only waits (0, where workers exist);
+   returns the setting it replaces. */
+int ft_pool_set_caller_joins(int on) {
+    int before = caller_joins;
+    caller_joins = on || pool.nworkers == 0;
+    return before;
 }
 
 /* 1 (default): a job ends with its last task; 0: it also waits until every worker has looked for tasks in it

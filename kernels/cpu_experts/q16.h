@@ -24,8 +24,6 @@ INLINE __m512i q16_lanes(__m512i a, __m512i b) {
     return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
 }
 
-INLINE size_t q16_block_bytes(int type) { return type == FT_MXFP4 ? MX_BYTES : Q8_BYTES; }
-
 /* A block's 32 weights as int16, in value order (MXFP4: low nibbles are values 0..15, high nibbles 16..31, each
    code looked up as its doubled e2m1 value, as load_mxfp4 does). */
 INLINE __m512i q16_weights(int type, const uint8_t *blk) {
@@ -43,7 +41,7 @@ INLINE __m512i q16_madd(int type, const uint8_t *blk, const int16_t *xq, int liv
 /* Blocks b..b+3 of 16 (from blk, activations xq) reduced as far as a quad of the tree: summed four at a time,
    so two rows' trees fit in registers at once. */
 INLINE __m512i q16_quad(int type, const uint8_t *blk, const int16_t *xq, int b, int n) {
-    size_t bytes = q16_block_bytes(type);
+    size_t bytes = block_bytes(type);
     __m512i p0 = q16_pairs(q16_madd(type, blk + b * bytes, xq + b * Q8_BLOCK, b < n),
                            q16_madd(type, blk + (b + 1) * bytes, xq + (b + 1) * Q8_BLOCK, b + 1 < n));
     __m512i p1 = q16_pairs(q16_madd(type, blk + (b + 2) * bytes, xq + (b + 2) * Q8_BLOCK, b + 2 < n),
@@ -65,7 +63,7 @@ INLINE __m512i q16_block_sums(int type, const uint8_t *blk, const int16_t *xq, i
    subnormal. */
 INLINE __m512 q16_scales(int type, const uint8_t *blk, int n) {
     const __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i offsets = _mm512_mullo_epi32(index, _mm512_set1_epi32((int)q16_block_bytes(type)));
+    __m512i offsets = _mm512_mullo_epi32(index, _mm512_set1_epi32((int)block_bytes(type)));
     __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << n) - 1), offsets, blk, 1);
     if (type == FT_MXFP4) {
         __m512i e = _mm512_and_si512(raw, _mm512_set1_epi32(0xFF));
@@ -83,7 +81,7 @@ INLINE float q16_dot_of(int type, const uint8_t *row, const int16_t *xq, const f
     int blocks = k / Q8_BLOCK;
     for (int b0 = 0; b0 < blocks; b0 += 16) {
         int n = blocks - b0 < 16 ? blocks - b0 : 16;
-        const uint8_t *blk = row + (size_t)b0 * q16_block_bytes(type);
+        const uint8_t *blk = row + (size_t)b0 * block_bytes(type);
         const int16_t *x = xq + (size_t)b0 * Q8_BLOCK;
         __m512 scales = _mm512_mul_ps(q16_scales(type, blk, n),
                                       _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), xs + b0));
@@ -104,9 +102,12 @@ INLINE void q16_dot2_of(int type, const uint8_t *row0, const uint8_t *row1, cons
     int blocks = k / Q8_BLOCK;
     for (int b0 = 0; b0 < blocks; b0 += 16) {
         int n = blocks - b0 < 16 ? blocks - b0 : 16;
-        size_t at = (size_t)b0 * q16_block_bytes(type);
+        size_t at = (size_t)b0 * block_bytes(type);
         const uint8_t *blk0 = row0 + at, *blk1 = row1 + at;
         const int16_t *x = xq + (size_t)b0 * Q8_BLOCK;
+        if (prefetching(1))  /* the 16 blocks' lines this far ahead in both rows */
+            for (size_t line = 0; line < 16 * block_bytes(type); line += 64)
+                prefetch_ahead(blk0, line, 1), prefetch_ahead(blk1, line, 1);
         __m512 xsc = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), xs + b0);
         __m512i q00 = q16_quad(type, blk0, x, 0, n), q10 = q16_quad(type, blk1, x, 0, n);
         __m512i q01 = q16_quad(type, blk0, x, 4, n), q11 = q16_quad(type, blk1, x, 4, n);

@@ -74,6 +74,15 @@ int ft_set_amx_dequant_prefetch(int bytes) {
 #endif
 }
 
+/* Software prefetch distance in bytes in each weight row while the vector paths (and the int16 path) dot it for a
+   pass of at least `min_tokens` tokens (0 bytes: off, the default); returns the distance it replaces. */
+int ft_set_dots_prefetch(int bytes, int min_tokens) {
+    int before = dots_prefetch;
+    dots_prefetch = bytes < 0 ? 0 : bytes;
+    dots_prefetch_from = min_tokens < 1 ? 1 : min_tokens;
+    return before;
+}
+
 /* Whether the experts' epilogues (act.h: activations, each pair's output) take a row's values LANES at a time
    (1, default) or one by one (0), for measuring; returns the setting it replaces. */
 int ft_set_vector_act(int on) {

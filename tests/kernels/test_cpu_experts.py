@@ -271,6 +271,37 @@ def test_eight_lane_dots_match_the_sixteen_lane_ones(kernel, fmt, tokens):
     assert (outs[0] - outs[1]).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["BF16", "Q8_0", "MXFP4"])
+def test_the_vector_paths_prefetch_changes_no_result(kernel, fmt):
+    """ft_set_dots_prefetch (software prefetch ahead in each row on the vector paths and the int16 path, off by
+    default) reads further ahead only: the same result bit for bit at any distance, on every dot path this CPU has
+    (16- and 8-lane fp32, bf16 dots, int16 at one token), for passes of 1-4 tokens."""
+    gen = torch.Generator().manual_seed(9)
+    gate, up = (expert_matrix(fmt, 3, 64, 256, gen) for _ in range(2))
+    down = expert_matrix(fmt, 3, 256, 64, gen)
+    x = torch.randn(5, 256, generator=gen).bfloat16().float()
+    routing = (torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 5, 7, 8], dtype=torch.int32),
+               torch.tensor([0, 1, 2, 3, 4, 1, 3, 2], dtype=torch.int32), torch.rand(8, generator=gen))
+    avx2 = kernel.lib.ft_set_avx2_dots(0)
+    kernel.lib.ft_set_avx2_dots(avx2)
+    kernel.lib.ft_set_amx(2, 6, 1)  # tiles off: the vector paths only
+    try:
+        for lanes in (0, 1) if avx2 >= 0 else (avx2,):
+            kernel.lib.ft_set_avx2_dots(lanes)
+            for bf16_from in (NEVER, 1):
+                with block_bf16_from(kernel, bf16_from):
+                    outs = []
+                    for ahead in (0, 64, 4096):
+                        assert kernel.lib.ft_set_dots_prefetch(ahead, 1) in (0, 64)
+                        outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
+                    assert kernel.lib.ft_set_dots_prefetch(0, 2) == 4096
+                assert outs[0].abs().sum() > 0 and all(torch.equal(o, outs[0]) for o in outs[1:])
+    finally:
+        kernel.lib.ft_set_avx2_dots(avx2)
+        kernel.lib.ft_set_amx(2, 6, 0)
+        kernel.lib.ft_set_dots_prefetch(0, 2)
+
+
 @pytest.mark.parametrize("hidden", [40, 17])
 def test_float_rows_of_any_length(kernel, hidden):
     gen = torch.Generator().manual_seed(hidden)
@@ -434,6 +465,8 @@ for i in range(600):
     if rng.random() < 0.1:
         assert kernel.read_bytes(buf) == checksum, i  # another job function, another task count
         continue
+    if rng.random() < 0.2:  # the caller runs tasks too, or only waits for the workers
+        kernel.set_caller_joins(rng.random() < 0.5)
     x, gate, up, down, routing, want = rng.choice(cases)
     got = kernel.moe_forward(x, gate, up, down, *routing)
     assert torch.equal(got, want), i
@@ -447,7 +480,7 @@ def test_jobs_end_with_their_last_task_while_workers_are_descheduled(tmp_path):
     """Three times as many threads as cores, so the OS deschedules workers all the time: a job ends when its last
     task is done (not when every worker has checked in), and a worker that wakes late must claim nothing of a job
     that has ended nor anything past the end of the next one — jobs of different task counts and functions in a
-    row give exactly their results."""
+    row give exactly their results, whether the caller runs tasks too or only waits (`set_caller_joins`)."""
     import os
     import subprocess
     import sys
@@ -457,6 +490,23 @@ def test_jobs_end_with_their_last_task_while_workers_are_descheduled(tmp_path):
                          timeout=300, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines()[-1] == "ok"
+
+
+def test_a_caller_that_only_waits_gets_the_same_result(kernel):
+    """`set_caller_joins(False)`: the workers run every task and the caller only waits (GPU path
+    "cpu-caller-waits"); with no worker at all the caller still runs them."""
+    gen = torch.Generator().manual_seed(10)
+    gate, up = (expert_matrix("Q8_0", 4, 64, 256, gen) for _ in range(2))
+    down = expert_matrix("Q8_0", 4, 256, 64, gen)
+    x = torch.randn(3, 256, generator=gen)
+    routing = _routing(3, 4, 2, gen)
+    joined = kernel.moe_forward(x, gate, up, down, *routing)
+    assert kernel.set_caller_joins(False) is True
+    try:
+        waited = kernel.moe_forward(x, gate, up, down, *routing)
+    finally:
+        assert kernel.set_caller_joins(True) is (kernel.threads == 1)  # forced on where there is no worker
+    assert torch.equal(joined, waited)
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4", "FP8_B32"])

@@ -49,6 +49,18 @@ class _Workspace:
 HOST_OP_MAX_VALUES = 32768
 
 
+def gpu_host_kernel() -> CpuExpertKernel | None:
+    """The CPU expert kernel of a process that drives a GPU. By default one core is left to the thread that drives
+    it, and that thread also runs the kernel's tasks while it waits for a CPU share (it is the kernel's caller).
+    GPU path "cpu-caller-waits": a worker more instead, and the driving thread only waits, so the weights it would
+    stream do not push out of its caches the host work of the next layer-step, which is decode's critical path."""
+    waits = gpu_paths.enabled("cpu-caller-waits")
+    kernel = CpuExpertKernel.get(threads=max(1, default_threads() - (0 if waits else 1)))
+    if kernel is not None:
+        kernel.set_caller_joins(not waits)
+    return kernel
+
+
 def to_host_fp32(t: torch.Tensor) -> torch.Tensor:
     """`t` as fp32 on the host, converted where it is: a blocking device-to-host copy that changes the dtype
     converts on the host (torch's rule), which for a prefill chunk's activations wakes torch's OpenMP pool."""
@@ -84,10 +96,9 @@ def expert_matrices(layer: LayerExperts | QuantizedExperts) -> tuple[ExpertMatri
 
 class CpuExpertRunner:
     def __init__(self, host: dict[int, LayerExperts | QuantizedExperts], dtype: torch.dtype, share_cores: bool):
-        """`share_cores`: leave one core to the thread that drives the GPU."""
+        """`share_cores`: a process that drives a GPU (`gpu_host_kernel`)."""
         self.host, self.dtype = host, dtype
-        threads = max(1, default_threads() - 1) if share_cores else None
-        self.kernel = CpuExpertKernel.get(threads=threads)
+        self.kernel = gpu_host_kernel() if share_cores else CpuExpertKernel.get()
         self.matrices = {layer: expert_matrices(le) for layer, le in host.items()}
         # each layer's biases and activation where not plain SwiGLU, converted once for the kernel (fp32, host)
         self.forms = {layer: kernel_form(le.form) for layer, le in host.items()}

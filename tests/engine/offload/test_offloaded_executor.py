@@ -522,3 +522,25 @@ def test_a_prefill_chunk_rests_the_path_guard_unless_disabled(tmp_path, monkeypa
     finally:
         monkeypatch.delenv("FREETOKEN_DISABLE")
         fresh()
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_gpu_process_sizes_the_cpu_kernel_around_its_driving_thread(waits, monkeypatch):
+    """`gpu_host_kernel`: by default one core is left to the thread that drives the GPU, which runs tasks while it
+    waits; GPU path "cpu-caller-waits" gives the pool that core's worker and tells the kernel the caller only
+    waits."""
+    from freetoken.engine import gpu_paths
+    from freetoken.engine.offload import cpu_experts
+
+    asked, told = [], []
+
+    class Kernel:
+        def set_caller_joins(self, joins):
+            told.append(joins)
+            return True
+
+    monkeypatch.setattr(gpu_paths, "enabled", lambda name: waits and name == "cpu-caller-waits")
+    monkeypatch.setattr(cpu_experts.CpuExpertKernel, "get", lambda threads=None: asked.append(threads) or Kernel())
+    monkeypatch.setenv("FREETOKEN_CPU_THREADS", "16")
+    assert isinstance(cpu_experts.gpu_host_kernel(), Kernel)
+    assert asked == [16 if waits else 15] and told == [not waits]
