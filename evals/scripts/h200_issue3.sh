@@ -334,7 +334,7 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     # expert, 1/4/16 KiB against none (tiles take BF16 from 2 tokens and Q8_0 from 6: those rows are controls),
     # then every kernel test on this CPU (real tiles, AVX-512)
     dots-prefetch) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds ${ROUNDS:-7} --batches 1 2 3 4 5 8 \
-               --variants default "Q8_0 fp32 path" "vector prefetch 1 KiB" "vector prefetch 4 KiB" "vector prefetch 16 KiB" \
+               --variants default "Q8_0 fp32 path" "no vector prefetch" "vector prefetch 1 KiB" "vector prefetch 4 KiB" "vector prefetch 16 KiB" \
                | grep -v "^round" | tee "$OUT/kernel-variants-prefetch.md"
              python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" "$OLDPWD/tests/kernels/test_cpu_experts.py" \
                "$OLDPWD/tests/kernels/test_cpu_expert_tiles.py" 2>&1 | tail -3 | tee -a "$OUT/tests.txt") ;;

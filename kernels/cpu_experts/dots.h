@@ -157,11 +157,17 @@ INLINE float hsum(vf v) {
 }
 
 /* Software prefetch this many bytes ahead in each weight row while the vector paths dot it for a pass of at least
-   dots_prefetch_from tokens (0 bytes: off, the default; set by ft_set_dots_prefetch). At one token the rows stream
-   at DRAM's rate and a prefetch only cost (1-4 KiB ahead read 20-25 % slower at batch 1 on the H200 host); with
-   more tokens the arithmetic per byte grows, the L2 streamer stalls at each 4 KiB page, and requests issued ahead
-   keep the reads going meanwhile, as they did for the tile path's dequantization (amx.h, 1.16-1.20x). */
+   dots_prefetch_from tokens (0 bytes: off; set by ft_set_dots_prefetch). The L2 streamer stalls at each 4 KiB page
+   of a row, and the more arithmetic a byte takes (more tokens, block formats) the less the core's own requests
+   make up for it. Without AVX-512 (the 8-lane dots) it is on from one token, 4 KiB ahead: on a Zen 3 VM, 2
+   threads, BF16 1.02-1.24x and Q8_0 1.0-1.29x at 1-8 tokens, CPU-only Mixtral decode 1.11x
+   (evals/results/cpu-kernel-avx2-ci-class.md). With AVX-512 off until measured there: an earlier form read 20-25%
+   slower at one token on the H200 host. */
+#if defined(__AVX512F__)
 static int dots_prefetch = 0, dots_prefetch_from = 2;
+#else
+static int dots_prefetch = 4096, dots_prefetch_from = 1;
+#endif
 
 INLINE int prefetching(int nt) { return dots_prefetch && nt >= dots_prefetch_from; }
 

@@ -75,7 +75,7 @@ int ft_set_amx_dequant_prefetch(int bytes) {
 }
 
 /* Software prefetch distance in bytes in each weight row while the vector paths (and the int16 path) dot it for a
-   pass of at least `min_tokens` tokens (0 bytes: off, the default); returns the distance it replaces. */
+   pass of at least `min_tokens` tokens (0 bytes: off; defaults in dots.h); returns the distance it replaces. */
 int ft_set_dots_prefetch(int bytes, int min_tokens) {
     int before = dots_prefetch;
     dots_prefetch = bytes < 0 ? 0 : bytes;

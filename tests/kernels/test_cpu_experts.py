@@ -273,9 +273,9 @@ def test_eight_lane_dots_match_the_sixteen_lane_ones(kernel, fmt, tokens):
 
 @pytest.mark.parametrize("fmt", ["BF16", "Q8_0", "MXFP4"])
 def test_the_vector_paths_prefetch_changes_no_result(kernel, fmt):
-    """ft_set_dots_prefetch (software prefetch ahead in each row on the vector paths and the int16 path, off by
-    default) reads further ahead only: the same result bit for bit at any distance, on every dot path this CPU has
-    (16- and 8-lane fp32, bf16 dots, int16 at one token), for passes of 1-4 tokens."""
+    """ft_set_dots_prefetch (software prefetch ahead in each row on the vector paths and the int16 path; on by
+    default only without AVX-512) reads further ahead only: the same result bit for bit at any distance, on every
+    dot path this CPU has (16- and 8-lane fp32, bf16 dots, int16 at one token), for passes of 1-4 tokens."""
     gen = torch.Generator().manual_seed(9)
     gate, up = (expert_matrix(fmt, 3, 64, 256, gen) for _ in range(2))
     down = expert_matrix(fmt, 3, 256, 64, gen)
@@ -284,6 +284,8 @@ def test_the_vector_paths_prefetch_changes_no_result(kernel, fmt):
                torch.tensor([0, 1, 2, 3, 4, 1, 3, 2], dtype=torch.int32), torch.rand(8, generator=gen))
     avx2 = kernel.lib.ft_set_avx2_dots(0)
     kernel.lib.ft_set_avx2_dots(avx2)
+    default = kernel.lib.ft_set_dots_prefetch(0, 1)
+    assert default == (0 if avx2 == 0 else 4096)  # off with AVX-512 (where the 16-lane dots are the default)
     kernel.lib.ft_set_amx(2, 6, 1)  # tiles off: the vector paths only
     try:
         for lanes in (0, 1) if avx2 >= 0 else (avx2,):
@@ -294,12 +296,12 @@ def test_the_vector_paths_prefetch_changes_no_result(kernel, fmt):
                     for ahead in (0, 64, 4096):
                         assert kernel.lib.ft_set_dots_prefetch(ahead, 1) in (0, 64)
                         outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
-                    assert kernel.lib.ft_set_dots_prefetch(0, 2) == 4096
+                    assert kernel.lib.ft_set_dots_prefetch(0, 1) == 4096
                 assert outs[0].abs().sum() > 0 and all(torch.equal(o, outs[0]) for o in outs[1:])
     finally:
         kernel.lib.ft_set_avx2_dots(avx2)
         kernel.lib.ft_set_amx(2, 6, 0)
-        kernel.lib.ft_set_dots_prefetch(0, 2)
+        kernel.lib.ft_set_dots_prefetch(default, 1 if default else 2)
 
 
 @pytest.mark.parametrize("hidden", [40, 17])
