@@ -86,9 +86,10 @@ EXPERIMENTAL: dict[str, str] = {
     "copy-batch-blocks": "GPU path copy-batch for block-format (Q8_0) experts too. Measured on two leases "
                          "(d1-copy-batch-h200.md): Q8_0 auto 0.98x and 1.17x at budget 0, 0.88x and 0.96x at 16 GiB",
     "cpu-caller-waits": "the thread that drives the GPU only waits for a layer's CPU share instead of running the "
-                        "CPU kernel's tasks too, and the kernel's pool gets a worker more: the weights it streamed "
-                        "had pushed the host's own working set out of its caches before the next layer-step's "
-                        "host work, decode's critical path (kernels/cpu_experts/pool.h)",
+                        "CPU kernel's tasks too, and the kernel's pool gets a worker more, so the weights it would "
+                        "stream cannot push its own working set out of its caches before the next layer-step's "
+                        "host work, decode's critical path (kernels/cpu_experts/pool.h). Not measured on a device "
+                        "yet (h200_issue3.sh part d1-caller-ab)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",
