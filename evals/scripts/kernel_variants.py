@@ -46,8 +46,8 @@ class Variant:
     tile_pairs: int = 1       # ft_set_amx_tile_pairs: two of an expert's token tiles a bf16 tile pass (17+ tokens)
     vector_act: int = 1       # ft_set_vector_act: the epilogues (activations, pair outputs) 16 values at a time
     avx2_dots: int | None = None  # ft_set_avx2_dots: 8-lane dot products (1) or 16-lane (0); None: the build's
-    dots_prefetch: tuple | None = None  # ft_set_dots_prefetch: (bytes ahead in each row on the vector paths, from
-    #                                     how many tokens a pass); None: the build's
+    dots_prefetch: int | None = None  # ft_set_dots_prefetch: bytes ahead in each row on the vector paths; None: the
+    #                                   build's
     huge: bool = False        # the expert pool on huge pages
     formats: tuple = ("BF16", "Q8_0")
     batches: tuple = (1, 2, 4, 6, 8, 16, 32, 48, 64)
@@ -66,10 +66,10 @@ VARIANTS = {
     "epilogues one by one": Variant(vector_act=0, batches=(6, 8, 16, 32, 64)),
     "8-lane dots": Variant(avx2_dots=1, batches=(1, 2, 4, 8)),
     "16-lane dots": Variant(avx2_dots=0, batches=(1, 2, 4, 8)),
-    "no vector prefetch": Variant(dots_prefetch=(0, 2), batches=(1, 2, 3, 4, 5, 8)),
-    "vector prefetch 1 KiB": Variant(dots_prefetch=(1024, 1), batches=(1, 2, 3, 4, 5, 8)),
-    "vector prefetch 4 KiB": Variant(dots_prefetch=(4096, 1), batches=(1, 2, 3, 4, 5, 8)),
-    "vector prefetch 16 KiB": Variant(dots_prefetch=(16384, 1), batches=(1, 2, 3, 4, 5, 8)),
+    "no vector prefetch": Variant(dots_prefetch=0, batches=(1, 2, 3, 4, 5, 8)),
+    "vector prefetch 1 KiB": Variant(dots_prefetch=1024, batches=(1, 2, 3, 4, 5, 8)),
+    "vector prefetch 4 KiB": Variant(dots_prefetch=4096, batches=(1, 2, 3, 4, 5, 8)),
+    "vector prefetch 16 KiB": Variant(dots_prefetch=16384, batches=(1, 2, 3, 4, 5, 8)),
 }
 MADV_HUGEPAGE = 14
 
@@ -100,8 +100,7 @@ def main() -> int:
     kernel = CpuExpertKernel.get()
     avx2_default = kernel.lib.ft_set_avx2_dots(0)  # -1: a build without AVX2, where the switch does nothing
     kernel.lib.ft_set_avx2_dots(avx2_default)
-    ahead = kernel.lib.ft_set_dots_prefetch(0, 2)
-    prefetch_default = (ahead, 1) if ahead else (0, 2)
+    prefetch_default = kernel.lib.ft_set_dots_prefetch(0)
     gen = torch.Generator().manual_seed(0)
     probe = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8)
     huge_probe = on_huge_pages(probe) if any(v.huge for v in variants.values()) else None
@@ -148,7 +147,7 @@ def main() -> int:
             kernel.lib.ft_set_amx_tile_pairs(v.tile_pairs)
             kernel.lib.ft_set_vector_act(v.vector_act)
             kernel.lib.ft_set_avx2_dots(avx2_default if v.avx2_dots is None else v.avx2_dots)
-            kernel.lib.ft_set_dots_prefetch(*(v.dots_prefetch or prefetch_default))
+            kernel.lib.ft_set_dots_prefetch(prefetch_default if v.dots_prefetch is None else v.dots_prefetch)
             for fmt in a.formats:
                 for batch in a.batches:
                     if fmt in v.formats and batch in v.batches:
@@ -164,7 +163,7 @@ def main() -> int:
     kernel.lib.ft_set_amx_tile_pairs(1)
     kernel.lib.ft_set_vector_act(1)
     kernel.lib.ft_set_avx2_dots(avx2_default)
-    kernel.lib.ft_set_dots_prefetch(*prefetch_default)
+    kernel.lib.ft_set_dots_prefetch(prefetch_default)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

@@ -156,23 +156,21 @@ INLINE float hsum(vf v) {
 #endif
 }
 
-/* Software prefetch this many bytes ahead in each weight row while the vector paths dot it for a pass of at least
-   dots_prefetch_from tokens (0 bytes: off; set by ft_set_dots_prefetch). The L2 streamer stalls at each 4 KiB page
-   of a row, and the more arithmetic a byte takes (more tokens, block formats) the less the core's own requests
-   make up for it. Without AVX-512 (the 8-lane dots) it is on from one token, 4 KiB ahead: on a Zen 3 VM, 2
+/* Software prefetch this many bytes ahead in each weight row while the vector paths dot it (0: off; set by
+   ft_set_dots_prefetch). The L2 streamer stalls at each 4 KiB page of a row, and the more arithmetic a byte takes
+   (more tokens, block formats) the less the core's own requests make up for it. Without AVX-512 (the 8-lane
+   dots) it is on, 4 KiB ahead: on a Zen 3 VM, 2
    threads, BF16 1.02-1.24x and Q8_0 1.0-1.29x at 1-8 tokens, CPU-only Mixtral decode 1.11x
    (evals/results/cpu-kernel-avx2-ci-class.md). With AVX-512 off until measured there: an earlier form read 20-25%
    slower at one token on the H200 host. */
 #if defined(__AVX512F__)
-static int dots_prefetch = 0, dots_prefetch_from = 2;
+static int dots_prefetch = 0;
 #else
-static int dots_prefetch = 4096, dots_prefetch_from = 1;
+static int dots_prefetch = 4096;
 #endif
 
-INLINE int prefetching(int nt) { return dots_prefetch && nt >= dots_prefetch_from; }
-
-INLINE void prefetch_ahead(const void *row, size_t at, int nt) {
-    if (prefetching(nt)) __builtin_prefetch((const uint8_t *)row + at + dots_prefetch, 0, 3);
+INLINE void prefetch_ahead(const void *row, size_t at) {
+    if (dots_prefetch) __builtin_prefetch((const uint8_t *)row + at + dots_prefetch, 0, 3);
 }
 
 /* out[r * TILE + t] = rows[r] . xs[t] for r < nr, t < nt. nr and nt are compile-time constants at every call
@@ -191,7 +189,7 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
             vf x0 = load_f32(xs[0] + kv), x1 = load_f32(xs[0] + kv + LANES);
             for (int r = 0; r < nr; r++) {
                 const uint8_t *blk = (const uint8_t *)rows[r] + b;
-                prefetch_ahead(rows[r], b, 1);
+                prefetch_ahead(rows[r], b);
                 vf s = load_q8((const int8_t *)blk + 2) * x0;
                 s += load_q8((const int8_t *)blk + 2 + LANES) * x1;
                 if (b / Q8_BYTES & 1) acc_hi[r][0] += s * f16_splat(blk);
@@ -206,7 +204,7 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
             for (int t = 0; t < nt; t++) x0[t] = load_f32(xs[t] + kv), x1[t] = load_f32(xs[t] + kv + LANES);
             for (int r = 0; r < nr; r++) {
                 vf w0, w1;
-                prefetch_ahead(rows[r], b, nt);
+                prefetch_ahead(rows[r], b);
                 block_weights(type, (const uint8_t *)rows[r] + b, &w0, &w1);
                 for (int t = 0; t < nt; t++) acc[r][t] += w0 * x0[t], acc_hi[r][t] += w1 * x1[t];
             }
@@ -218,7 +216,7 @@ INLINE void rows_dots(int type, const void *const *rows, int nr, const float *co
             vf x[TILE];
             for (int t = 0; t < nt; t++) x[t] = load_f32(xs[t] + kv);
             for (int r = 0; r < nr; r++) {
-                if (type == FT_BF16 && !(kv & 31)) prefetch_ahead(rows[r], (size_t)kv * 2, nt);
+                if (type == FT_BF16 && !(kv & 31)) prefetch_ahead(rows[r], (size_t)kv * 2);
                 vf w = type == FT_BF16 ? load_bf16((const uint16_t *)rows[r] + kv)
                                        : load_f32((const float *)rows[r] + kv);
                 for (int t = 0; t < nt; t++) acc[r][t] += w * x[t];
@@ -303,7 +301,7 @@ INLINE void rows_dots_bf16(int type, const void *const *rows, int nr, const uint
         __m512bh x[BF16_TILE];
         for (int t = 0; t < nt; t++) x[t] = (__m512bh)_mm512_loadu_si512(xs[t] + kv);
         for (int r = 0; r < nr; r++) {
-            prefetch_ahead(rows[r], type == FT_BF16 ? kv * 2u : kv / Q8_BLOCK * block_bytes(type), nt);
+            prefetch_ahead(rows[r], type == FT_BF16 ? kv * 2u : kv / Q8_BLOCK * block_bytes(type));
             __m512bh w = row_bf16(type, rows[r], kv);
             for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w, x[t]);
         }

@@ -81,7 +81,7 @@ INLINE void rows_dots_avx2(int type, const void *const *rows, int nr, const floa
             for (int q = 0; q < 4; q++) x[q] = _mm256_loadu_ps(xs[0] + kv + 8 * q);
             for (int r = 0; r < nr; r++) {
                 const uint8_t *blk = (const uint8_t *)rows[r] + b;
-                prefetch_ahead(rows[r], b, 1);
+                prefetch_ahead(rows[r], b);
                 __m256 s = _mm256_mul_ps(avx2_q8((const int8_t *)blk + 2), x[0]);
                 for (int q = 1; q < 4; q++) s = _mm256_fmadd_ps(avx2_q8((const int8_t *)blk + 2 + 8 * q), x[q], s);
                 if (twice && (b / Q8_BYTES & 1)) acc2[r][0] = _mm256_fmadd_ps(s, avx2_f16_splat(blk), acc2[r][0]);
@@ -93,7 +93,7 @@ INLINE void rows_dots_avx2(int type, const void *const *rows, int nr, const floa
         for (size_t b = 0; kv < k; kv += Q8_BLOCK, b += bytes)
             for (int r = 0; r < nr; r++) {
                 __m256 w[4];
-                prefetch_ahead(rows[r], b, nt);
+                prefetch_ahead(rows[r], b);
                 avx2_block(type, (const uint8_t *)rows[r] + b, w);
                 for (int q = 0; q < 4; q++)
                     for (int t = 0; t < nt; t++) {
@@ -106,7 +106,7 @@ INLINE void rows_dots_avx2(int type, const void *const *rows, int nr, const floa
         for (; kv + 8 <= k; kv += 8) {
             int second = twice && (kv & 8);
             for (int r = 0; r < nr; r++) {
-                if (type == FT_BF16 && !(kv & 31)) prefetch_ahead(rows[r], (size_t)kv * 2, nt);
+                if (type == FT_BF16 && !(kv & 31)) prefetch_ahead(rows[r], (size_t)kv * 2);
                 __m256 w = type == FT_BF16 ? avx2_bf16((const uint16_t *)rows[r] + kv)
                                            : _mm256_loadu_ps((const float *)rows[r] + kv);
                 for (int t = 0; t < nt; t++) {

@@ -105,9 +105,9 @@ INLINE void q16_dot2_of(int type, const uint8_t *row0, const uint8_t *row1, cons
         size_t at = (size_t)b0 * block_bytes(type);
         const uint8_t *blk0 = row0 + at, *blk1 = row1 + at;
         const int16_t *x = xq + (size_t)b0 * Q8_BLOCK;
-        if (prefetching(1))  /* the 16 blocks' lines this far ahead in both rows */
+        if (dots_prefetch)  /* the 16 blocks' lines this far ahead in both rows */
             for (size_t line = 0; line < 16 * block_bytes(type); line += 64)
-                prefetch_ahead(blk0, line, 1), prefetch_ahead(blk1, line, 1);
+                prefetch_ahead(blk0, line), prefetch_ahead(blk1, line);
         __m512 xsc = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), xs + b0);
         __m512i q00 = q16_quad(type, blk0, x, 0, n), q10 = q16_quad(type, blk1, x, 0, n);
         __m512i q01 = q16_quad(type, blk0, x, 4, n), q11 = q16_quad(type, blk1, x, 4, n);

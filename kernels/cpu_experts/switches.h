@@ -74,12 +74,11 @@ int ft_set_amx_dequant_prefetch(int bytes) {
 #endif
 }
 
-/* Software prefetch distance in bytes in each weight row while the vector paths (and the int16 path) dot it for a
-   pass of at least `min_tokens` tokens (0 bytes: off; defaults in dots.h); returns the distance it replaces. */
-int ft_set_dots_prefetch(int bytes, int min_tokens) {
+/* Software prefetch distance in bytes in each weight row while the vector paths (and the int16 path) dot it (0:
+   off; the default in dots.h); returns the distance it replaces. */
+int ft_set_dots_prefetch(int bytes) {
     int before = dots_prefetch;
     dots_prefetch = bytes < 0 ? 0 : bytes;
-    dots_prefetch_from = min_tokens < 1 ? 1 : min_tokens;
     return before;
 }
 

@@ -284,7 +284,7 @@ def test_the_vector_paths_prefetch_changes_no_result(kernel, fmt):
                torch.tensor([0, 1, 2, 3, 4, 1, 3, 2], dtype=torch.int32), torch.rand(8, generator=gen))
     avx2 = kernel.lib.ft_set_avx2_dots(0)
     kernel.lib.ft_set_avx2_dots(avx2)
-    default = kernel.lib.ft_set_dots_prefetch(0, 1)
+    default = kernel.lib.ft_set_dots_prefetch(0)
     assert default == (0 if avx2 == 0 else 4096)  # off with AVX-512 (where the 16-lane dots are the default)
     kernel.lib.ft_set_amx(2, 6, 1)  # tiles off: the vector paths only
     try:
@@ -294,14 +294,14 @@ def test_the_vector_paths_prefetch_changes_no_result(kernel, fmt):
                 with block_bf16_from(kernel, bf16_from):
                     outs = []
                     for ahead in (0, 64, 4096):
-                        assert kernel.lib.ft_set_dots_prefetch(ahead, 1) in (0, 64)
+                        assert kernel.lib.ft_set_dots_prefetch(ahead) in (0, 64)
                         outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
-                    assert kernel.lib.ft_set_dots_prefetch(0, 1) == 4096
+                    assert kernel.lib.ft_set_dots_prefetch(0) == 4096
                 assert outs[0].abs().sum() > 0 and all(torch.equal(o, outs[0]) for o in outs[1:])
     finally:
         kernel.lib.ft_set_avx2_dots(avx2)
         kernel.lib.ft_set_amx(2, 6, 0)
-        kernel.lib.ft_set_dots_prefetch(default, 1 if default else 2)
+        kernel.lib.ft_set_dots_prefetch(default)
 
 
 @pytest.mark.parametrize("hidden", [40, 17])
