@@ -66,6 +66,7 @@ VARIANTS = {
     "epilogues one by one": Variant(vector_act=0, batches=(6, 8, 16, 32, 64)),
     "8-lane dots": Variant(avx2_dots=1, batches=(1, 2, 4, 8)),
     "16-lane dots": Variant(avx2_dots=0, batches=(1, 2, 4, 8)),
+    "8-lane dots, Q8_0 fp32 path": Variant(avx2_dots=1, q16=0, formats=("Q8_0",), batches=(1, 2, 4, 8)),
     "no vector prefetch": Variant(dots_prefetch=0, batches=(1, 2, 3, 4, 5, 8)),
     "vector prefetch 1 KiB": Variant(dots_prefetch=1024, batches=(1, 2, 3, 4, 5, 8)),
     "vector prefetch 4 KiB": Variant(dots_prefetch=4096, batches=(1, 2, 3, 4, 5, 8)),

@@ -19,7 +19,7 @@
 
    FT_AMX_EMULATE builds the same code over tiles emulated in C (tiles.h), so the layouts are tested on any
    AVX-512 machine (tests/kernels/test_cpu_expert_tiles.py); real tiles run on Sapphire Rapids and later. */
-#if HAVE_Q16 && ((HAVE_AMX && defined(__AMX_INT8__)) || defined(FT_AMX_EMULATE))
+#if HAVE_Q16_AVX512 && ((HAVE_AMX && defined(__AMX_INT8__)) || defined(FT_AMX_EMULATE))
 #define HAVE_AMX_Q8 1
 #if !HAVE_AMX
 static int amx_prefetch;  /* amx.h's, where it is not compiled */

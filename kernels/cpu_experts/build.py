@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("experts.c")
 # included by experts.c (one translation unit)
-PARTS = ("act.h", "dots.h", "dots_avx2.h", "q16.h", "pool.h", "tiles.h", "amx.h", "amx_q8.h", "switches.h", "memory.h")
+PARTS = ("act.h", "dots.h", "dots_avx2.h", "q16.h", "q16_avx2.h", "pool.h", "tiles.h", "amx.h", "amx_q8.h",
+         "switches.h", "memory.h")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 
 

@@ -84,7 +84,8 @@ class CpuExpertKernel:
         self.lib = lib
         self.threads = lib.ft_pool_start(threads)
         self.bf16_dot = bool(lib.ft_has_bf16_dot())  # AVX-512-BF16: bf16 x bf16 products when the model is bf16
-        self.q16 = bool(lib.ft_has_q16())  # AVX-512BW: Q8_0 / MXFP4 rows against int16 activations (decode)
+        q16 = lib.ft_has_q16()  # Q8_0 / MXFP4 rows against int16 activations (decode): AVX2, or AVX-512BW too
+        self.q16, self.q16_sixteen_lanes = q16 > 0, q16 == 2
         self.amx = bool(lib.ft_has_amx())  # AMX tiles for bf16 experts at 2-16 tokens per expert
         self.amx_q8 = lib.ft_has_amx_q8()  # int8 tiles for Q8_0 experts at 2-32: 1 real, 2 emulated (tests)
         if os.environ.get("FREETOKEN_CPU_AMX") == "0":

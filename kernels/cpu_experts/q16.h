@@ -2,7 +2,13 @@
 
 static int q16_two_rows = 1;  /* ft_set_q16_form: rows dotted in interleaved pairs (1) or one at a time (0) */
 
-#if defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "q16_avx2.h"  /* the 8-lane form: the default without AVX-512, and where ft_set_avx2_dots turns it on */
+#else
+#define HAVE_Q16_AVX2 0
+#endif
+
+#if defined(__AVX512BW__) && defined(__AVX512F__) && HAVE_Q16_AVX2
 /* Block-format weights against int16 activations (a bf16 model's Q8_0 or MXFP4 experts at one token per expert:
    decode; several tokens share the fp32 path's widened weights, which is faster there).
    The fp32 path spends ~14 vector ops per block and row widening int8 to fp32 and scaling; here a block is one
@@ -13,7 +19,7 @@ static int q16_two_rows = 1;  /* ft_set_q16_form: rows dotted in interleaved pai
    a bf16 value within 2^8 of its block's largest is exact, smaller ones err by at most 2^-16 of that largest (far
    below bf16's own rounding). Rows are dotted one at a time (one DRAM stream), or two interleaved (q16_dot2).
    `type` (FT_Q8_0 or FT_MXFP4) is a compile-time constant wherever these inline. */
-#define HAVE_Q16 1
+#define HAVE_Q16_AVX512 1
 INLINE __m512i q16_pairs(__m512i a, __m512i b) {
     return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
 }
@@ -90,10 +96,6 @@ INLINE float q16_dot_of(int type, const uint8_t *row, const int16_t *xq, const f
     return _mm512_reduce_add_ps(acc);
 }
 
-static float q16_dot(int type, const uint8_t *row, const int16_t *xq, const float *xs, int k) {
-    return type == FT_MXFP4 ? q16_dot_of(FT_MXFP4, row, xq, xs, k) : q16_dot_of(FT_Q8_0, row, xq, xs, k);
-}
-
 /* Two rows against the same activations, interleaved: two DRAM streams, as the other paths read (one stream at a
    time was slower on the H200 host). out[0], out[1]. */
 INLINE void q16_dot2_of(int type, const uint8_t *row0, const uint8_t *row1, const int16_t *xq, const float *xs,
@@ -122,12 +124,6 @@ INLINE void q16_dot2_of(int type, const uint8_t *row0, const uint8_t *row1, cons
     out[1] = _mm512_reduce_add_ps(acc1);
 }
 
-static void q16_dot2(int type, const uint8_t *row0, const uint8_t *row1, const int16_t *xq, const float *xs, int k,
-                     float *out) {
-    if (type == FT_MXFP4) q16_dot2_of(FT_MXFP4, row0, row1, xq, xs, k, out);
-    else q16_dot2_of(FT_Q8_0, row0, row1, xq, xs, k, out);
-}
-
 /* x[0..32) → q (int16) and its scale: a power of two, so q * scale is x exactly for bf16 values near the max. */
 INLINE void q16_quantize_block(const float *x, int16_t *q, float *scale) {
     __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
@@ -145,9 +141,44 @@ INLINE void q16_quantize_block(const float *x, int16_t *q, float *scale) {
     *scale = ldexpf(1.0f, e - 15);
 }
 
-static void q16_quantize(const float *x, int16_t *q, float *scales, int k) {
-    for (int b = 0; b < k / Q8_BLOCK; b++) q16_quantize_block(x + b * Q8_BLOCK, q + b * Q8_BLOCK, scales + b);
-}
 #else
-#define HAVE_Q16 0
+#define HAVE_Q16_AVX512 0
+#endif
+
+/* The path's entry points: the 16-lane form where the build has it, unless the 8-lane dots are switched on (both
+   forms quantize to the same int16 values; their sums differ in order only). */
+#define HAVE_Q16 HAVE_Q16_AVX2
+#if HAVE_Q16
+static float q16_dot(int type, const uint8_t *row, const int16_t *xq, const float *xs, int k) {
+#if HAVE_Q16_AVX512
+    if (!avx2_dots)
+        return type == FT_MXFP4 ? q16_dot_of(FT_MXFP4, row, xq, xs, k) : q16_dot_of(FT_Q8_0, row, xq, xs, k);
+#endif
+    return type == FT_MXFP4 ? q16_dot_avx2_of(FT_MXFP4, row, xq, xs, k) : q16_dot_avx2_of(FT_Q8_0, row, xq, xs, k);
+}
+
+static void q16_dot2(int type, const uint8_t *row0, const uint8_t *row1, const int16_t *xq, const float *xs, int k,
+                     float *out) {
+#if HAVE_Q16_AVX512
+    if (!avx2_dots) {
+        if (type == FT_MXFP4) q16_dot2_of(FT_MXFP4, row0, row1, xq, xs, k, out);
+        else q16_dot2_of(FT_Q8_0, row0, row1, xq, xs, k, out);
+        return;
+    }
+#endif
+    if (type == FT_MXFP4) q16_dot2_avx2_of(FT_MXFP4, row0, row1, xq, xs, k, out);
+    else q16_dot2_avx2_of(FT_Q8_0, row0, row1, xq, xs, k, out);
+}
+
+static void q16_quantize(const float *x, int16_t *q, float *scales, int k) {
+    for (int b = 0; b < k / Q8_BLOCK; b++) {
+#if HAVE_Q16_AVX512
+        if (!avx2_dots) {
+            q16_quantize_block(x + b * Q8_BLOCK, q + b * Q8_BLOCK, scales + b);
+            continue;
+        }
+#endif
+        q16_quantize_block_avx2(x + b * Q8_BLOCK, q + b * Q8_BLOCK, scales + b);
+    }
+}
 #endif

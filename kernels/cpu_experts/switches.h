@@ -12,8 +12,9 @@ int ft_set_block_bf16(int min_tokens) {
     return before;
 }
 
-/* The 8-lane dot products (dots_avx2.h) on or off; on by default only where AVX-512 is missing. Returns the setting
-   it replaces, or -1 where the build has no AVX2 (the switch does nothing there). */
+/* The 8-lane dot products (dots_avx2.h, and the int16 path's q16_avx2.h) on or off; on by default only where
+   AVX-512 is missing. Returns the setting it replaces, or -1 where the build has no AVX2 (the switch does nothing
+   there). */
 int ft_set_avx2_dots(int on) {
 #if HAVE_AVX2_DOTS
     int before = avx2_dots;
@@ -135,5 +136,6 @@ int ft_has_amx(void) {
 /* Whether this build has the bf16 dot path (AVX-512-BF16). */
 int ft_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
-/* Whether block formats (Q8_0, MXFP4) of a bf16 model can dot int16 activations at one token per expert. */
-int ft_has_q16(void) { return HAVE_Q16; }
+/* Whether block formats (Q8_0, MXFP4) of a bf16 model can dot int16 activations at one token per expert: 0 no,
+   1 on 8 lanes (AVX2), 2 on 16 lanes too (AVX-512BW; ft_set_avx2_dots picks the 8-lane form). */
+int ft_has_q16(void) { return HAVE_Q16_AVX512 ? 2 : HAVE_Q16; }

@@ -222,22 +222,58 @@ def test_block_formats_against_int16_activations_match_the_float_path(kernel, fm
 @pytest.mark.parametrize("hidden", [544, 2048])
 def test_int16_forms_agree_exactly(kernel, fmt, hidden):
     """The int16-activation path's forms (rows one at a time or in interleaved pairs) sum the same integers in the
-    same order: bit-identical outputs, a partial group of 16 blocks (544) included. (Where the build has no
-    AVX-512BW both forms are the fp32 path, trivially equal.)"""
+    same order: bit-identical outputs, a partial group of 16 (or 8) blocks (544) included, on 16 lanes and on 8
+    where the build has both. (Where the build has no AVX2 both forms are the fp32 path, trivially equal.)"""
     gen = torch.Generator().manual_seed(hidden)
     gate, up = (expert_matrix(fmt, 5, 96, hidden, gen) for _ in range(2))
     down = expert_matrix(fmt, 5, hidden, 96, gen)
     x = torch.randn(1, hidden, generator=gen).bfloat16().float()
     routing = _routing(1, 5, 4, gen)  # one token per expert: the int16 path's case (decode)
-    outs = []
+    before = kernel.lib.ft_set_avx2_dots(1)
     try:
-        for two_rows in (1, 0):
-            kernel.lib.ft_set_q16_form(two_rows)
-            outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
+        for eight_lanes in (0, 1) if kernel.q16_sixteen_lanes else (before,):
+            kernel.lib.ft_set_avx2_dots(eight_lanes)
+            outs = []
+            for two_rows in (1, 0):
+                kernel.lib.ft_set_q16_form(two_rows)
+                outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
+            assert torch.equal(outs[0], outs[1])
+            assert outs[0].abs().sum() > 0
     finally:
         kernel.lib.ft_set_q16_form(1)
-    assert torch.equal(outs[0], outs[1])
-    assert outs[0].abs().sum() > 0
+        kernel.lib.ft_set_avx2_dots(before)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4"])
+@pytest.mark.parametrize("hidden", [96, 544, 2048])
+def test_int16_path_on_eight_lanes_matches_sixteen(kernel, fmt, hidden):
+    """The int16 path on 8 lanes (q16_avx2.h: the default without AVX-512) against its 16-lane form: the same int16
+    activations and exact block sums, scaled and added in another order, so equal to fp32 rounding before the
+    bf16 rounding points (a partial group of 8 and of 16 blocks: 96, 544). Also against the fp32 path and the
+    reference at fp32 rounding, where the int16 quantization is the only difference (outlier included)."""
+    if not kernel.q16_sixteen_lanes:
+        pytest.skip("one form only: this build has no AVX-512BW (the other int16 tests check the 8-lane form)")
+    gen = torch.Generator().manual_seed(hidden + 1)
+    gate, up = (expert_matrix(fmt, 5, 64, hidden, gen) for _ in range(2))
+    down = expert_matrix(fmt, 5, hidden, 64, gen)
+    x = torch.randn(1, hidden, generator=gen)
+    x[0, 37] = 300.0
+    x = x.bfloat16().float()
+    routing = _routing(1, 5, 3, gen)
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    before = kernel.lib.ft_set_avx2_dots(0)
+    outs = []
+    try:
+        for eight_lanes in (0, 1):
+            kernel.lib.ft_set_avx2_dots(eight_lanes)
+            outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
+    finally:
+        kernel.lib.ft_set_avx2_dots(before)
+    sixteen, eight = outs
+    assert torch.isfinite(eight).all()
+    # the forms differ by fp32 rounding of the scaled block sums; bf16 rounding points may flip on ties
+    assert (eight - sixteen).norm() / sixteen.norm() < 2e-3
+    assert (eight - want).norm() / want.norm() < 2e-2
 
 
 @pytest.mark.parametrize("fmt", ["F32", "BF16", "Q8_0", "MXFP4", "FP8_B32"])
@@ -267,7 +303,12 @@ def test_eight_lane_dots_match_the_sixteen_lane_ones(kernel, fmt, tokens):
         kernel.lib.ft_set_q16(1)
     for got in outs:
         assert (got - want).norm() / want.norm() < 1e-5
-    assert not torch.equal(outs[0], outs[1])  # two summation orders: a sign the switch took effect
+    # two summation orders: a sign the switch took effect. With AVX-512 the 16-lane reduction of one accumulator is
+    # the 8-lane form's two accumulators added: float rows at one accumulator pair (tokens 1-2) agree bit for bit.
+    if kernel.q16_sixteen_lanes and fmt in ("F32", "BF16") and tokens <= 2:
+        assert (outs[0] - outs[1]).abs().max() <= 1e-5 * want.abs().max()
+    else:
+        assert not torch.equal(outs[0], outs[1])
     assert (outs[0] - outs[1]).abs().max() <= 1e-5 * want.abs().max()
 
 
