@@ -48,9 +48,11 @@ class Variant:
     avx2_dots: int | None = None  # ft_set_avx2_dots: 8-lane dot products (1) or 16-lane (0); None: the build's
     dots_prefetch: int | None = None  # ft_set_dots_prefetch: bytes ahead in each row on the vector paths; None: the
     #                                   build's
+    q16_rows: int | None = None  # ft_set_q16_rows: up to how many tokens Q8_0 takes the int16 path 16 rows at a
+    #                              time; None: the build's
     huge: bool = False        # the expert pool on huge pages
     formats: tuple = ("BF16", "Q8_0")
-    batches: tuple = (1, 2, 4, 6, 8, 16, 32, 48, 64)
+    batches: tuple = (1, 2, 3, 4, 5, 6, 8, 16, 32, 48, 64)
 
 
 VARIANTS = {
@@ -67,6 +69,9 @@ VARIANTS = {
     "8-lane dots": Variant(avx2_dots=1, batches=(1, 2, 4, 8)),
     "16-lane dots": Variant(avx2_dots=0, batches=(1, 2, 4, 8)),
     "8-lane dots, Q8_0 fp32 path": Variant(avx2_dots=1, q16=0, formats=("Q8_0",), batches=(1, 2, 4, 8)),
+    "Q8_0 int16 rows": Variant(q16_rows=8, formats=("Q8_0",), batches=(2, 3, 4, 5, 6, 8)),
+    "Q8_0 int16 rows, no bf16 tiles": Variant(q16_rows=8, q8_tiles_from=99, formats=("Q8_0",), batches=(6, 8)),
+    "Q8_0 no int16 rows": Variant(q16_rows=1, formats=("Q8_0",), batches=(2, 3, 4, 5, 6, 8)),
     "no vector prefetch": Variant(dots_prefetch=0, batches=(1, 2, 3, 4, 5, 8)),
     "vector prefetch 1 KiB": Variant(dots_prefetch=1024, batches=(1, 2, 3, 4, 5, 8)),
     "vector prefetch 4 KiB": Variant(dots_prefetch=4096, batches=(1, 2, 3, 4, 5, 8)),
@@ -102,6 +107,7 @@ def main() -> int:
     avx2_default = kernel.lib.ft_set_avx2_dots(0)  # -1: a build without AVX2, where the switch does nothing
     kernel.lib.ft_set_avx2_dots(avx2_default)
     prefetch_default = kernel.lib.ft_set_dots_prefetch(0)
+    rows_default = kernel.lib.ft_set_q16_rows(1)
     gen = torch.Generator().manual_seed(0)
     probe = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8)
     huge_probe = on_huge_pages(probe) if any(v.huge for v in variants.values()) else None
@@ -149,6 +155,7 @@ def main() -> int:
             kernel.lib.ft_set_vector_act(v.vector_act)
             kernel.lib.ft_set_avx2_dots(avx2_default if v.avx2_dots is None else v.avx2_dots)
             kernel.lib.ft_set_dots_prefetch(prefetch_default if v.dots_prefetch is None else v.dots_prefetch)
+            kernel.lib.ft_set_q16_rows(rows_default if v.q16_rows is None else v.q16_rows)
             for fmt in a.formats:
                 for batch in a.batches:
                     if fmt in v.formats and batch in v.batches:
@@ -165,6 +172,7 @@ def main() -> int:
     kernel.lib.ft_set_vector_act(1)
     kernel.lib.ft_set_avx2_dots(avx2_default)
     kernel.lib.ft_set_dots_prefetch(prefetch_default)
+    kernel.lib.ft_set_q16_rows(rows_default)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("experts.c")
 # included by experts.c (one translation unit)
-PARTS = ("act.h", "dots.h", "dots_avx2.h", "q16.h", "q16_avx2.h", "pool.h", "tiles.h", "amx.h", "amx_q8.h",
-         "switches.h", "memory.h")
+PARTS = ("act.h", "dots.h", "dots_avx2.h", "q16.h", "q16_avx2.h", "q16_rows.h", "pool.h", "tiles.h", "amx.h",
+         "amx_q8.h", "switches.h", "memory.h")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 
 
@@ -105,6 +105,8 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_set_vector_act.argtypes, lib.ft_set_vector_act.restype = [i], i
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
+    lib.ft_set_q16_rows.argtypes, lib.ft_set_q16_rows.restype = [i], i
+    lib.ft_set_q16_rows_prefetch.argtypes, lib.ft_set_q16_rows_prefetch.restype = [i], i
     lib.ft_set_block_bf16.argtypes, lib.ft_set_block_bf16.restype = [i], i
     lib.ft_set_avx2_dots.argtypes, lib.ft_set_avx2_dots.restype = [i], i
     lib.ft_set_dots_prefetch.argtypes, lib.ft_set_dots_prefetch.restype = [i], i

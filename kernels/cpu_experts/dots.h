@@ -158,16 +158,12 @@ INLINE float hsum(vf v) {
 
 /* Software prefetch this many bytes ahead in each weight row while the vector paths dot it (0: off; set by
    ft_set_dots_prefetch). The L2 streamer stalls at each 4 KiB page of a row, and the more arithmetic a byte takes
-   (more tokens, block formats) the less the core's own requests make up for it. Without AVX-512 (the 8-lane
-   dots) it is on, 4 KiB ahead: on a Zen 3 VM, 2
-   threads, BF16 1.02-1.24x and Q8_0 1.0-1.29x at 1-8 tokens, CPU-only Mixtral decode 1.11x
-   (evals/results/cpu-kernel-avx2-ci-class.md). With AVX-512 off until measured there: an earlier form read 20-25%
-   slower at one token on the H200 host. */
-#if defined(__AVX512F__)
-static int dots_prefetch = 0;
-#else
+   (more tokens, block formats) the less the core's own requests make up for it. 4 KiB ahead, everywhere: on a
+   Zen 3 VM (8-lane dots, 2 threads) BF16 1.02-1.24x and Q8_0 1.0-1.29x at 1-8 tokens, CPU-only Mixtral decode
+   1.11x (evals/results/cpu-kernel-avx2-ci-class.md); on the H100 test machine's host (15 threads) BF16 1.19x and
+   Q8_0 1.15x at one token, equal at 2-8, and D1 decode at expert budget 0 1.10x (Q8_0) and 1.12x (bf16)
+   (evals/results/cpu-kernel-q16-rows.md). */
 static int dots_prefetch = 4096;
-#endif
 
 INLINE void prefetch_ahead(const void *row, size_t at) {
     if (dots_prefetch) __builtin_prefetch((const uint8_t *)row + at + dots_prefetch, 0, 3);

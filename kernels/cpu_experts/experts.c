@@ -138,6 +138,21 @@ INLINE int bf16_dot_takes(const moe_job *j, int type, int nt) {
     return j->xb && (type == FT_BF16 || nt >= block_bf16_min_tokens);
 }
 
+/* tuning: up to how many tokens per expert (the most of any expert in a job) a bf16 model's Q8_0 rows take the
+   int16 path 16 rows at a time (q16_rows.h) at 2 tokens or more. 5: on a Sapphire Rapids-class VM (2 threads)
+   Q8_0 at 2-5 tokens read 1.2-1.4x the fp32 path's rate, and from 6 on the bf16 tiles were faster
+   (evals/results/cpu-kernel-q16-rows.md). ft_set_q16_rows moves it (1: never). */
+static int q16_rows_max_tokens = 5;
+enum { Q16_ROWS_MAX = 16, Q16_ROWS_MAX_TOKENS = 8 };
+
+/* Whether a pass of nt tokens over rows of `type` takes q16_rows (`quantized`: the job's int16 activations for
+   these rows, x's or act's, or NULL): where the bf16 dot path does not (it takes block formats from
+   block_bf16_min_tokens, never where tiles are compiled in). */
+INLINE int q16_rows_take(const moe_job *j, int type, int nt, const int16_t *quantized) {
+    return HAVE_Q16_ROWS && quantized && type == FT_Q8_0 && nt >= 2 && nt <= q16_rows_max_tokens &&
+           nt <= Q16_ROWS_MAX_TOKENS && !bf16_dot_takes(j, type, nt);
+}
+
 static void phase_gate_up(void *ctx, int task) {
     const moe_job *j = ctx;
     int blocks = (j->inter + j->gate_rows - 1) / j->gate_rows, e = task / blocks, r0 = (task % blocks) * j->gate_rows;
@@ -154,9 +169,28 @@ static void phase_gate_up(void *ctx, int task) {
             xs[t] = j->x + (size_t)j->pair_tokens[p0 + t0 + t] * j->hidden;
             if (j->xb) xbs[t] = j->xb + (size_t)j->pair_tokens[p0 + t0 + t] * j->hidden;
         }
+        float grouped[2][Q16_ROWS_MAX * Q16_ROWS_MAX_TOKENS];  /* gate, up dots of rows group_r0.. (q16_rows) */
+        int group_r0 = r0, group_r1 = r0;
         for (int r = r0; r < r1; r++) {
             const void *rows[2] = {gate + r * gb, up + r * ub};
-            if (j->xq && nt == 1) {  /* several tokens share the fp32 path's widened weights: faster there */
+            if (r == group_r1 && r + Q16_ROWS_MAX <= r1 && j->up_type == j->gate_type &&
+                q16_rows_take(j, j->gate_type, nt, j->xq)) {
+#if HAVE_Q16_ROWS
+                const int16_t *xq[Q16_ROWS_MAX_TOKENS];
+                const float *xqs[Q16_ROWS_MAX_TOKENS];
+                for (int t = 0; t < nt; t++) {
+                    size_t token = (size_t)j->pair_tokens[p0 + t0 + t];
+                    xq[t] = j->xq + token * j->hidden, xqs[t] = j->xqs + token * (j->hidden / Q8_BLOCK);
+                }
+                q16_rows_dots_n(rows[0], gb, xq, xqs, j->hidden, nt, grouped[0]);
+                q16_rows_dots_n(rows[1], ub, xq, xqs, j->hidden, nt, grouped[1]);
+                group_r0 = r, group_r1 = r + Q16_ROWS;
+#endif
+            }
+            if (r < group_r1) {
+                for (int t = 0; t < nt; t++)
+                    gu[t] = grouped[0][(r - group_r0) * nt + t], gu[nt + t] = grouped[1][(r - group_r0) * nt + t];
+            } else if (j->xq && nt == 1) {  /* several tokens share the fp32 path's widened weights: faster there */
 #if HAVE_Q16
                 size_t token = (size_t)j->pair_tokens[p0 + t0];
                 const int16_t *xq = j->xq + token * j->hidden;
@@ -218,10 +252,26 @@ static void phase_down(void *ctx, int task) {
                 if (j->actb) abs_[t] = j->actb + (size_t)(p0 + t) * j->inter;
             }
             int q16 = j->actq && nt == 1, step = q16 && !q16_two_rows ? 1 : 2;  /* rows interleave in pairs */
+            float grouped[Q16_ROWS_MAX * Q16_ROWS_MAX_TOKENS];  /* the task's 16 rows at once (q16_rows) */
+            int group = h1 - h0 == Q16_ROWS_MAX && q16_rows_take(j, j->down_type, nt, j->actq);
+#if HAVE_Q16_ROWS
+            if (group) {
+                const int16_t *aq[Q16_ROWS_MAX_TOKENS];
+                const float *aqs[Q16_ROWS_MAX_TOKENS];
+                for (int t = 0; t < nt; t++) {
+                    aq[t] = j->actq + (size_t)(p0 + t) * j->inter;
+                    aqs[t] = j->actqs + (size_t)(p0 + t) * (j->inter / Q8_BLOCK);
+                }
+                q16_rows_dots_n(down + h0 * db, db, aq, aqs, j->inter, nt, grouped);
+                step = 2;
+            }
+#endif
             for (int h = h0; h < h1; h += step) {
                 const void *rows[2] = {down + h * db, down + (h + 1) * db};
                 int nr = h + 1 < h1 && step == 2 ? 2 : 1;
-                if (q16) {
+                if (group) {
+                    for (int i = 0; i < nr * nt; i++) d[i] = grouped[(h - h0) * nt + i];
+                } else if (q16) {
 #if HAVE_Q16
                     const int16_t *aq = j->actq + (size_t)p0 * j->inter;
                     const float *aqs = j->actqs + (size_t)p0 * (j->inter / Q8_BLOCK);
@@ -467,10 +517,12 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
         }
     }
 #endif
-    /* int16 copies only where every expert takes one token: experts with more take the fp32 path, and quantizing
-       for them anyway cost batches of 2-4 up to a sixth of their rate (H200 host,
-       evals/results/cpu-expert-kernel-h200.md) */
-    if (!current.xp && !current.q8x && current.xb_amx && !q16_disabled && most_tokens(&current.job) == 1)
+    /* int16 copies where every expert takes one token, or (Q8_0, 16-lane builds) at most q16_rows_max_tokens;
+       quantizing for experts that take the fp32 path anyway cost batches of 2-4 up to a sixth of their rate (H200
+       host, evals/results/cpu-expert-kernel-h200.md) */
+    int most = most_tokens(&current.job), q8 = gate_type == FT_Q8_0 && up_type == FT_Q8_0 && down_type == FT_Q8_0;
+    if (!current.xp && !current.q8x && current.xb_amx && !q16_disabled &&
+        (most == 1 || (HAVE_Q16_ROWS && q8 && most <= q16_rows_max_tokens && most <= Q16_ROWS_MAX_TOKENS)))
         start_q16(&current.job, tokens, pair_offsets[n_experts]);
     if (current.job.xq) current.phase0_tasks = tokens;
     current.phase1_tasks = n_experts * ((inter + current.job.gate_rows - 1) / current.job.gate_rows);

@@ -141,8 +141,12 @@ INLINE void q16_quantize_block(const float *x, int16_t *q, float *scale) {
     *scale = ldexpf(1.0f, e - 15);
 }
 
+#include "q16_rows.h"
 #else
 #define HAVE_Q16_AVX512 0
+#endif
+#if !HAVE_Q16_AVX512
+#define HAVE_Q16_ROWS 0
 #endif
 
 /* The path's entry points: the 16-lane form where the build has it, unless the 8-lane dots are switched on (both

@@ -26,6 +26,26 @@ int ft_set_avx2_dots(int on) {
 #endif
 }
 
+/* Up to how many tokens per expert (from 2) a bf16 model's Q8_0 rows take the int16 path 16 rows at a time
+   (q16_rows.h; 1: never), and its software prefetch distance in each row (bytes; 0: off); each returns the
+   setting it replaces (-1 where the build has no such path). */
+int ft_set_q16_rows(int max_tokens) {
+    int before = q16_rows_max_tokens;
+    q16_rows_max_tokens = max_tokens;
+    return HAVE_Q16_ROWS ? before : -1;
+}
+
+int ft_set_q16_rows_prefetch(int bytes) {
+#if HAVE_Q16_ROWS
+    int before = q16_rows_prefetch;
+    q16_rows_prefetch = bytes;
+    return before;
+#else
+    (void)bytes;
+    return -1;
+#endif
+}
+
 /* Whether the int16-activation path dots rows in interleaved pairs (default) or one at a time, for measuring. */
 void ft_set_q16_form(int two_rows) { q16_two_rows = two_rows; }
 

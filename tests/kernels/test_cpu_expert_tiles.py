@@ -10,7 +10,7 @@ import torch
 
 from freetoken.kernels.cpu_experts import build, reference
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
-from support.cpu_kernel import expert_matrix
+from support.cpu_kernel import expert_matrix, without_q16_rows
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,8 @@ def test_q8_0_on_int8_tiles_matches_the_reference(request, tiles, tokens, hidden
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     with int8_tiles(kernel):
         got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    other = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    with without_q16_rows(kernel):  # (at 2-5 tokens the 16-row int16 path sums the same integers as the tiles)
+        other = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert torch.isfinite(got).all()
     assert (got - want).norm() / want.norm() < 5e-3
     assert not torch.equal(got, other)

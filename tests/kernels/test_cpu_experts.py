@@ -244,6 +244,51 @@ def test_int16_forms_agree_exactly(kernel, fmt, hidden):
         kernel.lib.ft_set_avx2_dots(before)
 
 
+@pytest.mark.parametrize("hidden, inter", [(96, 64), (544, 96), (2048, 768)])
+@pytest.mark.parametrize("tokens", [2, 3, 4, 5])
+def test_int16_rows_at_several_tokens_equal_each_token_alone(kernel, hidden, inter, tokens):
+    """A bf16 model's Q8_0 experts at 2-5 tokens each take the int16 path 16 rows at a time (q16_rows.h: block b
+    of 16 rows transposed into lanes once, one vpdpwssd per token): the same int16 activations and exact block
+    sums as each token alone on the one-token int16 path, scaled and added in another order, so equal but for
+    rare bf16 rounding flips (a slip in the transpose would differ everywhere). The switch takes effect (the fp32
+    path differs in many places), 4 + 1 tokens split as 3 + 2 included, and the rows' prefetch changes nothing."""
+    before = kernel.lib.ft_set_q16_rows(5)
+    if before < 0:
+        pytest.skip("built without AVX-512BW: no 16-row int16 path")
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    gate, up = (expert_matrix("Q8_0", 3, inter, hidden, gen) for _ in range(2))
+    down = expert_matrix("Q8_0", 3, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    x[0, 37] = 30.0
+    x = x.bfloat16().float()
+    experts = torch.tensor([0, 2], dtype=torch.int32)  # both experts take every token
+    offsets = torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32)
+    pair_tokens = torch.arange(tokens, dtype=torch.int32).repeat(2)
+    weights = torch.rand(2 * tokens, generator=gen)
+    routed = (experts, offsets, pair_tokens, weights)
+    prefetch = kernel.lib.ft_set_q16_rows_prefetch(0)
+    try:
+        kernel.lib.ft_set_q16_rows_prefetch(prefetch)
+        together = kernel.moe_forward(x, gate, up, down, *routed, round_to=torch.bfloat16)
+        kernel.lib.ft_set_q16_rows_prefetch(0)
+        unprefetched = kernel.moe_forward(x, gate, up, down, *routed, round_to=torch.bfloat16)
+        kernel.lib.ft_set_q16_rows(1)
+        float_path = kernel.moe_forward(x, gate, up, down, *routed, round_to=torch.bfloat16)
+        alone = torch.cat([kernel.moe_forward(x[t:t + 1], gate, up, down, experts,
+                                              torch.tensor([0, 1, 2], dtype=torch.int32),
+                                              torch.zeros(2, dtype=torch.int32), weights[[t, tokens + t]],
+                                              round_to=torch.bfloat16) for t in range(tokens)])
+    finally:
+        kernel.lib.ft_set_q16_rows(before)
+        kernel.lib.ft_set_q16_rows_prefetch(prefetch)
+    assert torch.equal(together, unprefetched)
+    assert (together - alone).norm() / alone.norm() < 1e-3
+    assert (together != alone).float().mean() < 0.01
+    assert not torch.equal(together, float_path)
+    want = reference.moe_forward(x, gate, up, down, *routed, round_to=torch.bfloat16)
+    assert (together - want).norm() / want.norm() < 2e-2
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4"])
 @pytest.mark.parametrize("hidden", [96, 544, 2048])
 def test_int16_path_on_eight_lanes_matches_sixteen(kernel, fmt, hidden):
@@ -314,9 +359,9 @@ def test_eight_lane_dots_match_the_sixteen_lane_ones(kernel, fmt, tokens):
 
 @pytest.mark.parametrize("fmt", ["BF16", "Q8_0", "MXFP4"])
 def test_the_vector_paths_prefetch_changes_no_result(kernel, fmt):
-    """ft_set_dots_prefetch (software prefetch ahead in each row on the vector paths and the int16 path; on by
-    default only without AVX-512) reads further ahead only: the same result bit for bit at any distance, on every
-    dot path this CPU has (16- and 8-lane fp32, bf16 dots, int16 at one token), for passes of 1-4 tokens."""
+    """ft_set_dots_prefetch (software prefetch ahead in each row on the vector paths and the int16 path; 4 KiB by
+    default) reads further ahead only: the same result bit for bit at any distance, on every dot path this CPU has
+    (16- and 8-lane fp32, bf16 dots, int16 at one token), for passes of 1-4 tokens."""
     gen = torch.Generator().manual_seed(9)
     gate, up = (expert_matrix(fmt, 3, 64, 256, gen) for _ in range(2))
     down = expert_matrix(fmt, 3, 256, 64, gen)
@@ -326,7 +371,7 @@ def test_the_vector_paths_prefetch_changes_no_result(kernel, fmt):
     avx2 = kernel.lib.ft_set_avx2_dots(0)
     kernel.lib.ft_set_avx2_dots(avx2)
     default = kernel.lib.ft_set_dots_prefetch(0)
-    assert default == (0 if avx2 == 0 else 4096)  # off with AVX-512 (where the 16-lane dots are the default)
+    assert default == 4096
     kernel.lib.ft_set_amx(2, 6, 1)  # tiles off: the vector paths only
     try:
         for lanes in (0, 1) if avx2 >= 0 else (avx2,):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from freetoken.kernels.cpu_experts.bench import random_q8_0
@@ -27,3 +29,15 @@ def expert_matrix(fmt: str, experts: int, out: int, inp: int, gen: torch.Generat
         return ExpertMatrix(to_gguf_blocks(blocks, scales).reshape(experts, -1), "MXFP4", (out, inp))
     dtype = {"F32": torch.float32, "BF16": torch.bfloat16}[fmt]
     return ExpertMatrix.of((torch.randn(experts, out, inp, generator=gen) * 0.1).to(dtype))
+
+
+@contextlib.contextmanager
+def without_q16_rows(kernel):
+    """Q8_0 experts of a bf16 model at 2-5 tokens per expert off the 16-row int16 path (q16_rows.h), for tests of
+    the paths it takes precedence over; a no-op where the build has no such path."""
+    before = kernel.lib.ft_set_q16_rows(1)
+    try:
+        yield
+    finally:
+        if before >= 0:
+            kernel.lib.ft_set_q16_rows(before)
