@@ -88,8 +88,9 @@ EXPERIMENTAL: dict[str, str] = {
     "cpu-caller-waits": "the thread that drives the GPU only waits for a layer's CPU share instead of running the "
                         "CPU kernel's tasks too, and the kernel's pool gets a worker more, so the weights it would "
                         "stream cannot push its own working set out of its caches before the next layer-step's "
-                        "host work, decode's critical path (kernels/cpu_experts/pool.h). Not measured on a device "
-                        "yet (h200_issue3.sh part d1-caller-ab)",
+                        "host work, decode's critical path (kernels/cpu_experts/pool.h). Measured on the H100 "
+                        "machine (D1 Q8_0, budget 0, A/B/A/B): 30.10 against 30.03 tok/s, the CPU share starting "
+                        "~8 us earlier: no gain (evals/results/cpu-kernel-q16-rows.md)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

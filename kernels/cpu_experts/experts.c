@@ -139,10 +139,12 @@ INLINE int bf16_dot_takes(const moe_job *j, int type, int nt) {
 }
 
 /* tuning: up to how many tokens per expert (the most of any expert in a job) a bf16 model's Q8_0 rows take the
-   int16 path 16 rows at a time (q16_rows.h) at 2 tokens or more. 5: on a Sapphire Rapids-class VM (2 threads)
-   Q8_0 at 2-5 tokens read 1.2-1.4x the fp32 path's rate, and from 6 on the bf16 tiles were faster
-   (evals/results/cpu-kernel-q16-rows.md). ft_set_q16_rows moves it (1: never). */
-static int q16_rows_max_tokens = 5;
+   int16 path 16 rows at a time (q16_rows.h) at 2 tokens or more; 1: never (default). Against the fp32 path
+   without row prefetch it read 1.12-1.22x at 2-5 tokens on the H100 host (15 threads); against the fp32 path
+   with the 4 KiB row prefetch (the default since) it read 0.9x on a Sapphire Rapids-class VM (2 threads): its
+   16 row streams at once prefetch worse than two (evals/results/cpu-kernel-q16-rows.md). Off until measured
+   against that on the device (kernel_variants.py "Q8_0 int16 rows"); ft_set_q16_rows(5) turns it on. */
+static int q16_rows_max_tokens = 1;
 enum { Q16_ROWS_MAX = 16, Q16_ROWS_MAX_TOKENS = 8 };
 
 /* Whether a pass of nt tokens over rows of `type` takes q16_rows (`quantized`: the job's int16 activations for
