@@ -4,16 +4,17 @@ interleave, and the table gives each variant's median and best GB/s with the DRA
     python evals/scripts/kernel_variants.py [--rounds 15] [--threads 15] [--pool-mib 1024] [--variants NAME ...]
                                             [--out FILE]
 
-Variants are the kernel's switches (`ft_set_q16`: Q8_0 rows against int16 activations at one token per expert,
-or the fp32 path; `ft_set_q16_form`: that path's rows in interleaved pairs or one at a time; `ft_set_amx`: tiles
-on or off, and from how many tokens per expert Q8_0 takes bf16 tiles; `ft_set_amx_q8`: the token counts Q8_0
-takes int8 tiles at; `ft_set_avx2_dots`: the dot products on 8-lane registers, the default without AVX-512,
-or on the 16-lane vectors), switched between calls in one process, so every
+Variants are the kernel's switches (`ft_set_q16`: Q8_0 rows against int16 activations at one token per expert, or
+the fp32 path; `ft_set_q16_form`: that path's rows in interleaved pairs or one at a time; `ft_set_amx`: tiles on or
+off, and from how many tokens per expert Q8_0 takes bf16 tiles; `ft_set_amx_q8`: the token counts Q8_0 takes int8
+tiles at; `ft_set_avx2_dots`: the dot products on 8-lane registers, the default without AVX-512, or on the 16-lane
+vectors; `ft_set_dots_prefetch`: the rows' software prefetch distance; `ft_set_q16_rows` and `ft_set_q16_rows_from`:
+the token counts Q8_0 takes the int16 path 16 rows at a time at), switched between calls in one process, so every
 variant reads the very same expert pool; "huge pages" reads a copy of the pool advised for transparent huge pages
-(the probe is then also timed on such a copy). (Earlier variants, measured and dropped: software prefetch, Q8_0
-through bf16 dot products (commit 7389ec5), the int16 path's block scales by scalar loads instead of one gather
-(d867a6f), rows of the other paths dotted one at a time instead of two interleaved (commit 48d99b5), the int16
-path's rows one at a time (d867a6f).)
+(the probe is then also timed on such a copy). (Earlier variants, measured and dropped: an earlier software
+prefetch, Q8_0 through bf16 dot products (commit 7389ec5), the int16 path's block scales by scalar loads instead of
+one gather (d867a6f), rows of the other paths dotted one at a time instead of two interleaved (commit 48d99b5), the
+int16 path's rows one at a time (d867a6f).)
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Variant:
     #                                   build's
     q16_rows: int | None = None  # ft_set_q16_rows: up to how many tokens Q8_0 takes the int16 path 16 rows at a
     #                              time; None: the build's
+    q16_rows_from: int | None = None  # ft_set_q16_rows_from: from how many tokens; None: the build's
     huge: bool = False        # the expert pool on huge pages
     formats: tuple = ("BF16", "Q8_0")
     batches: tuple = (1, 2, 3, 4, 5, 6, 8, 16, 32, 48, 64)
@@ -69,8 +71,9 @@ VARIANTS = {
     "8-lane dots": Variant(avx2_dots=1, batches=(1, 2, 4, 8)),
     "16-lane dots": Variant(avx2_dots=0, batches=(1, 2, 4, 8)),
     "8-lane dots, Q8_0 fp32 path": Variant(avx2_dots=1, q16=0, formats=("Q8_0",), batches=(1, 2, 4, 8)),
-    "Q8_0 int16 rows": Variant(q16_rows=8, formats=("Q8_0",), batches=(2, 3, 4, 5, 6, 8)),
-    "Q8_0 int16 rows, no bf16 tiles": Variant(q16_rows=8, q8_tiles_from=99, formats=("Q8_0",), batches=(6, 8)),
+    "Q8_0 int16 rows": Variant(q16_rows=8, q16_rows_from=2, formats=("Q8_0",), batches=(2, 3, 4, 5, 6, 8)),
+    "Q8_0 int16 rows, no bf16 tiles": Variant(q16_rows=8, q16_rows_from=2, q8_tiles_from=99, formats=("Q8_0",),
+                                              batches=(6, 8)),
     "Q8_0 no int16 rows": Variant(q16_rows=1, formats=("Q8_0",), batches=(2, 3, 4, 5, 6, 8)),
     "no vector prefetch": Variant(dots_prefetch=0, batches=(1, 2, 3, 4, 5, 8)),
     "vector prefetch 1 KiB": Variant(dots_prefetch=1024, batches=(1, 2, 3, 4, 5, 8)),
@@ -108,6 +111,7 @@ def main() -> int:
     kernel.lib.ft_set_avx2_dots(avx2_default)
     prefetch_default = kernel.lib.ft_set_dots_prefetch(0)
     rows_default = kernel.lib.ft_set_q16_rows(1)
+    rows_from_default = kernel.lib.ft_set_q16_rows_from(2)
     gen = torch.Generator().manual_seed(0)
     probe = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8)
     huge_probe = on_huge_pages(probe) if any(v.huge for v in variants.values()) else None
@@ -156,6 +160,7 @@ def main() -> int:
             kernel.lib.ft_set_avx2_dots(avx2_default if v.avx2_dots is None else v.avx2_dots)
             kernel.lib.ft_set_dots_prefetch(prefetch_default if v.dots_prefetch is None else v.dots_prefetch)
             kernel.lib.ft_set_q16_rows(rows_default if v.q16_rows is None else v.q16_rows)
+            kernel.lib.ft_set_q16_rows_from(rows_from_default if v.q16_rows_from is None else v.q16_rows_from)
             for fmt in a.formats:
                 for batch in a.batches:
                     if fmt in v.formats and batch in v.batches:
@@ -173,6 +178,7 @@ def main() -> int:
     kernel.lib.ft_set_avx2_dots(avx2_default)
     kernel.lib.ft_set_dots_prefetch(prefetch_default)
     kernel.lib.ft_set_q16_rows(rows_default)
+    kernel.lib.ft_set_q16_rows_from(rows_from_default)
     probes = results[("DRAM read probe", "", 0)]
     dram = max(probes)
     lines = [f"threads {kernel.threads}, {a.rounds} interleaved rounds, pool {a.pool_mib} MiB, bf16 activations; "

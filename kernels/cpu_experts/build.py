@@ -106,6 +106,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None
     lib.ft_set_q16_form.argtypes, lib.ft_set_q16_form.restype = [i], None
     lib.ft_set_q16_rows.argtypes, lib.ft_set_q16_rows.restype = [i], i
+    lib.ft_set_q16_rows_from.argtypes, lib.ft_set_q16_rows_from.restype = [i], i
     lib.ft_set_q16_rows_prefetch.argtypes, lib.ft_set_q16_rows_prefetch.restype = [i], i
     lib.ft_set_block_bf16.argtypes, lib.ft_set_block_bf16.restype = [i], i
     lib.ft_set_avx2_dots.argtypes, lib.ft_set_avx2_dots.restype = [i], i

@@ -138,21 +138,21 @@ INLINE int bf16_dot_takes(const moe_job *j, int type, int nt) {
     return j->xb && (type == FT_BF16 || nt >= block_bf16_min_tokens);
 }
 
-/* tuning: up to how many tokens per expert (the most of any expert in a job) a bf16 model's Q8_0 rows take the
-   int16 path 16 rows at a time (q16_rows.h) at 2 tokens or more; 1: never (default). Against the fp32 path
-   without row prefetch it read 1.12-1.22x at 2-5 tokens on the H100 host (15 threads); against the fp32 path
-   with the 4 KiB row prefetch (the default since) it read 0.9x on a Sapphire Rapids-class VM (2 threads): its
-   16 row streams at once prefetch worse than two (evals/results/cpu-kernel-q16-rows.md). Off until measured
-   against that on the device (kernel_variants.py "Q8_0 int16 rows"); ft_set_q16_rows(5) turns it on. */
-static int q16_rows_max_tokens = 1;
+/* tuning: the tokens per expert at which a bf16 model's Q8_0 rows take the int16 path 16 rows at a time
+   (q16_rows.h): from q16_rows_min_tokens up to q16_rows_max_tokens (the most of any expert in the job decides
+   whether x is quantized). 3-5: on the H100 test machine's host (15 threads) it read 1.10x, 1.10x, 1.19x the fp32
+   path with its 4 KiB row prefetch at 3, 4, 5 tokens and 0.97x at 2; from 6 the bf16 tiles are faster. (On a
+   2-thread VM it read 0.9x at 2-4: its 16 row streams prefetch worse where one core must pull 15 GB/s;
+   evals/results/cpu-kernel-q16-rows.md.) ft_set_q16_rows and ft_set_q16_rows_from move them (max 1: never). */
+static int q16_rows_min_tokens = 3, q16_rows_max_tokens = 5;
 enum { Q16_ROWS_MAX = 16, Q16_ROWS_MAX_TOKENS = 8 };
 
 /* Whether a pass of nt tokens over rows of `type` takes q16_rows (`quantized`: the job's int16 activations for
    these rows, x's or act's, or NULL): where the bf16 dot path does not (it takes block formats from
    block_bf16_min_tokens, never where tiles are compiled in). */
 INLINE int q16_rows_take(const moe_job *j, int type, int nt, const int16_t *quantized) {
-    return HAVE_Q16_ROWS && quantized && type == FT_Q8_0 && nt >= 2 && nt <= q16_rows_max_tokens &&
-           nt <= Q16_ROWS_MAX_TOKENS && !bf16_dot_takes(j, type, nt);
+    return HAVE_Q16_ROWS && quantized && type == FT_Q8_0 && nt >= 2 && nt >= q16_rows_min_tokens &&
+           nt <= q16_rows_max_tokens && nt <= Q16_ROWS_MAX_TOKENS && !bf16_dot_takes(j, type, nt);
 }
 
 static void phase_gate_up(void *ctx, int task) {
@@ -519,12 +519,13 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
         }
     }
 #endif
-    /* int16 copies where every expert takes one token, or (Q8_0, 16-lane builds) at most q16_rows_max_tokens;
-       quantizing for experts that take the fp32 path anyway cost batches of 2-4 up to a sixth of their rate (H200
+    /* int16 copies where every expert takes one token, or (Q8_0, 16-lane builds) the most any takes is in
+       q16_rows' range; quantizing for experts that take the fp32 path anyway cost batches of 2-4 up to a sixth of their rate (H200
        host, evals/results/cpu-expert-kernel-h200.md) */
     int most = most_tokens(&current.job), q8 = gate_type == FT_Q8_0 && up_type == FT_Q8_0 && down_type == FT_Q8_0;
-    if (!current.xp && !current.q8x && current.xb_amx && !q16_disabled &&
-        (most == 1 || (HAVE_Q16_ROWS && q8 && most <= q16_rows_max_tokens && most <= Q16_ROWS_MAX_TOKENS)))
+    int rows = HAVE_Q16_ROWS && q8 && most >= q16_rows_min_tokens && most <= q16_rows_max_tokens &&
+               most <= Q16_ROWS_MAX_TOKENS;
+    if (!current.xp && !current.q8x && current.xb_amx && !q16_disabled && (most == 1 || rows))
         start_q16(&current.job, tokens, pair_offsets[n_experts]);
     if (current.job.xq) current.phase0_tasks = tokens;
     current.phase1_tasks = n_experts * ((inter + current.job.gate_rows - 1) / current.job.gate_rows);

@@ -26,12 +26,18 @@ int ft_set_avx2_dots(int on) {
 #endif
 }
 
-/* Up to how many tokens per expert (from 2) a bf16 model's Q8_0 rows take the int16 path 16 rows at a time
-   (q16_rows.h; 1: never), and its software prefetch distance in each row (bytes; 0: off); each returns the
-   setting it replaces (-1 where the build has no such path). */
+/* Up to how many and from how many tokens per expert (2 at least) a bf16 model's Q8_0 rows take the int16 path 16
+   rows at a time (q16_rows.h; max 1: never), and its software prefetch distance in each row (bytes; 0: off); each
+   returns the setting it replaces (-1 where the build has no such path). */
 int ft_set_q16_rows(int max_tokens) {
     int before = q16_rows_max_tokens;
     q16_rows_max_tokens = max_tokens;
+    return HAVE_Q16_ROWS ? before : -1;
+}
+
+int ft_set_q16_rows_from(int min_tokens) {
+    int before = q16_rows_min_tokens;
+    q16_rows_min_tokens = min_tokens;
     return HAVE_Q16_ROWS ? before : -1;
 }
 

@@ -252,7 +252,7 @@ def test_int16_rows_at_several_tokens_equal_each_token_alone(kernel, hidden, int
     sums as each token alone on the one-token int16 path, scaled and added in another order, so equal but for
     rare bf16 rounding flips (a slip in the transpose would differ everywhere). The switch takes effect (the fp32
     path differs in many places), 4 + 1 tokens split as 3 + 2 included, and the rows' prefetch changes nothing."""
-    before = kernel.lib.ft_set_q16_rows(5)
+    before, before_from = kernel.lib.ft_set_q16_rows(5), kernel.lib.ft_set_q16_rows_from(2)
     if before < 0:
         pytest.skip("built without AVX-512BW: no 16-row int16 path")
     gen = torch.Generator().manual_seed(tokens + hidden)
@@ -280,6 +280,7 @@ def test_int16_rows_at_several_tokens_equal_each_token_alone(kernel, hidden, int
                                               round_to=torch.bfloat16) for t in range(tokens)])
     finally:
         kernel.lib.ft_set_q16_rows(before)
+        kernel.lib.ft_set_q16_rows_from(before_from)
         kernel.lib.ft_set_q16_rows_prefetch(prefetch)
     assert torch.equal(together, unprefetched)
     assert (together - alone).norm() / alone.norm() < 1e-3
