@@ -155,6 +155,20 @@ INLINE int q16_rows_take(const moe_job *j, int type, int nt, const int16_t *quan
            nt <= q16_rows_max_tokens && nt <= Q16_ROWS_MAX_TOKENS && !bf16_dot_takes(j, type, nt);
 }
 
+/* The dots of 16 rows (from w, stride bytes apart, k weights) with nt activations' int16 copies, row at[t] of q
+   (block scales qs) for token t: out[r * nt + t]. */
+static void q16_rows_for(const uint8_t *w, size_t stride, const int16_t *q, const float *qs, const int32_t *at, int k,
+                         int nt, float *out) {
+#if HAVE_Q16_ROWS
+    const int16_t *xq[Q16_ROWS_MAX_TOKENS];
+    const float *xs[Q16_ROWS_MAX_TOKENS];
+    for (int t = 0; t < nt; t++) xq[t] = q + (size_t)at[t] * k, xs[t] = qs + (size_t)at[t] * (k / Q8_BLOCK);
+    q16_rows_dots_n(w, stride, xq, xs, k, nt, out);
+#else
+    (void)w, (void)stride, (void)q, (void)qs, (void)at, (void)k, (void)nt, (void)out;
+#endif
+}
+
 static void phase_gate_up(void *ctx, int task) {
     const moe_job *j = ctx;
     int blocks = (j->inter + j->gate_rows - 1) / j->gate_rows, e = task / blocks, r0 = (task % blocks) * j->gate_rows;
@@ -177,17 +191,10 @@ static void phase_gate_up(void *ctx, int task) {
             const void *rows[2] = {gate + r * gb, up + r * ub};
             if (r == group_r1 && r + Q16_ROWS_MAX <= r1 && j->up_type == j->gate_type &&
                 q16_rows_take(j, j->gate_type, nt, j->xq)) {
-#if HAVE_Q16_ROWS
-                const int16_t *xq[Q16_ROWS_MAX_TOKENS];
-                const float *xqs[Q16_ROWS_MAX_TOKENS];
-                for (int t = 0; t < nt; t++) {
-                    size_t token = (size_t)j->pair_tokens[p0 + t0 + t];
-                    xq[t] = j->xq + token * j->hidden, xqs[t] = j->xqs + token * (j->hidden / Q8_BLOCK);
-                }
-                q16_rows_dots_n(rows[0], gb, xq, xqs, j->hidden, nt, grouped[0]);
-                q16_rows_dots_n(rows[1], ub, xq, xqs, j->hidden, nt, grouped[1]);
-                group_r0 = r, group_r1 = r + Q16_ROWS;
-#endif
+                const int32_t *tokens = j->pair_tokens + p0 + t0;
+                q16_rows_for(rows[0], gb, j->xq, j->xqs, tokens, j->hidden, nt, grouped[0]);
+                q16_rows_for(rows[1], ub, j->xq, j->xqs, tokens, j->hidden, nt, grouped[1]);
+                group_r0 = r, group_r1 = r + Q16_ROWS_MAX;
             }
             if (r < group_r1) {
                 for (int t = 0; t < nt; t++)
@@ -256,18 +263,12 @@ static void phase_down(void *ctx, int task) {
             int q16 = j->actq && nt == 1, step = q16 && !q16_two_rows ? 1 : 2;  /* rows interleave in pairs */
             float grouped[Q16_ROWS_MAX * Q16_ROWS_MAX_TOKENS];  /* the task's 16 rows at once (q16_rows) */
             int group = h1 - h0 == Q16_ROWS_MAX && q16_rows_take(j, j->down_type, nt, j->actq);
-#if HAVE_Q16_ROWS
             if (group) {
-                const int16_t *aq[Q16_ROWS_MAX_TOKENS];
-                const float *aqs[Q16_ROWS_MAX_TOKENS];
-                for (int t = 0; t < nt; t++) {
-                    aq[t] = j->actq + (size_t)(p0 + t) * j->inter;
-                    aqs[t] = j->actqs + (size_t)(p0 + t) * (j->inter / Q8_BLOCK);
-                }
-                q16_rows_dots_n(down + h0 * db, db, aq, aqs, j->inter, nt, grouped);
+                int32_t pairs[Q16_ROWS_MAX_TOKENS];
+                for (int t = 0; t < nt; t++) pairs[t] = p0 + t;
+                q16_rows_for(down + h0 * db, db, j->actq, j->actqs, pairs, j->inter, nt, grouped);
                 step = 2;
             }
-#endif
             for (int h = h0; h < h1; h += step) {
                 const void *rows[2] = {down + h * db, down + (h + 1) * db};
                 int nr = h + 1 < h1 && step == 2 ? 2 : 1;
