@@ -220,11 +220,30 @@ static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, co
     }
 }
 
+/* A per-thread [tokens][ROW_BLOCK] accumulator for amx_down's rows (NULL when memory runs out). */
+static float *amx_down_rows(int tokens) {
+    static __thread float *buf;
+    static __thread size_t capacity;
+    size_t need = (size_t)tokens * ROW_BLOCK;
+    if (need > capacity) {
+        free(buf);
+        buf = aligned_alloc(64, (need * 4 + 63) / 64 * 64);
+        capacity = buf ? need : 0;
+    }
+    return buf;
+}
+
+/* Phase 2 on tiles: a task's 16 output rows over every expert. Their sums build up in a [token][16 rows] buffer
+   (one cache line a token) and are copied into y at the end: added in y itself, each row's tokens lie a row of y
+   apart (8 KiB for hidden 2048), so every update missed L1 (the updates took ~30% of this function at 32 tokens
+   on a Sapphire Rapids-class core). Same additions in the same order: the same bits. */
 static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile_base, int task) {
     int h0 = task * ROW_BLOCK;
     float d[2][16][16];
-    for (int h = h0; h < h0 + ROW_BLOCK; h++)
-        for (int t = 0; t < j->tokens; t++) j->y[(size_t)t * j->hidden + h] = 0.0f;
+    float *acc = amx_down_rows(j->tokens), *y = acc ? acc : j->y;
+    size_t pitch = acc ? ROW_BLOCK : (size_t)j->hidden, col = acc ? 0 : (size_t)h0;
+    for (int t = 0; t < j->tokens; t++)
+        for (int r = 0; r < ROW_BLOCK; r++) y[(size_t)t * pitch + col + r] = 0.0f;
     for (int e = 0; e < j->n_experts; e++) {
         int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
         int dt = j->down_type;
@@ -243,11 +262,13 @@ static void amx_down(const moe_job *j, const uint16_t *actp, const int32_t *tile
                 for (int r = 0; r < ROW_BLOCK; r++) {
                     float v[AMX_TOKENS];
                     expert_outs(j, j->experts[e], h0 + r, d[i][r], w, outs_in_vectors(j) ? AMX_TOKENS : valid, v);
-                    for (int c = 0; c < valid; c++)
-                        j->y[(size_t)j->pair_tokens[first + c] * j->hidden + h0 + r] += v[c];
+                    for (int c = 0; c < valid; c++) y[(size_t)j->pair_tokens[first + c] * pitch + col + r] += v[c];
                 }
             }
         }
     }
+    if (acc)
+        for (int t = 0; t < j->tokens; t++)
+            memcpy(j->y + (size_t)t * j->hidden + h0, acc + (size_t)t * ROW_BLOCK, ROW_BLOCK * sizeof *acc);
 }
 #endif
