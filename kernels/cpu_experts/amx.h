@@ -208,9 +208,8 @@ static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, co
                 float acts[AMX_TOKENS];
                 /* in vectors all 16 columns (unused ones are zero and dropped); bf16 rounding is on with tiles */
                 expert_acts(j, expert, row, g[i][r], u[i][r], acts_in_vectors(j) ? AMX_TOKENS : valid, acts);
-                for (int c = 0; c < AMX_TOKENS; c++) {
+                for (int c = 0; c < AMX_TOKENS; c++) {  /* (fp32 act stays unwritten: amx_down reads actp) */
                     float a = c < valid ? acts[c] : 0.0f;
-                    if (c < valid) j->act[(size_t)(p0 + (tile + i) * AMX_TOKENS + c) * j->inter + row] = a;
                     uint32_t bits;
                     memcpy(&bits, &a, 4);
                     dst[(size_t)(row / 2) * AMX_TOKENS * 2 + c * 2 + (row & 1)] = (uint16_t)(bits >> 16);
