@@ -10,7 +10,7 @@ static int q16_two_rows = 1;  /* ft_set_q16_form: rows dotted in interleaved pai
 
 #if defined(__AVX512BW__) && defined(__AVX512F__) && HAVE_Q16_AVX2
 /* Block-format weights against int16 activations (a bf16 model's Q8_0 or MXFP4 experts at one token per expert:
-   decode; several tokens share the fp32 path's widened weights, which is faster there).
+   decode; Q8_0 at 3-5 tokens takes q16_rows.h, other token counts the fp32 path or tiles).
    The fp32 path spends ~14 vector ops per block and row widening int8 to fp32 and scaling; here a block is one
    widening to int16 (MXFP4: its codes looked up as the doubled e2m1 integers first) and one vpmaddwd (exact int32
    products), and the per-block scale is applied to 16 blocks at once: their 16 partial vectors are summed into
