@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import numpy as np
@@ -11,33 +10,7 @@ import torch
 
 from freetoken.kernels.cpu_experts import build, reference
 from freetoken.kernels.cpu_experts.reference import ExpertMatrix
-from support.cpu_kernel import expert_matrix
-
-NEVER = 1 << 30
-
-
-@contextlib.contextmanager
-def block_bf16_from(kernel, tokens: int):
-    """Block-format experts of a bf16 model on the bf16 dot path from `tokens` per expert on (NEVER: fp32 path);
-    yields the threshold it replaced (the kernel's default)."""
-    before = kernel.lib.ft_set_block_bf16(tokens)
-    try:
-        yield before
-    finally:
-        kernel.lib.ft_set_block_bf16(before)
-
-
-def _routing(tokens: int, experts: int, k: int, gen: torch.Generator):
-    """Top-k routing of every token, grouped by expert (CSR), with one expert listed but given no tokens."""
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
-    listed = sorted(set(ids.flatten().tolist()) | {experts - 1})
-    offsets, pair_tokens = [0], []
-    for e in listed:
-        mine = (ids == e).any(dim=1).nonzero().flatten().tolist()
-        pair_tokens += mine
-        offsets.append(len(pair_tokens))
-    return (torch.tensor(listed, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
-            torch.tensor(pair_tokens, dtype=torch.int32), torch.rand(len(pair_tokens), generator=gen))
+from support.cpu_kernel import NEVER, block_bf16_from, expert_matrix, random_routing
 
 
 @pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("MXFP4",) * 3, ("FP8_B32",) * 3,
@@ -50,7 +23,7 @@ def test_kernel_matches_the_reference(kernel, formats, tokens, round_to):
     gate, up = (expert_matrix(f, experts, inter, hidden, gen) for f in formats[:2])
     down = expert_matrix(formats[2], experts, hidden, inter, gen)
     x = torch.randn(tokens + 1, hidden, generator=gen)  # the last token is routed nowhere
-    routing = _routing(tokens, experts, 2, gen)
+    routing = random_routing(tokens, experts, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=round_to)
     got = kernel.moe_forward(x, gate, up, down, *routing, round_to=round_to)
     assert torch.isfinite(got).all() and torch.equal(got[-1], torch.zeros(hidden))
@@ -68,7 +41,7 @@ def test_bf16_activations_take_the_bf16_dot_path_and_match(kernel, tokens, hidde
     gate, up = (expert_matrix("BF16", 5, 64, hidden, gen) for _ in range(2))
     down = expert_matrix("BF16", 5, hidden, 64, gen)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().float()
-    routing = _routing(tokens, 5, 2, gen)
+    routing = random_routing(tokens, 5, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     got = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert (got - want).norm() / want.norm() < 2e-2
@@ -90,7 +63,7 @@ def test_activations_go_to_bf16_only_when_they_are_bf16_values(kernel):
     gate, up = (expert_matrix("BF16", 5, 64, 96, gen) for _ in range(2))
     down = expert_matrix("BF16", 5, 96, 64, gen)
     x = torch.randn(3, 96, generator=gen)
-    routing = _routing(3, 5, 2, gen)
+    routing = random_routing(3, 5, 2, gen)
     pending = kernel.start(x, gate, up, down, *routing, round_to=torch.bfloat16)
     assert pending._keep_alive[7] is None  # no act_bf16: the fp32 path
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
@@ -106,7 +79,7 @@ def _form_case(formats, tokens: int, round_to: torch.dtype, gen: torch.Generator
     x = torch.randn(tokens, hidden, generator=gen) * 3
     if round_to == torch.bfloat16:
         x = x.bfloat16().float()
-    return gate, up, down, x, _routing(tokens, experts, 2, gen)
+    return gate, up, down, x, random_routing(tokens, experts, 2, gen)
 
 
 @pytest.mark.parametrize("formats", [("F32",) * 3, ("BF16",) * 3, ("Q8_0",) * 3, ("MXFP4",) * 3])
@@ -184,144 +157,6 @@ def test_epilogues_computed_a_vector_at_a_time_match_one_by_one(kernel, fmt, rou
     assert (vector - want).norm() / want.norm() < tol
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4"])
-@pytest.mark.parametrize("tokens", [1, 2, 5])
-@pytest.mark.parametrize("hidden", [96, 544, 2048])
-def test_block_formats_against_int16_activations_match_the_float_path(kernel, fmt, tokens, hidden):
-    """A bf16 model's Q8_0 or MXFP4 experts below the tile threshold dot int16 activations (per-block power-of-two
-    scales, 16 blocks' scales applied at once: f16 for Q8_0, E8M0 for MXFP4, its tiny subnormal scales included):
-    equal to the fp32-activation path to fp32 rounding, whatever the row length (a partial group of 16 blocks: 96
-    and 544), also with an outlier in one block."""
-    gen = torch.Generator().manual_seed(tokens + hidden)
-    gate, up = (expert_matrix(fmt, 5, 64, hidden, gen) for _ in range(2))
-    down = expert_matrix(fmt, 5, hidden, 64, gen)
-    x = torch.randn(tokens, hidden, generator=gen)
-    x[0, 37] = 300.0  # its block's other values keep 2^-16 of it as their precision
-    x = x.bfloat16().float()
-    routing = _routing(tokens, 5, 2, gen)
-    with block_bf16_from(kernel, NEVER):  # experts of 5 tokens on the fp32 path in both runs
-        int16 = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-        kernel.lib.ft_set_q16(0)
-        try:
-            float_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-        finally:
-            kernel.lib.ft_set_q16(1)
-    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert torch.isfinite(int16).all()
-    # bf16 rounding points (projections, silu, products) flip where the two paths land on either side of a tie;
-    # MXFP4's codes are coarse (one in eight is zero), so the outlier's own weight can vanish and leave its block's
-    # dot to the values its power-of-two scale quantizes coarsest (a 2^-6 step here): up to 5.3e-3 at 96
-    assert (int16 - float_path).norm() / float_path.norm() < (5e-3 if fmt == "Q8_0" else 1e-2)
-    assert (int16 - want).norm() / want.norm() < 2e-2
-    if kernel.q16 and kernel.wants_bf16_activations(gate, up, down, torch.bfloat16) and tokens == 1:
-        # one token per expert took the int16 path: the outlier's block quantizes coarser than fp32 does
-        assert not torch.equal(int16, float_path)
-
-
-@pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4"])
-@pytest.mark.parametrize("hidden", [544, 2048])
-def test_int16_forms_agree_exactly(kernel, fmt, hidden):
-    """The int16-activation path's forms (rows one at a time or in interleaved pairs) sum the same integers in the
-    same order: bit-identical outputs, a partial group of 16 (or 8) blocks (544) included, on 16 lanes and on 8
-    where the build has both. (Where the build has no AVX2 both forms are the fp32 path, trivially equal.)"""
-    gen = torch.Generator().manual_seed(hidden)
-    gate, up = (expert_matrix(fmt, 5, 96, hidden, gen) for _ in range(2))
-    down = expert_matrix(fmt, 5, hidden, 96, gen)
-    x = torch.randn(1, hidden, generator=gen).bfloat16().float()
-    routing = _routing(1, 5, 4, gen)  # one token per expert: the int16 path's case (decode)
-    before = kernel.lib.ft_set_avx2_dots(1)
-    try:
-        for eight_lanes in (0, 1) if kernel.q16_sixteen_lanes else (before,):
-            kernel.lib.ft_set_avx2_dots(eight_lanes)
-            outs = []
-            for two_rows in (1, 0):
-                kernel.lib.ft_set_q16_form(two_rows)
-                outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
-            assert torch.equal(outs[0], outs[1])
-            assert outs[0].abs().sum() > 0
-    finally:
-        kernel.lib.ft_set_q16_form(1)
-        kernel.lib.ft_set_avx2_dots(before)
-
-
-@pytest.mark.parametrize("hidden, inter", [(96, 64), (544, 96), (2048, 768)])
-@pytest.mark.parametrize("tokens", [2, 3, 4, 5])
-def test_int16_rows_at_several_tokens_equal_each_token_alone(kernel, hidden, inter, tokens):
-    """A bf16 model's Q8_0 experts at 2-5 tokens each take the int16 path 16 rows at a time (q16_rows.h: block b
-    of 16 rows transposed into lanes once, one vpdpwssd per token): the same int16 activations and exact block
-    sums as each token alone on the one-token int16 path, scaled and added in another order, so equal but for
-    rare bf16 rounding flips (a slip in the transpose would differ everywhere). The switch takes effect (the fp32
-    path differs in many places), 4 + 1 tokens split as 3 + 2 included, and the rows' prefetch changes nothing."""
-    before, before_from = kernel.lib.ft_set_q16_rows(5), kernel.lib.ft_set_q16_rows_from(2)
-    if before < 0:
-        pytest.skip("built without AVX-512BW: no 16-row int16 path")
-    gen = torch.Generator().manual_seed(tokens + hidden)
-    gate, up = (expert_matrix("Q8_0", 3, inter, hidden, gen) for _ in range(2))
-    down = expert_matrix("Q8_0", 3, hidden, inter, gen)
-    x = torch.randn(tokens, hidden, generator=gen)
-    x[0, 37] = 30.0
-    x = x.bfloat16().float()
-    experts = torch.tensor([0, 2], dtype=torch.int32)  # both experts take every token
-    offsets = torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32)
-    pair_tokens = torch.arange(tokens, dtype=torch.int32).repeat(2)
-    weights = torch.rand(2 * tokens, generator=gen)
-    routed = (experts, offsets, pair_tokens, weights)
-    prefetch = kernel.lib.ft_set_q16_rows_prefetch(0)
-    try:
-        kernel.lib.ft_set_q16_rows_prefetch(prefetch)
-        together = kernel.moe_forward(x, gate, up, down, *routed, round_to=torch.bfloat16)
-        kernel.lib.ft_set_q16_rows_prefetch(0)
-        unprefetched = kernel.moe_forward(x, gate, up, down, *routed, round_to=torch.bfloat16)
-        kernel.lib.ft_set_q16_rows(1)
-        float_path = kernel.moe_forward(x, gate, up, down, *routed, round_to=torch.bfloat16)
-        alone = torch.cat([kernel.moe_forward(x[t:t + 1], gate, up, down, experts,
-                                              torch.tensor([0, 1, 2], dtype=torch.int32),
-                                              torch.zeros(2, dtype=torch.int32), weights[[t, tokens + t]],
-                                              round_to=torch.bfloat16) for t in range(tokens)])
-    finally:
-        kernel.lib.ft_set_q16_rows(before)
-        kernel.lib.ft_set_q16_rows_from(before_from)
-        kernel.lib.ft_set_q16_rows_prefetch(prefetch)
-    assert torch.equal(together, unprefetched)
-    assert (together - alone).norm() / alone.norm() < 1e-3
-    assert (together != alone).float().mean() < 0.01
-    assert not torch.equal(together, float_path)
-    want = reference.moe_forward(x, gate, up, down, *routed, round_to=torch.bfloat16)
-    assert (together - want).norm() / want.norm() < 2e-2
-
-
-@pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4"])
-@pytest.mark.parametrize("hidden", [96, 544, 2048])
-def test_int16_path_on_eight_lanes_matches_sixteen(kernel, fmt, hidden):
-    """The int16 path on 8 lanes (q16_avx2.h: the default without AVX-512) against its 16-lane form: the same int16
-    activations and exact block sums, scaled and added in another order, so equal to fp32 rounding before the
-    bf16 rounding points (a partial group of 8 and of 16 blocks: 96, 544). Also against the fp32 path and the
-    reference at fp32 rounding, where the int16 quantization is the only difference (outlier included)."""
-    if not kernel.q16_sixteen_lanes:
-        pytest.skip("one form only: this build has no AVX-512BW (the other int16 tests check the 8-lane form)")
-    gen = torch.Generator().manual_seed(hidden + 1)
-    gate, up = (expert_matrix(fmt, 5, 64, hidden, gen) for _ in range(2))
-    down = expert_matrix(fmt, 5, hidden, 64, gen)
-    x = torch.randn(1, hidden, generator=gen)
-    x[0, 37] = 300.0
-    x = x.bfloat16().float()
-    routing = _routing(1, 5, 3, gen)
-    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    before = kernel.lib.ft_set_avx2_dots(0)
-    outs = []
-    try:
-        for eight_lanes in (0, 1):
-            kernel.lib.ft_set_avx2_dots(eight_lanes)
-            outs.append(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16))
-    finally:
-        kernel.lib.ft_set_avx2_dots(before)
-    sixteen, eight = outs
-    assert torch.isfinite(eight).all()
-    # the forms differ by fp32 rounding of the scaled block sums; bf16 rounding points may flip on ties
-    assert (eight - sixteen).norm() / sixteen.norm() < 2e-3
-    assert (eight - want).norm() / want.norm() < 2e-2
-
-
 @pytest.mark.parametrize("fmt", ["F32", "BF16", "Q8_0", "MXFP4", "FP8_B32"])
 @pytest.mark.parametrize("tokens", [1, 2, 5])
 def test_eight_lane_dots_match_the_sixteen_lane_ones(kernel, fmt, tokens):
@@ -336,7 +171,7 @@ def test_eight_lane_dots_match_the_sixteen_lane_ones(kernel, fmt, tokens):
     gate, up = (expert_matrix(fmt, experts, inter, hidden, gen) for _ in range(2))
     down = expert_matrix(fmt, experts, hidden, inter, gen)
     x = torch.randn(tokens, hidden, generator=gen)
-    routing = _routing(tokens, experts, 2, gen)
+    routing = random_routing(tokens, experts, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing)
     outs = []
     kernel.lib.ft_set_q16(0)
@@ -396,7 +231,7 @@ def test_float_rows_of_any_length(kernel, hidden):
     gen = torch.Generator().manual_seed(hidden)
     gate, up, down = (expert_matrix("BF16", 3, o, i, gen) for o, i in ((24, hidden), (24, hidden), (hidden, 24)))
     x = torch.randn(5, hidden, generator=gen)
-    routing = _routing(5, 3, 2, gen)
+    routing = random_routing(5, 3, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing)
     assert torch.allclose(kernel.moe_forward(x, gate, up, down, *routing), want, atol=1e-5, rtol=1e-5)
 
@@ -406,7 +241,7 @@ def test_unsupported_formats_are_refused(kernel):
     half = ExpertMatrix.of(torch.randn(2, 8, 32, generator=gen).half())
     assert not kernel.supports(half, half, half)
     with pytest.raises(ValueError, match="F32/BF16/Q8_0/MXFP4/FP8_B32"):
-        kernel.moe_forward(torch.randn(1, 32), half, half, half, *_routing(1, 2, 1, gen))
+        kernel.moe_forward(torch.randn(1, 32), half, half, half, *random_routing(1, 2, 1, gen))
 
 
 def test_read_probe_reads_every_byte(kernel):
@@ -420,7 +255,7 @@ def test_each_job_reports_where_its_time_went(kernel):
     gate, up, down = (expert_matrix("BF16", 8, o, i, gen) for o, i in ((64, 128), (64, 128), (128, 64)))
     before = kernel.timing()
     for _ in range(3):
-        kernel.moe_forward(torch.randn(2, 128, generator=gen), gate, up, down, *_routing(2, 8, 2, gen))
+        kernel.moe_forward(torch.randn(2, 128, generator=gen), gate, up, down, *random_routing(2, 8, 2, gen))
     after = kernel.timing()
     jobs, first, gate_up, total = (a - b for a, b in zip(after, before, strict=True))
     assert jobs == 3 and 0 < first <= gate_up <= total
@@ -451,7 +286,7 @@ def test_concurrent_callers_are_serialised(kernel):
     gen = torch.Generator().manual_seed(5)
     gate, up = (expert_matrix("BF16", 4, 32, 64, gen) for _ in range(2))
     down = expert_matrix("BF16", 4, 64, 32, gen)
-    cases = [(torch.randn(3, 64, generator=gen), _routing(3, 4, 2, gen)) for _ in range(8)]
+    cases = [(torch.randn(3, 64, generator=gen), random_routing(3, 4, 2, gen)) for _ in range(8)]
     want = [reference.moe_forward(x, gate, up, down, *r) for x, r in cases]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda c: kernel.moe_forward(c[0], gate, up, down, *c[1]), cases * 4))
@@ -466,7 +301,7 @@ def test_workers_woken_ahead_run_the_next_job_or_sleep_again(kernel):
     gen = torch.Generator().manual_seed(6)
     gate, up = (expert_matrix("BF16", 4, 32, 64, gen) for _ in range(2))
     down = expert_matrix("BF16", 4, 64, 32, gen)
-    x, routing = torch.randn(2, 64, generator=gen), _routing(2, 4, 2, gen)
+    x, routing = torch.randn(2, 64, generator=gen), random_routing(2, 4, 2, gen)
     want = reference.moe_forward(x, gate, up, down, *routing)
     for pause_s, spin_s, wakes in ((0.0, 1e-3, 1), (0.02, 1e-3, 1), (0.001, 1e-4, 3), (0.3, 0.0, 2)):
         time.sleep(0.3)  # past the workers' own spin: asleep
@@ -588,7 +423,7 @@ def test_a_caller_that_only_waits_gets_the_same_result(kernel):
     gate, up = (expert_matrix("Q8_0", 4, 64, 256, gen) for _ in range(2))
     down = expert_matrix("Q8_0", 4, 256, 64, gen)
     x = torch.randn(3, 256, generator=gen)
-    routing = _routing(3, 4, 2, gen)
+    routing = random_routing(3, 4, 2, gen)
     joined = kernel.moe_forward(x, gate, up, down, *routing)
     assert kernel.set_caller_joins(False) is True
     try:

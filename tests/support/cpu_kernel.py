@@ -41,3 +41,30 @@ def without_q16_rows(kernel):
     finally:
         if before >= 0:
             kernel.lib.ft_set_q16_rows(before)
+
+
+NEVER = 1 << 30  # a token count no expert reaches: ft_set_block_bf16(NEVER) keeps the fp32 path
+
+
+@contextlib.contextmanager
+def block_bf16_from(kernel, tokens: int):
+    """Block-format experts of a bf16 model on the bf16 dot path from `tokens` per expert on (NEVER: fp32 path);
+    yields the threshold it replaced (the kernel's default)."""
+    before = kernel.lib.ft_set_block_bf16(tokens)
+    try:
+        yield before
+    finally:
+        kernel.lib.ft_set_block_bf16(before)
+
+
+def random_routing(tokens: int, experts: int, k: int, gen: torch.Generator):
+    """Top-k routing of every token, grouped by expert (CSR), with one expert listed but given no tokens."""
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    listed = sorted(set(ids.flatten().tolist()) | {experts - 1})
+    offsets, pair_tokens = [0], []
+    for e in listed:
+        mine = (ids == e).any(dim=1).nonzero().flatten().tolist()
+        pair_tokens += mine
+        offsets.append(len(pair_tokens))
+    return (torch.tensor(listed, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
+            torch.tensor(pair_tokens, dtype=torch.int32), torch.rand(len(pair_tokens), generator=gen))
