@@ -175,14 +175,12 @@ static void q16_dot2(int type, const uint8_t *row0, const uint8_t *row1, const i
 }
 
 static void q16_quantize(const float *x, int16_t *q, float *scales, int k) {
-    for (int b = 0; b < k / Q8_BLOCK; b++) {
 #if HAVE_Q16_AVX512
-        if (!avx2_dots) {
-            q16_quantize_block(x + b * Q8_BLOCK, q + b * Q8_BLOCK, scales + b);
-            continue;
-        }
-#endif
-        q16_quantize_block_avx2(x + b * Q8_BLOCK, q + b * Q8_BLOCK, scales + b);
+    if (!avx2_dots) {
+        for (int b = 0; b < k / Q8_BLOCK; b++) q16_quantize_block(x + b * Q8_BLOCK, q + b * Q8_BLOCK, scales + b);
+        return;
     }
+#endif
+    for (int b = 0; b < k / Q8_BLOCK; b++) q16_quantize_block_avx2(x + b * Q8_BLOCK, q + b * Q8_BLOCK, scales + b);
 }
 #endif
