@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 test machine (device tool): installs this tree without network, then the issue-3 benchmarks.
 #   bash evals/scripts/h200_issue3.sh COMMIT PART...
-#   PART: machine | q16-rows (ROUNDS) | dots-prefetch (ROUNDS) | d1-caller-ab (FORMATS, BUDGETS, WARMUP) | act-vector | tile-pairs | dequant-prefetch | dots-in-cache | attn-ab (ATTN_FILES) | attn-sweep | kernel-launch | kernel-paths | contention | block-tests | d1-blocks (TOKENS, BUDGETS, STRATEGIES, SHARES) | profile-blocks | kernel-phases | speculative (SPEC_FORMAT) | speculative-tests | serve-hybrid | reuse-ab (FORMATS, ARMS, EDITS, REUSE_S, SKEW) | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
+#   PART: machine | warm-experts | q16-rows (ROUNDS) | dots-prefetch (ROUNDS) | d1-caller-ab (FORMATS, BUDGETS, WARMUP) | act-vector | tile-pairs | dequant-prefetch | dots-in-cache | attn-ab (ATTN_FILES) | attn-sweep | kernel-launch | kernel-paths | contention | block-tests | d1-blocks (TOKENS, BUDGETS, STRATEGIES, SHARES) | profile-blocks | kernel-phases | speculative (SPEC_FORMAT) | speculative-tests | serve-hybrid | reuse-ab (FORMATS, ARMS, EDITS, REUSE_S, SKEW) | v4-ab | d1-families (FAMILIES, FAMILY_S, WARMUP, TOKENS, BUDGETS) | copy-batch-check | d1-final | d1-bias-long | d1-ab-long (B_ENV, BUDGETS, WARMUP, CONTEXT) | profile-cache | wake-bench | copy-size-cost | profile-perf | d1-1k | d1-16k-q8 | profile-host2 | kernel-diag | d1-matrix1 | d1-dispatch-ab | d1-cpu-first-abab | d1-now | d1-guard | d1-matrix | d1-cpu-first-ab | profile-host | gptoss-tests | d1-gptoss20b | d1-gptoss20b-early | d1-gptoss120b | families-tests | graphs-batch-tests | d1-qwen35 | d1-qwen3next | d1-glm5 | d1-glm45air | d1-deepseekv3 | p1-8l | profile-prefill | profile-decode | decode-ab | attn | p1-ahead | d1-16k-ab | tests | batching-cuda | reuse | reuse-resident | kernel-prefill | serve-bench | serve-profile | serve-bench-resident | serve-emit-ab | graphs-test | q8-tests | profile-q8 | d1-main | d1-ab | p1-ab | p1-main | kernel | kernel-pinned | diag | profile | d1-bf16 | d1-q8 | d1-q8-nographs | copier-cost | d1-16k | p1 | hf
 # The gguf wheel travels in .carry/whl (the machine has no gguf package); serve-bench also needs .carry/tok
 # (SmolLM2's tokenizer as a tensor-less GGUF: evals/scripts/tokenizer_gguf.py) and .carry/srv (the server's wheels the
 # machine lacks: pip download --only-binary=:all: --python-version 3.12 fastapi uvicorn openai anthropic, minus the
@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH FREETOKEN_HOME=/tmp/ft
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
-    machine) nproc; lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node"; free -g | head -2
+    machine) nproc; lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node|cache"; free -g | head -2
              nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv ;;
     graphs-test) (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$OLDPWD" \
              -k test_on_cuda_pinned "$OLDPWD/tests/engine/offload/test_offloaded_executor.py" 2>&1 | tail -3 \
@@ -332,6 +332,11 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
                  | grep -E "^\| auto|CPU share started|CPU kernel, mean" | sed "s/^/$f $arm: /"; done; done ;;
     # Q8_0 at 2-5 tokens: the 16-row int16 path (off by default) against the fp32 path with its 4 KiB row prefetch
     # (the default), and both without prefetch; then every kernel test on this CPU
+    # the kernel's job on experts just read into the caches against cold ones (evals/scripts/warm_experts.py)
+    warm-experts) (cd /tmp && python3 "$OLDPWD/evals/scripts/warm_experts.py" --threads 15 --experts 1 2 4 6 \
+               | tee "$OUT/warm-experts.md"
+             python3 "$OLDPWD/evals/scripts/warm_experts.py" --threads 15 --experts 2 4 --tokens 2 --formats Q8_0 \
+               | tail -2 | tee -a "$OUT/warm-experts.md") ;;
     q16-rows) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds ${ROUNDS:-7} --batches 1 2 3 4 5 \
                --formats Q8_0 --variants default "Q8_0 int16 rows" "no vector prefetch" \
                | grep -v "^round" | tee "$OUT/kernel-variants-q16-rows.md"

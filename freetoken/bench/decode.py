@@ -354,11 +354,13 @@ def _row(strategy, budget, tok_s, before, after, tokens, ceilings: Ceilings, exe
     floor = ceilings.miss_gb_s() * 1e9 / miss_bytes if miss_bytes and ceilings.miss_gb_s() > 0 else None
     copy_s, cpu_s = after.copy_seconds - before.copy_seconds, after.cpu_seconds - before.cpu_seconds
     prefetched, used = after.prefetched - before.prefetched, after.prefetch_used - before.prefetch_used
+    prefetch = f"{used / prefetched:.0%} of {prefetched / tokens:.1f}" if prefetched else "—"
+    if warmed := after.cpu_warmed - before.cpu_warmed:  # GPU path cpu-warm: the CPU's predicted share read ahead
+        prefetch += f"; CPU warmed {(after.cpu_warm_used - before.cpu_warm_used) / warmed:.0%} of {warmed / tokens:.1f}"
     return Row(strategy, budget, tok_s, hits / max(hits + misses, 1), (hits - prefetch_hits) / max(hits + misses, 1),
                copied / 1e9, cpu / 1e9,
                copied * tokens / copy_s / 1e9 if copy_s > 0 else None,
-               cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor, miss_bytes / 1e9,
-               f"{used / prefetched:.0%} of {prefetched / tokens:.1f}" if prefetched else "—",
+               cpu * tokens / cpu_s / 1e9 if cpu_s > 0 else None, floor, miss_bytes / 1e9, prefetch,
                layer_step_us=_layer_step_us(before, after))
 
 

@@ -91,6 +91,11 @@ EXPERIMENTAL: dict[str, str] = {
                         "host work, decode's critical path (kernels/cpu_experts/pool.h). Measured on the H100 "
                         "machine (D1 Q8_0, budget 0, A/B/A/B): 30.10 against 30.03 tok/s, the CPU share starting "
                         "~8 us earlier: no gain (evals/results/cpu-kernel-q16-rows.md)",
+    "cpu-warm": "offloaded decode has the CPU kernel's workers read the next layer's predicted experts that the "
+                "planner would give the CPU into their caches while the host waits for that layer's routing (the "
+                "CPU otherwise idles through the layer's dense work); the layer's CPU share then reads them from "
+                "L2/L3 (kernels/cpu_experts/memory.h ft_warm; evals/scripts/warm_experts.py measures the kernel "
+                "side)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

@@ -115,6 +115,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_moe_wait.argtypes, lib.ft_moe_wait.restype = [], ctypes.c_double
     lib.ft_moe_timing.argtypes, lib.ft_moe_timing.restype = [ctypes.POINTER(ctypes.c_double)], None
     lib.ft_read_bytes.argtypes, lib.ft_read_bytes.restype = [p, ctypes.c_size_t], ctypes.c_uint64
+    lib.ft_warm.argtypes, lib.ft_warm.restype = [ctypes.POINTER(p), ctypes.POINTER(i64), i], i
     lib.ft_random_fill.argtypes = [p, ctypes.c_size_t, ctypes.c_uint64, i, ctypes.c_float]
     lib.ft_random_fill.restype = None
     lib.ft_to_bf16_exact.argtypes, lib.ft_to_bf16_exact.restype = [p, p, ctypes.c_size_t], i

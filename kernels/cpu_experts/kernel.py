@@ -228,6 +228,20 @@ class CpuExpertKernel:
         with self._call_lock:
             self.lib.ft_random_fill(t.data_ptr(), n, seed % (1 << 64), kind, 0.0 if bound is None else bound)
 
+    def warm(self, regions: list[tuple[int, int]]) -> bool:
+        """Starts reading (address, bytes) regions into the workers' caches and returns at once: weights a job is
+        about to compute from, read while the caller waits anyway. The next job cancels what is left. Skipped
+        (False) while a job runs or where the pool has no workers; at most 64 regions are taken."""
+        if not regions or not self._call_lock.acquire(blocking=False):
+            return False
+        try:
+            n = min(len(regions), 64)
+            ptrs = (ctypes.c_void_p * n)(*(a for a, _ in regions[:n]))
+            sizes = (ctypes.c_int64 * n)(*(b for _, b in regions[:n]))
+            return self.lib.ft_warm(ptrs, sizes, n) > 0
+        finally:
+            self._call_lock.release()
+
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""
         with self._call_lock:

@@ -30,6 +30,55 @@ uint64_t ft_read_bytes(const void *buf, size_t n) {
     return atomic_load(&j.sum);
 }
 
+/* ---- Warming: experts' rows read into the caches ahead of the job that computes them ----
+   Posted as a background job while the caller waits for something else (decode: the GPU's routing); the job that
+   computes the rows cancels what is left of it. Chunks of WARM_CHUNK bytes a task, the cancel checked every 4 KiB. */
+
+enum { WARM_MAX = 64, WARM_CHUNK = 64 << 10 };
+typedef struct {
+    const uint8_t *ptr[WARM_MAX];
+    size_t bytes[WARM_MAX], first_task[WARM_MAX + 1];
+    int n;
+    _Atomic uint64_t sum;
+} warm_job;
+static warm_job warming;
+
+static void warm_task(void *ctx, int task) {
+    warm_job *j = ctx;
+    int r = 0;
+    while (j->first_task[r + 1] <= (size_t)task) r++;
+    size_t lo = (task - j->first_task[r]) * (size_t)WARM_CHUNK;
+    size_t hi = lo + WARM_CHUNK < j->bytes[r] ? lo + WARM_CHUNK : j->bytes[r];
+    probe_vec acc = {0};
+    for (size_t page = lo; page < hi; page += 4096) {
+        if (atomic_load_explicit(&background_cancel, memory_order_relaxed)) break;
+        size_t end = page + 4096 < hi ? page + 4096 : hi;
+        for (size_t i = page; i + sizeof acc <= end; i += 64) {  /* one load a line */
+            probe_vec v;
+            memcpy(&v, j->ptr[r] + i, sizeof v);
+            acc ^= v;
+        }
+    }
+    atomic_fetch_xor(&j->sum, acc[0]);  /* keeps the loads alive */
+}
+
+/* Starts reading n regions (ptrs[i], bytes[i]) into the workers' caches and returns at once; the next job posted
+   cancels the rest. Returns the regions taken (at most WARM_MAX; none where the pool has no workers). */
+int ft_warm(const void *const *ptrs, const int64_t *bytes, int n) {
+    if (pool.nworkers == 0 || n <= 0) return 0;
+    drain_background();  /* the previous warming: its regions are about to be replaced */
+    if (n > WARM_MAX) n = WARM_MAX;
+    warming.n = n;
+    warming.first_task[0] = 0;
+    for (int i = 0; i < n; i++) {
+        warming.ptr[i] = ptrs[i];
+        warming.bytes[i] = bytes[i] > 0 ? (size_t)bytes[i] : 0;
+        warming.first_task[i + 1] = warming.first_task[i] + (warming.bytes[i] + WARM_CHUNK - 1) / WARM_CHUNK;
+    }
+    if (warming.first_task[n] > 0) parallel_start_background(warm_task, &warming, (int)warming.first_task[n]);
+    return n;
+}
+
 /* x's high halves into out (bf16 by truncation); returns 1 when every low half is zero, i.e. x held bf16 values
    exactly. On the calling thread, one pass: the same done with torch ops over more than 32k values wakes torch's
    OpenMP pool, whose threads then spin for milliseconds on the cores the kernel's workers need (a call with 17+

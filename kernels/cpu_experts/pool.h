@@ -218,9 +218,24 @@ int ft_pool_start(int threads) {
     return pool.nworkers + 1;
 }
 
+/* A background job (`parallel_start_background`) is one nobody waits for: the next job posted cancels what is left
+   of it (its tasks check `background_cancel` and return early) and drains it first. */
+static int background;  /* such a job is posted and not yet drained (the posting thread's state) */
+static atomic_int background_cancel;
+
+static void drain_background(void) {
+    if (!background) return;
+    atomic_store(&background_cancel, 1);
+    run_tasks();  /* the tasks nobody has claimed yet return at once */
+    while (atomic_load(&pool.done) < pool.ntasks) CPU_RELAX();
+    background = 0;
+    atomic_store(&background_cancel, 0);
+}
+
 /* Posts fn(ctx, 0..ntasks-1) to the workers and returns at once; `parallel_wait` joins in and returns when all
    are done. Not reentrant: one job at a time, posted and waited for by one caller. */
 static void parallel_start(task_fn fn, void *ctx, int ntasks) {
+    drain_background();
     pool.fn = fn;
     pool.ctx = ctx;
     pool.ntasks = ntasks;
@@ -255,6 +270,14 @@ int ft_pool_set_caller_joins(int on) {
 int ft_pool_set_join(int by_tasks) {
     atomic_store(&pool.join_all, !by_tasks);
     return !atomic_load(&pool.join_all);
+}
+
+/* Posts a job that only the workers run and nobody waits for; the next job posted cancels its rest. Where the pool
+   has no workers it does nothing (the caller would have to run it). */
+static void parallel_start_background(task_fn fn, void *ctx, int ntasks) {
+    if (pool.nworkers == 0) return;
+    parallel_start(fn, ctx, ntasks);
+    background = 1;
 }
 
 static void parallel_for(task_fn fn, void *ctx, int ntasks) {

@@ -391,6 +391,10 @@ for i in range(600):
         continue
     if rng.random() < 0.2:  # the caller runs tasks too, or only waits for the workers
         kernel.set_caller_joins(rng.random() < 0.5)
+    if rng.random() < 0.3:  # a background read that the next job cancels part way (or finds finished)
+        assert kernel.warm([(buf.data_ptr(), rng.randrange(1, buf.numel())), (buf.data_ptr(), 4096)])
+        if rng.random() < 0.3:
+            time.sleep(rng.choice((0.0, 0.0002, 0.002)))
     x, gate, up, down, routing, want = rng.choice(cases)
     got = kernel.moe_forward(x, gate, up, down, *routing)
     assert torch.equal(got, want), i
@@ -404,7 +408,8 @@ def test_jobs_end_with_their_last_task_while_workers_are_descheduled(tmp_path):
     """Three times as many threads as cores, so the OS deschedules workers all the time: a job ends when its last
     task is done (not when every worker has checked in), and a worker that wakes late must claim nothing of a job
     that has ended nor anything past the end of the next one — jobs of different task counts and functions in a
-    row give exactly their results, whether the caller runs tasks too or only waits (`set_caller_joins`)."""
+    row give exactly their results, whether the caller runs tasks too or only waits (`set_caller_joins`), and
+    whether a background read (`warm`) is still running when a job is posted (the job cancels and drains it)."""
     import os
     import subprocess
     import sys
@@ -431,6 +436,28 @@ def test_a_caller_that_only_waits_gets_the_same_result(kernel):
     finally:
         assert kernel.set_caller_joins(True) is (kernel.threads == 1)  # forced on where there is no worker
     assert torch.equal(joined, waited)
+
+
+def test_warming_reads_in_the_background_until_the_next_job(kernel):
+    """`warm` returns at once; the next job (here the read probe, then an expert job) cancels what is left and
+    gives its exact result. It is skipped while a job is in flight and where the pool has no workers."""
+    gen = torch.Generator().manual_seed(11)
+    buf = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=gen)  # far more than a job's gap reads
+    checksum = kernel.read_bytes(buf)
+    gate, up = (expert_matrix("Q8_0", 4, 64, 256, gen) for _ in range(2))
+    down = expert_matrix("Q8_0", 4, 256, 64, gen)
+    x = torch.randn(2, 256, generator=gen)
+    routing = random_routing(2, 4, 2, gen)
+    want = kernel.moe_forward(x, gate, up, down, *routing)
+    regions = [(buf.data_ptr(), buf.numel()), (gate.data.data_ptr(), gate.data.numel())]
+    assert kernel.warm(regions) is (kernel.threads > 1)
+    assert kernel.read_bytes(buf) == checksum
+    assert kernel.warm(regions) is (kernel.threads > 1)
+    assert torch.equal(kernel.moe_forward(x, gate, up, down, *routing), want)
+    pending = kernel.start(x, gate, up, down, *routing)
+    assert kernel.warm(regions) is False  # the job holds the kernel
+    assert torch.equal(pending.wait(), want)
+    assert kernel.warm([]) is False
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "MXFP4", "FP8_B32"])

@@ -121,6 +121,24 @@ class CpuExpertRunner:
         if self.kernel is not None:
             self.kernel.wake(spin_s)
 
+    WARM_BYTES = 32 << 20  # read ahead at most this much: about what the workers' L2 caches hold on a 16-core host
+
+    def warm(self, layer: int, experts: list[int]) -> bool:
+        """Starts reading `experts`' weights of `layer` into the kernel's caches (GPU path "cpu-warm": while the
+        host waits for the routing of a layer whose predicted experts will likely run here), up to WARM_BYTES.
+        Returns whether it started; the kernel's next job cancels what is left."""
+        if self.kernel is None or layer not in self._kernel_layers or not experts:
+            return False
+        regions, left = [], self.WARM_BYTES
+        for m in self.matrices[layer]:  # gate, up, down: the order the job reads them in
+            row = m.data.stride(0) * m.data.element_size()
+            for e in experts:
+                if left <= 0:
+                    break
+                regions.append((m.data.data_ptr() + e * row, min(row, left)))
+                left -= row
+        return self.kernel.warm(regions)
+
     @property
     def uses_kernel(self) -> bool:
         return self.kernel is not None and all(self.kernel.supports(*m) for m in self.matrices.values())

@@ -101,6 +101,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         self._prefetched_near: set[tuple[int, int]] = set()  # of those, the ones the block store served (no link)
         self._staged_ahead: dict[tuple[int, int], int] = {}  # prefetched into staging: (layer, expert) → ring index
         self._prefetch_done: list = []  # completion of the last prefetch's copies
+        self._warmed: tuple[int, set[int]] | None = None  # GPU path "cpu-warm": (layer, experts) read ahead
         self._link = LinkQueue()  # when the link will have worked through the decode copies queued so far
         self._deferred_prefetch: tuple | None = None  # (layer, experts, room, event): queued at the next boundary
         self._cpu_started_at: float | None = None  # when this layer-step's CPU share started (diagnostics)
@@ -342,6 +343,11 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         on_cpu = self.cpu.start_pairs(layer, x, to_cpu, [pairs_of[e] for e in to_cpu], weights, x_bf16=x_bf16,
                                       out=cpu_out)
         self._cpu_started_at = time.perf_counter()
+        if self._warmed is not None:  # counted once the share runs: the start is the step's critical path
+            warmed_layer, warmed = self._warmed
+            self._warmed = None
+            if warmed_layer == layer:
+                self.counters.cpu_warm_used += sum(e in warmed for e in to_cpu)
         return on_cpu
 
     def _prewake_cpu(self) -> None:
@@ -413,9 +419,11 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             # at the routing) and their queueing, done now, delays neither path
             head_start = (self.prefetch_lead_s or 0.0) if lead else 0.0
             busy = self._copy_backlog() - head_start
-            missing = self.planner.split(missing, self.expert_bytes, observe=False, copy_busy_s=busy,
-                                         cpu_first=lead).copy
-            missing = missing[:len(missing) - self.planner.held_for_probe()]
+            split = self.planner.split(missing, self.expert_bytes, observe=False, copy_busy_s=busy, cpu_first=lead)
+            missing = split.copy[:len(split.copy) - self.planner.held_for_probe()]
+            if split.cpu and gpu_paths.enabled("cpu-warm") and self.cpu.warm(layer, split.cpu):
+                self._warmed = (layer, set(split.cpu))  # the CPU's likely share read into its caches meanwhile
+                self.counters.cpu_warmed += len(split.cpu)
         missing = near + missing  # the near ones first: they cost a launch, not the link
         if not missing:
             return

@@ -26,6 +26,8 @@ class CacheCounters:
     cpu_seconds: float = 0.0  # time the CPU expert kernel ran (wall, all its threads)
     prefetched: int = 0  # experts copied ahead of their layer on a prediction
     prefetch_used: int = 0  # of those, the ones their layer then routed to
+    cpu_warmed: int = 0  # experts read into the CPU's caches ahead of their layer on a prediction (GPU path cpu-warm)
+    cpu_warm_used: int = 0  # of those, the ones their layer then computed on the CPU
     # hits on experts a prefetch admitted to the cache for that very step: their bytes crossed the link for it,
     # so a floor counts them with the misses (without cache slots a used prefetch is a miss already)
     prefetch_hits: int = 0

@@ -120,21 +120,22 @@ class _EagerBoundaries:
 
 @pytest.mark.parametrize("slots", [0, 3])
 @pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
-@pytest.mark.parametrize("path", [None, "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first",
-                                  "prefetch-lead", "cpu-tree-wake"],
+@pytest.mark.parametrize("gpu_path", [None, "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first",
+                                      "prefetch-lead", "cpu-tree-wake", "cpu-warm"],
                          ids=["defaults", "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first",
-                              "prefetch-lead", "cpu-tree-wake"])
-def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path, path, monkeypatch):
+                              "prefetch-lead", "cpu-tree-wake", "cpu-warm"])
+def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path, gpu_path, monkeypatch):
     """The calls CUDA-graph decode makes instead of `forward` (cuda_graphs.py), checked for numerics and
     bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used; the prefetch
     queued at the next boundary, at the end of the host work (GPU path "prefetch-early") or while the CPU share
     runs ("prefetch-with-cpu"), sized with its head start over the CPU share ("prefetch-lead"); the CPU kernel's
     workers woken as a tree ("cpu-tree-wake"), or before
-    each routing wait (GPU path "cpu-prewake"); the CPU share started before the copies (GPU path "cpu-first", on
+    each routing wait (GPU path "cpu-prewake"); the experts predicted for the CPU read into its caches ahead
+    ("cpu-warm"); the CPU share started before the copies (GPU path "cpu-first", on
     by default; the "defaults" row turns every path off, so it queues the copies first)."""
     from freetoken.engine import gpu_paths
 
-    monkeypatch.setattr(gpu_paths, "enabled", lambda name: name == path)
+    monkeypatch.setattr(gpu_paths, "enabled", lambda name: name == gpu_path)
     path, resident, expected = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert)
@@ -158,6 +159,10 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
         assert c.prefetch_hits == c.prefetch_used
     else:
         assert c.prefetch_hits == 0
+    # "cpu-warm": the predicted experts the planner would give the CPU were read ahead (whether the CPU then ran
+    # them depends on the predictions, which a random router makes badly)
+    warms = gpu_path == "cpu-warm" and miss_path == "auto" and ex.cpu.kernel is not None and ex.cpu.kernel.threads > 1
+    assert (c.cpu_warmed > 0) == warms and c.cpu_warm_used <= c.cpu_warmed
 
 
 class _PaddedEagerBoundaries(_EagerBoundaries):
