@@ -421,11 +421,12 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             busy = self._copy_backlog() - head_start
             split = self.planner.split(missing, self.expert_bytes, observe=False, copy_busy_s=busy, cpu_first=lead)
             missing = split.copy[:len(split.copy) - self.planner.held_for_probe()]
-            if split.cpu and gpu_paths.enabled("cpu-warm") and self.cpu.warm(layer, split.cpu):
-                self._warmed = (layer, set(split.cpu))  # the CPU's likely share read into its caches meanwhile
-                self.counters.cpu_warmed += len(split.cpu)
+            to_warm = split.cpu if gpu_paths.enabled("cpu-warm") else []
+        else:
+            to_warm = []
         missing = near + missing  # the near ones first: they cost a launch, not the link
         if not missing:
+            self._warm(layer, to_warm)
             return
         # staging slots wait for their own last reader; cache slots for the compute queued so far, or `after`
         copier.begin(wait_compute=bool(self.cache.capacity) and after is None)
@@ -465,6 +466,14 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             self._prefetch_queued = (layer, now)
         self._prefetched.update((layer, e) for e in experts)
         self.counters.prefetched += len(experts)
+        self._warm(layer, to_warm)
+
+    def _warm(self, layer: int, experts: list[int]) -> None:
+        """GPU path "cpu-warm": the predicted experts the CPU would compute are read into its caches meanwhile
+        (after the copies are queued: the link is the longer way)."""
+        if experts and self.cpu.warm(layer, experts):
+            self._warmed = (layer, set(experts))
+            self.counters.cpu_warmed += len(experts)
 
     LEAD_DECAY = 0.8  # weight of the previous mean in `prefetch_lead_s`
     MAX_LEAD_S = 2e-3  # a longer gap (a prefill, an idle server between steps) says nothing of decode's lead
