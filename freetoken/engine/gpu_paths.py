@@ -95,7 +95,8 @@ EXPERIMENTAL: dict[str, str] = {
                 "planner would give the CPU into their caches while the host waits for that layer's routing (the "
                 "CPU otherwise idles through the layer's dense work); the layer's CPU share then reads them from "
                 "L2/L3 (kernels/cpu_experts/memory.h ft_warm; evals/scripts/warm_experts.py measures the kernel "
-                "side)",
+                "side). Not yet measured on the device (h200_issue3.sh parts warm-experts, then d1-ab-long with "
+                "B_ENV=FREETOKEN_EXPERIMENTAL=cpu-warm)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",
