@@ -235,9 +235,9 @@ class CpuExpertKernel:
         if not regions or not self._call_lock.acquire(blocking=False):
             return False
         try:
-            n = min(len(regions), 64)
-            ptrs = (ctypes.c_void_p * n)(*(a for a, _ in regions[:n]))
-            sizes = (ctypes.c_int64 * n)(*(b for _, b in regions[:n]))
+            n = len(regions)  # the kernel takes the first 64
+            ptrs = (ctypes.c_void_p * n)(*(a for a, _ in regions))
+            sizes = (ctypes.c_int64 * n)(*(b for _, b in regions))
             return self.lib.ft_warm(ptrs, sizes, n) > 0
         finally:
             self._call_lock.release()

@@ -38,7 +38,6 @@ enum { WARM_MAX = 64, WARM_CHUNK = 64 << 10 };
 typedef struct {
     const uint8_t *ptr[WARM_MAX];
     size_t bytes[WARM_MAX], first_task[WARM_MAX + 1];
-    int n;
     _Atomic uint64_t sum;
 } warm_job;
 static warm_job warming;
@@ -68,7 +67,6 @@ int ft_warm(const void *const *ptrs, const int64_t *bytes, int n) {
     if (pool.nworkers == 0 || n <= 0) return 0;
     drain_background();  /* the previous warming: its regions are about to be replaced */
     if (n > WARM_MAX) n = WARM_MAX;
-    warming.n = n;
     warming.first_task[0] = 0;
     for (int i = 0; i < n; i++) {
         warming.ptr[i] = ptrs[i];
