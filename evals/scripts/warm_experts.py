@@ -9,8 +9,10 @@ into L2/L3 meanwhile and compute them from there once the routing arrives.
 Per format and expert count, in turn: a job on experts not read for a while (cold: drawn from ~1 GiB of
 Qwen3-30B-A3B-shaped experts); a job on experts `ft_read_bytes` has just read on all threads (read); and a job
 posted GAP µs after `ft_warm` started reading its experts in the background, as decode would (`--gaps`; the job
-cancels what the warming has not read yet, and its time includes that); and the same job run again at once (again:
-each worker finds in its caches what some worker read, the bound for warming with this pool's task order).
+cancels what the warming has not read yet, and its time includes that); the same job run again at once (again:
+each worker finds in its caches what some worker read, the bound for warming with this pool's task order); and
+both with owned rows (`ft_set_owned_rows`: each worker computes the rows `ft_warm_rows` had it read: owned GAP,
+owned again).
 Medians of the jobs' own clock (posting to last task), and each against cold.
 """
 
@@ -42,17 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     kernel = CpuExpertKernel.get(threads=args.threads)
     x = torch.randn(args.tokens, HIDDEN) * 0.5
     print(f"threads {kernel.threads}, {args.tokens} token(s) per expert, medians of {args.rounds} rounds")
-    head = " | ".join(f"warm {g} µs ahead" for g in args.gaps)
-    print(f"| format | experts | MB | cold µs | read µs | {head} | again µs | cold / read | "
-          + " | ".join(f"cold / {g} µs" for g in args.gaps) + " | cold / again | cold GB/s |")
-    print("| --- " + "| ---: " * (2 * len(args.gaps) + 8) + "|")
+    cases = ["read", *(f"warm {g}" for g in args.gaps), "again", *(f"owned {g}" for g in args.gaps), "owned again"]
+    print("| format | experts | MB | cold µs | " + " | ".join(f"{c} µs" for c in cases) + " | "
+          + " | ".join(f"cold / {c}" for c in cases) + " | cold GB/s |")
+    print("| --- " + "| ---: " * (2 * len(cases) + 4) + "|")
     for fmt in args.formats:
         pool_experts = 200 if fmt == "Q8_0" else 110  # ~1 GiB, far over any last-level cache
         mats = expert_pool(fmt, pool_experts, torch.Generator().manual_seed(0))
+        constants = kernel.launch_constants(*mats)
         expert_bytes = sum(m.data[0].numel() * m.data[0].element_size() for m in mats)
         for n in args.experts:
             rnd = random.Random(n)
-            times: dict[str, list[float]] = {"cold": [], "read": [], **{g: [] for g in args.gaps}, "again": []}
+            times: dict[str, list[float]] = {"cold": [], **{c: [] for c in cases}}
             for _ in range(args.rounds):
                 times["cold"].append(_job(kernel, mats, x, rnd.sample(range(pool_experts), n)))
                 ids = rnd.sample(range(pool_experts), n)
@@ -60,22 +63,27 @@ def main(argv: list[str] | None = None) -> int:
                     for e in ids:
                         kernel.read_bytes(m.data[e])
                 times["read"].append(_job(kernel, mats, x, ids))
-                for g in args.gaps:
-                    ids = rnd.sample(range(pool_experts), n)
-                    kernel.warm([(m.data[e].data_ptr(), m.data[e].numel() * m.data[e].element_size())
-                                 for m in mats for e in ids])
-                    until = time.perf_counter() + g / 1e6
-                    while time.perf_counter() < until:
-                        pass
-                    times[g].append(_job(kernel, mats, x, ids))
-                times["again"].append(_job(kernel, mats, x, ids))
+                for owned in (False, True):
+                    kernel.set_owned_rows(owned)
+                    for g in args.gaps:
+                        ids = rnd.sample(range(pool_experts), n)
+                        if owned:
+                            kernel.warm_rows(constants, torch.tensor(ids, dtype=torch.int32), HIDDEN)
+                        else:
+                            kernel.warm([(m.data[e].data_ptr(), m.data[e].numel() * m.data[e].element_size())
+                                         for m in mats for e in ids])
+                        until = time.perf_counter() + g / 1e6
+                        while time.perf_counter() < until:
+                            pass
+                        times[f"{'owned' if owned else 'warm'} {g}"].append(_job(kernel, mats, x, ids))
+                    times["owned again" if owned else "again"].append(_job(kernel, mats, x, ids))
+                kernel.set_owned_rows(False)
             med = {key: statistics.median(v) for key, v in times.items()}
             gb = n * expert_bytes / 1e9
-            cells = [f"{med[g] * 1e6:.0f}" for g in args.gaps] + [f"{med['again'] * 1e6:.0f}",
-                                                                  f"{med['cold'] / med['read']:.2f}"]
-            cells += [f"{med['cold'] / med[g]:.2f}" for g in args.gaps] + [f"{med['cold'] / med['again']:.2f}"]
-            print(f"| {fmt} | {n} | {gb * 1e3:.1f} | {med['cold'] * 1e6:.0f} | {med['read'] * 1e6:.0f} | "
-                  + " | ".join(cells) + f" | {gb / med['cold']:.1f} |", flush=True)
+            print(f"| {fmt} | {n} | {gb * 1e3:.1f} | {med['cold'] * 1e6:.0f} | "
+                  + " | ".join(f"{med[c] * 1e6:.0f}" for c in cases) + " | "
+                  + " | ".join(f"{med['cold'] / med[c]:.2f}" for c in cases) + f" | {gb / med['cold']:.1f} |",
+                  flush=True)
     return 0
 
 

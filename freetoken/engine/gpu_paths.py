@@ -97,6 +97,12 @@ EXPERIMENTAL: dict[str, str] = {
                 "L2/L3 (kernels/cpu_experts/memory.h ft_warm; evals/scripts/warm_experts.py measures the kernel "
                 "side). Not yet measured on the device (h200_issue3.sh parts warm-experts, then d1-ab-long with "
                 "B_ENV=FREETOKEN_EXPERIMENTAL=cpu-warm)",
+    "cpu-warm-owned": "cpu-warm with owned rows: each of the CPU kernel's workers reads ahead the rows of the "
+                      "predicted experts that it will compute itself, and every CPU call gives each worker that "
+                      "same share of every expert's rows first (pool.h's owned tasks), so the share is read from "
+                      "the worker's own L2 rather than another core's (ft_warm_rows). Not yet measured on the "
+                      "device (warm-experts' owned columns, then d1-ab-long with "
+                      "B_ENV=FREETOKEN_EXPERIMENTAL=cpu-warm-owned)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",

@@ -429,6 +429,9 @@ static int use_amx_q8(const moe_job *j, const uint16_t *xb_amx) {
 #endif
 
 static int q16_disabled;  /* ft_set_q16(0): the fp32 path instead, to compare against */
+/* ft_set_owned_rows(1): jobs on the vector paths give each worker the same share of every expert's rows (pool.h's
+   owned tasks), the share ft_warm_rows reads ahead into that worker's caches */
+static int owned_rows;
 
 /* The int16-activation path for Q8_0 and MXFP4 projections of a bf16 model not on tiles: x and act get int16 copies in a
    scratch buffer (one job at a time), and phase-1 tasks own whole 32-row blocks of act. */
@@ -540,7 +543,14 @@ int ft_moe_start(const void *gate, const void *up, const void *down,
     atomic_store(&current.first_ns, 0);
     current.phase1_end_ns = 0;
     current.start_ns = now_ns();
-    parallel_start(moe_task, &current, current.phase0_tasks + current.phase1_tasks + current.phase2_tasks);
+    if (owned_rows && !current.xp && !current.q8x) {  /* vector paths: each worker the same rows of every expert */
+        int blocks = (inter + current.job.gate_rows - 1) / current.job.gate_rows;
+        int tasks[3] = {current.phase0_tasks, current.phase1_tasks, current.phase2_tasks};
+        int period[3] = {current.phase0_tasks > 0 ? current.phase0_tasks : 1, blocks, current.phase2_tasks};
+        parallel_start_owned(moe_task, &current, 3, tasks, period);
+    } else {
+        parallel_start(moe_task, &current, current.phase0_tasks + current.phase1_tasks + current.phase2_tasks);
+    }
     return 0;
 }
 

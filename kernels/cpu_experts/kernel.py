@@ -242,6 +242,25 @@ class CpuExpertKernel:
         finally:
             self._call_lock.release()
 
+    def warm_rows(self, constants: tuple, experts: torch.Tensor, hidden: int) -> bool:
+        """`warm` in owned form: starts reading the rows a one-token call on `experts` (int32, the first 64 taken)
+        will read, each by the worker that will compute it there once `set_owned_rows(True)` is on. `constants`:
+        the layer's `launch_constants`. Skipped (False) as `warm` is."""
+        if not len(experts) or not self._call_lock.acquire(blocking=False):
+            return False
+        try:
+            matrices, _, inter = constants
+            return self.lib.ft_warm_rows(*matrices, experts.data_ptr(), len(experts), hidden, inter) > 0
+        finally:
+            self._call_lock.release()
+
+    def set_owned_rows(self, on: bool) -> bool:
+        """Calls on the vector paths give each worker the same share of every expert's rows (on), the share
+        `warm_rows` reads into that worker's caches, or claim their tasks in order (off, default). Returns the
+        setting it replaces."""
+        with self._call_lock:
+            return bool(self.lib.ft_set_owned_rows(int(on)))
+
     def read_bytes(self, buf: torch.Tensor) -> int:
         """Reads every byte of `buf` once on all pool threads (the DRAM read-bandwidth probe)."""
         with self._call_lock:

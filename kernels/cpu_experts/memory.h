@@ -77,6 +77,71 @@ int ft_warm(const void *const *ptrs, const int64_t *bytes, int n) {
     return n;
 }
 
+/* The same, owned: the rows a one-token job on `experts` will read, each by the worker that will compute it there
+   (ft_set_owned_rows(1) must be on for that job): phase 1 reads gate and up rows by blocks of the job's phase-1
+   rows, phase 2 the down rows by ROW_BLOCK, shared out as the job's tasks are (pool.h's owned tasks). */
+typedef struct {
+    const uint8_t *gate, *up, *down;
+    size_t gate_stride, up_stride, down_stride, gate_row, up_row, down_row;
+    int32_t experts[WARM_MAX];
+    int n_experts, rows, blocks, hidden;
+    _Atomic uint64_t sum;
+} warm_rows_job;
+static warm_rows_job warming_rows;
+
+static probe_vec read_lines(const uint8_t *at, size_t n, probe_vec acc) {
+    for (size_t page = 0; page < n; page += 4096) {
+        if (atomic_load_explicit(&background_cancel, memory_order_relaxed)) break;
+        size_t end = page + 4096 < n ? page + 4096 : n;
+        for (size_t i = page; i + sizeof acc <= end; i += 64) {
+            probe_vec v;
+            memcpy(&v, at + i, sizeof v);
+            acc ^= v;
+        }
+    }
+    return acc;
+}
+
+static void warm_rows_task(void *ctx, int task) {
+    warm_rows_job *j = ctx;
+    probe_vec acc = {0};
+    if (task < j->n_experts * j->blocks) {  /* gate and up rows of one block of one expert */
+        int e = j->experts[task / j->blocks], r0 = (task % j->blocks) * j->rows;
+        acc = read_lines(j->gate + e * j->gate_stride + r0 * j->gate_row, (size_t)j->rows * j->gate_row, acc);
+        acc = read_lines(j->up + e * j->up_stride + r0 * j->up_row, (size_t)j->rows * j->up_row, acc);
+    } else {  /* ROW_BLOCK down rows of every expert */
+        int h0 = (task - j->n_experts * j->blocks) * ROW_BLOCK;
+        int rows = h0 + ROW_BLOCK < j->hidden ? ROW_BLOCK : j->hidden - h0;
+        for (int i = 0; i < j->n_experts; i++)
+            acc = read_lines(j->down + j->experts[i] * j->down_stride + h0 * j->down_row,
+                             (size_t)rows * j->down_row, acc);
+    }
+    atomic_fetch_xor(&j->sum, acc[0]);  /* keeps the loads alive */
+}
+
+/* Starts the owned warming of `experts` (at most WARM_MAX) and returns at once; returns the experts taken (none
+   where the pool has no workers or the shapes are bad). */
+int ft_warm_rows(const void *gate, const void *up, const void *down, int64_t gate_stride, int64_t up_stride,
+                 int64_t down_stride, int gate_type, int up_type, int down_type, const int32_t *experts,
+                 int n_experts, int hidden, int inter) {
+    if (pool.nworkers == 0 || n_experts <= 0 || hidden <= 0 || inter <= 0) return 0;
+    drain_background();
+    if (n_experts > WARM_MAX) n_experts = WARM_MAX;
+    warm_rows_job *j = &warming_rows;
+    j->gate = gate, j->up = up, j->down = down;
+    j->gate_stride = gate_stride, j->up_stride = up_stride, j->down_stride = down_stride;
+    j->gate_row = row_bytes(gate_type, hidden), j->up_row = row_bytes(up_type, hidden);
+    j->down_row = row_bytes(down_type, inter);
+    memcpy(j->experts, experts, n_experts * sizeof *experts);
+    j->n_experts = n_experts, j->hidden = hidden;
+    /* the job's phase-1 rows: whole 32-blocks of act where the int16 path quantizes it (start_q16) */
+    j->rows = HAVE_Q16 && !q16_disabled && (down_type == FT_Q8_0 || down_type == FT_MXFP4) ? Q8_BLOCK : ROW_BLOCK;
+    j->blocks = (inter + j->rows - 1) / j->rows;
+    int tasks[2] = {n_experts * j->blocks, (hidden + ROW_BLOCK - 1) / ROW_BLOCK}, period[2] = {j->blocks, tasks[1]};
+    parallel_start_owned_background(warm_rows_task, j, 2, tasks, period);
+    return n_experts;
+}
+
 /* x's high halves into out (bf16 by truncation); returns 1 when every low half is zero, i.e. x held bf16 values
    exactly. On the calling thread, one pass: the same done with torch ops over more than 32k values wakes torch's
    OpenMP pool, whose threads then spin for milliseconds on the cores the kernel's workers need (a call with 17+

@@ -73,9 +73,51 @@ static void wake_children(int w) {
 #endif
 }
 
-/* Claims and runs tasks of the current job until none is left. fn and ctx are read only after a claim succeeds:
-   the job cannot end (and the next one replace them) before the claimed task has run. */
-static void run_tasks(void) {
+/* ---- Owned tasks: a job that says which worker should run each of its tasks ----
+   Its tasks come in phases (a task may wait for every task of the phases before its own); worker w runs its own
+   tasks of a phase first, then takes the other owners' unclaimed ones of that phase, then goes on to the next
+   phase, so every task of a phase is claimed before any of the next (none waits for a task nobody holds). The
+   caller and late workers only take. Why: a warming job and the job that then computes the same rows give each
+   byte the same owner, so each worker computes from its own L2 what it read into it. */
+enum { OWNED_PHASES = 3, OWNED_MAX_TASKS = 8192 };
+typedef struct {
+    _Atomic uint64_t range[OWNED_PHASES];  /* (end << 32) | next: positions into owned_order, claimed as pool.claim */
+    char pad[64 - OWNED_PHASES * 8];
+} owned_claims;
+static owned_claims owned[MAX_THREADS];
+static int32_t owned_order[OWNED_MAX_TASKS];  /* the job's tasks by phase, then owner */
+static atomic_int owned_job;  /* the posted job is claimed through `owned`, not pool.claim */
+static int owned_phases;
+
+/* A position in a range, or -1 when the range is exhausted: one compare-and-swap on (end, next), so a claim on a
+   range of an earlier job (all claimed before it ended) cannot succeed. */
+static int claim_in(_Atomic uint64_t *range) {
+    uint64_t word = atomic_load(range);
+    while ((uint32_t)word < (uint32_t)(word >> 32))
+        if (atomic_compare_exchange_weak(range, &word, word + 1)) return (int)(uint32_t)word;
+    return -1;
+}
+
+static void run_owned(int w) {
+    int owners = pool.nworkers;
+    for (int p = 0; p < owned_phases; p++)
+        for (int i = 0; i < owners; i++) {
+            _Atomic uint64_t *range = &owned[w < 0 ? i : (w + i) % owners].range[p];
+            for (int at; (at = claim_in(range)) >= 0;) {
+                pool.fn(pool.ctx, owned_order[at]);
+                atomic_fetch_add(&pool.done, 1);
+            }
+        }
+}
+
+/* Claims and runs tasks of the current job until none is left; `w` is the worker, -1 the caller. fn and ctx are
+   read only after a claim succeeds: the job cannot end (and the next one replace them) before the claimed task
+   has run. */
+static void run_tasks(int w) {
+    if (atomic_load(&owned_job)) {
+        run_owned(w);
+        return;
+    }
     uint64_t word = atomic_load(&pool.claim);
     for (;;) {
         if ((uint32_t)word >= (uint32_t)(word >> 32)) return;
@@ -164,7 +206,7 @@ static void *worker(void *arg) {
         wake_children(w);
         spin_first = 1;
         seen = atomic_load(&pool.generation);
-        run_tasks();
+        run_tasks(w);
         atomic_store(&bells[w].finished, seen);
     }
     return NULL;
@@ -226,7 +268,7 @@ static atomic_int background_cancel;
 static void drain_background(void) {
     if (!background) return;
     atomic_store(&background_cancel, 1);
-    run_tasks();  /* the tasks nobody has claimed yet return at once */
+    run_tasks(-1);  /* the tasks nobody has claimed yet return at once */
     while (atomic_load(&pool.done) < pool.ntasks) CPU_RELAX();
     background = 0;
     atomic_store(&background_cancel, 0);
@@ -240,7 +282,46 @@ static void parallel_start(task_fn fn, void *ctx, int ntasks) {
     pool.ctx = ctx;
     pool.ntasks = ntasks;
     atomic_store(&pool.done, 0);
+    atomic_store(&owned_job, 0);
     atomic_store(&pool.claim, (uint64_t)(uint32_t)ntasks << 32);  /* publishes fn and ctx with it */
+    atomic_fetch_add(&pool.generation, 1);
+    wake_sleepers();
+}
+
+/* parallel_start for a job of owned tasks: `phases` phases of tasks[p] tasks each, numbered phase after phase;
+   task i of phase p belongs to worker ((i % period[p]) * workers) / period[p], i.e. each period's tasks are
+   shared out in order (a job whose tasks walk an expert's rows in periods gives each worker the same rows of every
+   expert). Where the pool has no workers or the job is too large, its tasks are claimed in order as usual. */
+static void parallel_start_owned(task_fn fn, void *ctx, int phases, const int *tasks, const int *period) {
+    int owners = pool.nworkers, total = 0;
+    for (int p = 0; p < phases; p++) total += tasks[p];
+    if (owners == 0 || phases > OWNED_PHASES || total > OWNED_MAX_TASKS) {
+        parallel_start(fn, ctx, total);
+        return;
+    }
+    drain_background();
+    static int32_t count[OWNED_PHASES][MAX_THREADS + 1];  /* the poster's only: one job is posted at a time */
+    for (int p = 0, first = 0; p < phases; p++) {  /* counting sort by owner, a phase's positions after the last's */
+        memset(count[p], 0, sizeof count[p]);
+        for (int i = 0; i < tasks[p]; i++) count[p][(i % period[p]) * (int64_t)owners / period[p] + 1]++;
+        count[p][0] = first;
+        for (int o = 0; o < owners; o++) count[p][o + 1] += count[p][o];
+        int32_t at[MAX_THREADS];
+        memcpy(at, count[p], owners * sizeof *at);
+        for (int i = 0; i < tasks[p]; i++) owned_order[at[(i % period[p]) * (int64_t)owners / period[p]]++] = first + i;
+        first += tasks[p];
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.ntasks = total;
+    owned_phases = phases;
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.claim, 0);  /* nothing to claim in order */
+    atomic_store(&owned_job, 1);
+    for (int o = 0; o < owners; o++)  /* publish the order, fn and ctx with them */
+        for (int p = 0; p < OWNED_PHASES; p++)
+            atomic_store(&owned[o].range[p], p < phases ? (uint64_t)(uint32_t)count[p][o + 1] << 32 |
+                                                              (uint32_t)count[p][o] : 0);
     atomic_fetch_add(&pool.generation, 1);
     wake_sleepers();
 }
@@ -248,7 +329,7 @@ static void parallel_start(task_fn fn, void *ctx, int ntasks) {
 static int caller_joins = 1;  /* ft_pool_set_caller_joins */
 
 static void parallel_wait(void) {
-    if (caller_joins) run_tasks();
+    if (caller_joins) run_tasks(-1);
     while (atomic_load(&pool.done) < pool.ntasks) CPU_RELAX();
     if (atomic_load(&pool.join_all)) {
         unsigned generation = atomic_load(&pool.generation);
@@ -277,6 +358,13 @@ int ft_pool_set_join(int by_tasks) {
 static void parallel_start_background(task_fn fn, void *ctx, int ntasks) {
     if (pool.nworkers == 0) return;
     parallel_start(fn, ctx, ntasks);
+    background = 1;
+}
+
+static void parallel_start_owned_background(task_fn fn, void *ctx, int phases, const int *tasks,
+                                            const int *period) {
+    if (pool.nworkers == 0) return;
+    parallel_start_owned(fn, ctx, phases, tasks, period);
     background = 1;
 }
 

@@ -52,6 +52,13 @@ int ft_set_q16_rows_prefetch(int bytes) {
 #endif
 }
 
+/* Owned rows on or off (default): see owned_rows; returns the setting it replaces. */
+int ft_set_owned_rows(int on) {
+    int before = owned_rows;
+    owned_rows = on;
+    return before;
+}
+
 /* Whether the int16-activation path dots rows in interleaved pairs (default) or one at a time, for measuring. */
 void ft_set_q16_form(int two_rows) { q16_two_rows = two_rows; }
 

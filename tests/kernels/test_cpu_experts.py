@@ -391,11 +391,16 @@ for i in range(600):
         continue
     if rng.random() < 0.2:  # the caller runs tasks too, or only waits for the workers
         kernel.set_caller_joins(rng.random() < 0.5)
+    if rng.random() < 0.2:  # each worker its own rows first (owned tasks), or tasks claimed in order
+        kernel.set_owned_rows(rng.random() < 0.5)
+    x, gate, up, down, routing, want = rng.choice(cases)
     if rng.random() < 0.3:  # a background read that the next job cancels part way (or finds finished)
-        assert kernel.warm([(buf.data_ptr(), rng.randrange(1, buf.numel())), (buf.data_ptr(), 4096)])
+        if rng.random() < 0.5:
+            assert kernel.warm([(buf.data_ptr(), rng.randrange(1, buf.numel())), (buf.data_ptr(), 4096)])
+        else:
+            assert kernel.warm_rows(kernel.launch_constants(gate, up, down), routing[0], x.shape[1])
         if rng.random() < 0.3:
             time.sleep(rng.choice((0.0, 0.0002, 0.002)))
-    x, gate, up, down, routing, want = rng.choice(cases)
     got = kernel.moe_forward(x, gate, up, down, *routing)
     assert torch.equal(got, want), i
     if rng.random() < 0.05:
@@ -409,7 +414,8 @@ def test_jobs_end_with_their_last_task_while_workers_are_descheduled(tmp_path):
     task is done (not when every worker has checked in), and a worker that wakes late must claim nothing of a job
     that has ended nor anything past the end of the next one — jobs of different task counts and functions in a
     row give exactly their results, whether the caller runs tasks too or only waits (`set_caller_joins`), and
-    whether a background read (`warm`) is still running when a job is posted (the job cancels and drains it)."""
+    whether a background read (`warm`, `warm_rows`) is still running when a job is posted (the job cancels and
+    drains it), and whether the tasks are claimed in order or each worker's own first (`set_owned_rows`)."""
     import os
     import subprocess
     import sys
@@ -490,3 +496,30 @@ def test_block_formats_of_a_bf16_model_compute_what_a_bf16_gpu_expert_computes(k
         with block_bf16_from(kernel, NEVER):
             fp32_path = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
         assert (fp32_path - want).norm() / want.norm() > 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "BF16", "F32"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_owned_rows_and_their_warming_give_the_same_results(kernel, fmt, tokens):
+    """`set_owned_rows(True)`: each worker first runs its own share of every expert's rows (then takes others'
+    unclaimed tasks, phase by phase), which changes who computes a row, never what: bit-equal results on every
+    path (the int16 path at 1 token, the vector paths, tiles at 40), also right after `warm_rows` read the
+    experts' rows (the job cancels what is left of it)."""
+    gen = torch.Generator().manual_seed(12 + tokens)
+    gate, up = (expert_matrix(fmt, 6, 96, 256, gen) for _ in range(2))
+    down = expert_matrix(fmt, 6, 256, 96, gen)
+    x = torch.randn(tokens, 256, generator=gen).bfloat16().float()
+    routing = random_routing(tokens, 6, 2, gen)
+    want = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    constants = kernel.launch_constants(gate, up, down)
+    assert kernel.set_owned_rows(True) is False
+    try:
+        for _ in range(3):
+            assert torch.equal(kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16), want)
+            assert kernel.warm_rows(constants, routing[0], 256) is (kernel.threads > 1)
+        pending = kernel.start(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        assert kernel.warm_rows(constants, routing[0], 256) is False  # the job holds the kernel
+        assert torch.equal(pending.wait(), want)
+    finally:
+        assert kernel.set_owned_rows(False) is True
+    assert kernel.warm_rows(constants, routing[0][:0], 256) is False

@@ -115,6 +115,8 @@ class CpuExpertRunner:
         # the kernel's pool wakes its workers as a tree (GPU path "cpu-tree-wake"); set at the first launch (the
         # kernel is the process's, another runner may have set it)
         self._tree_wake: bool | None = None
+        self._owned_rows: bool | None = None  # GPU path "cpu-warm-owned", set at the first warming
+        self._hidden = {layer: m[0].shape[1] for layer, m in self.matrices.items()}
 
     def wake(self, spin_s: float) -> None:
         """Before waiting for a layer's routing: the kernel's sleeping workers wake meanwhile (see its `wake`)."""
@@ -126,9 +128,18 @@ class CpuExpertRunner:
     def warm(self, layer: int, experts: list[int]) -> bool:
         """Starts reading `experts`' weights of `layer` into the kernel's caches (GPU path "cpu-warm": while the
         host waits for the routing of a layer whose predicted experts will likely run here), up to WARM_BYTES.
-        Returns whether it started; the kernel's next job cancels what is left."""
+        GPU path "cpu-warm-owned": each worker reads the rows it will compute (the kernel's owned rows, on for
+        every call then). Returns whether it started; the kernel's next job cancels what is left."""
         if self.kernel is None or layer not in self._kernel_layers or not experts:
             return False
+        if (owned := gpu_paths.enabled("cpu-warm-owned")) is not self._owned_rows:
+            self._owned_rows = owned
+            self.kernel.set_owned_rows(owned)
+        if owned:
+            constants = self._launch_constants[layer]
+            per_expert = sum(m.data.stride(0) * m.data.element_size() for m in self.matrices[layer])
+            take = experts[:max(1, self.WARM_BYTES // per_expert)]
+            return self.kernel.warm_rows(constants, torch.tensor(take, dtype=torch.int32), self._hidden[layer])
         regions, left = [], self.WARM_BYTES
         for m in self.matrices[layer]:  # gate, up, down: the order the job reads them in
             row = m.data.stride(0) * m.data.element_size()

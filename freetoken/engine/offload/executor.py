@@ -421,7 +421,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
             busy = self._copy_backlog() - head_start
             split = self.planner.split(missing, self.expert_bytes, observe=False, copy_busy_s=busy, cpu_first=lead)
             missing = split.copy[:len(split.copy) - self.planner.held_for_probe()]
-            to_warm = split.cpu if gpu_paths.enabled("cpu-warm") else []
+            to_warm = split.cpu if gpu_paths.enabled("cpu-warm") or gpu_paths.enabled("cpu-warm-owned") else []
         else:
             to_warm = []
         missing = near + missing  # the near ones first: they cost a launch, not the link

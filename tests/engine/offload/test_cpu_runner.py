@@ -37,3 +37,24 @@ def test_warming_reads_the_experts_gate_up_then_down_rows_up_to_the_byte_cap(run
     assert asked[-1] == [*want[:2], (want[2][0], 100)]  # cut at the cap, part of a projection included
     assert not r.warm(3, []) and not r.warm(7, [0])  # nothing to read, or a layer it does not hold
     assert len(asked) == 2
+
+
+def test_owned_warming_reads_whole_experts_up_to_the_cap_and_turns_owned_rows_on(runner, monkeypatch):
+    """GPU path "cpu-warm-owned": the kernel reads the experts' rows by the workers that will compute them
+    (`warm_rows`, whole experts within the byte cap), and owned rows are switched on for every call once."""
+    from freetoken.engine import gpu_paths
+
+    r, _ = runner
+    monkeypatch.setattr(gpu_paths, "enabled", lambda path: path == "cpu-warm-owned")
+    asked, switched = [], []
+    monkeypatch.setattr(r.kernel, "warm_rows", lambda constants, experts, hidden:
+                        asked.append((constants, experts.tolist(), hidden)) or True)
+    monkeypatch.setattr(r.kernel, "set_owned_rows", lambda on: switched.append(on) or False)
+    assert r.warm(3, [4, 1, 5])
+    assert asked[-1] == (r._launch_constants[3], [4, 1, 5], 64) and switched == [True]
+    monkeypatch.setattr(CpuExpertRunner, "WARM_BYTES", 2 * 3 * 32 * 64 * 4 + 100)  # two experts and a bit
+    assert r.warm(3, [4, 1, 5])
+    assert asked[-1][1] == [4, 1] and switched == [True]
+    monkeypatch.setattr(gpu_paths, "enabled", lambda path: False)
+    monkeypatch.setattr(r.kernel, "warm", lambda regions: True)
+    assert r.warm(3, [4]) and switched == [True, False]  # back to the plain form: owned rows off again

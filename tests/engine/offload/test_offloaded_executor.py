@@ -121,18 +121,18 @@ class _EagerBoundaries:
 @pytest.mark.parametrize("slots", [0, 3])
 @pytest.mark.parametrize("miss_path", ["copy", "cpu", "auto"])
 @pytest.mark.parametrize("gpu_path", [None, "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first",
-                                      "prefetch-lead", "cpu-tree-wake", "cpu-warm"],
+                                      "prefetch-lead", "cpu-tree-wake", "cpu-warm", "cpu-warm-owned"],
                          ids=["defaults", "prefetch-early", "prefetch-with-cpu", "cpu-prewake", "cpu-first",
-                              "prefetch-lead", "cpu-tree-wake", "cpu-warm"])
+                              "prefetch-lead", "cpu-tree-wake", "cpu-warm", "cpu-warm-owned"])
 def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, miss_path, gpu_path, monkeypatch):
     """The calls CUDA-graph decode makes instead of `forward` (cuda_graphs.py), checked for numerics and
     bookkeeping on the CPU: same tokens, every miss copied or computed once, prefetches used; the prefetch
     queued at the next boundary, at the end of the host work (GPU path "prefetch-early") or while the CPU share
     runs ("prefetch-with-cpu"), sized with its head start over the CPU share ("prefetch-lead"); the CPU kernel's
-    workers woken as a tree ("cpu-tree-wake"), or before
-    each routing wait (GPU path "cpu-prewake"); the experts predicted for the CPU read into its caches ahead
-    ("cpu-warm"); the CPU share started before the copies (GPU path "cpu-first", on
-    by default; the "defaults" row turns every path off, so it queues the copies first)."""
+    workers woken as a tree ("cpu-tree-wake"), or before each routing wait (GPU path "cpu-prewake"); the experts
+    predicted for the CPU read into its caches ahead ("cpu-warm"), each by the worker that then computes it
+    ("cpu-warm-owned"); the CPU share started before the copies (GPU path "cpu-first", on by default; the
+    "defaults" row turns every path off, so it queues the copies first)."""
     from freetoken.engine import gpu_paths
 
     monkeypatch.setattr(gpu_paths, "enabled", lambda name: name == gpu_path)
@@ -144,7 +144,11 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
     ex.MAX_LEAD_S = 60.0  # a slow machine's layer may take longer than a GPU's gap between a prefetch and its use
     driver = _EagerBoundaries(ex)
     attach_experts(lm.model, driver)
-    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    try:
+        assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    finally:  # the kernel is the process's: owned rows ("cpu-warm-owned") stay off for other tests
+        if ex.cpu.kernel is not None:
+            ex.cpu.kernel.set_owned_rows(False)
     assert driver.boundaries == (GREEDY.max_tokens - 1) * len(lm.moe_spec.moe_layers)
     c = ex.counters
     assert c.layer_steps == driver.boundaries
@@ -161,7 +165,9 @@ def test_the_graph_boundary_calls_give_the_resident_tokens(checkpoint, slots, mi
         assert c.prefetch_hits == 0
     # "cpu-warm": the predicted experts the planner would give the CPU were read ahead (whether the CPU then ran
     # them depends on the predictions, which a random router makes badly)
-    warms = gpu_path == "cpu-warm" and miss_path == "auto" and ex.cpu.kernel is not None and ex.cpu.kernel.threads > 1
+    kernel = ex.cpu.kernel
+    warms = gpu_path in ("cpu-warm", "cpu-warm-owned") and miss_path == "auto" and kernel is not None and \
+        kernel.threads > 1
     assert (c.cpu_warmed > 0) == warms and c.cpu_warm_used <= c.cpu_warmed
 
 
