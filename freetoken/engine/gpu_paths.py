@@ -93,16 +93,14 @@ EXPERIMENTAL: dict[str, str] = {
                         "~8 us earlier: no gain (evals/results/cpu-kernel-q16-rows.md)",
     "cpu-warm": "offloaded decode has the CPU kernel's workers read the next layer's predicted experts that the "
                 "planner would give the CPU into their caches while the host waits for that layer's routing (the "
-                "CPU otherwise idles through the layer's dense work); the layer's CPU share then reads them from "
-                "L2/L3 (kernels/cpu_experts/memory.h ft_warm; evals/scripts/warm_experts.py measures the kernel "
-                "side). Not yet measured on the device (h200_issue3.sh parts warm-experts, then d1-ab-long with "
-                "B_ENV=FREETOKEN_EXPERIMENTAL=cpu-warm)",
+                "CPU otherwise idles through the layer's dense work; kernels/cpu_experts/memory.h ft_warm). "
+                "Measured with cpu-warm-owned (evals/results/cpu-warm-h100-host.md)",
     "cpu-warm-owned": "cpu-warm with owned rows: each of the CPU kernel's workers reads ahead the rows of the "
                       "predicted experts that it will compute itself, and every CPU call gives each worker that "
-                      "same share of every expert's rows first (pool.h's owned tasks), so the share is read from "
-                      "the worker's own L2 rather than another core's (ft_warm_rows). Not yet measured on the "
-                      "device (warm-experts' owned columns, then d1-ab-long with "
-                      "B_ENV=FREETOKEN_EXPERIMENTAL=cpu-warm-owned)",
+                      "same share of every expert's rows first (pool.h's owned tasks; ft_warm_rows). Measured on "
+                      "the device (D1 Q8_0, budget 0, A/B/A/B): the CPU share read 119-122 GB/s against 86-95, "
+                      "the planner gave it nearly every miss, and decode ran 30.79 / 31.29 against 31.29 / 34.73 "
+                      "tok/s: no gain (evals/results/cpu-warm-h100-host.md)",
     "cpu-prewake": "offloaded decode wakes the CPU kernel's sleeping workers before waiting for a layer's routing "
                    "(they spin for the job up to 1 ms). Measured (d1-qwen3-30b-a3b-bf16-1k-h200.md, 856f570): cpu "
                    "+7%, auto -3% at budget 0 and -15% at 16 GiB (spinning workers slow the other paths)",
