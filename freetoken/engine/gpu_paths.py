@@ -91,6 +91,11 @@ EXPERIMENTAL: dict[str, str] = {
                         "host work, decode's critical path (kernels/cpu_experts/pool.h). Measured on the H100 "
                         "machine (D1 Q8_0, budget 0, A/B/A/B): 30.10 against 30.03 tok/s, the CPU share starting "
                         "~8 us earlier: no gain (evals/results/cpu-kernel-q16-rows.md)",
+    "short-chunks-cpu": "offloaded prefill chunks that stream ahead under stream-short-chunks (an agent's next "
+                        "turn: tens of tokens an expert) stream only the share of each next layer's missing experts "
+                        "that the prefill planner would copy; the layer's remaining misses are split when it routes, "
+                        "so the CPU computes its share while the link streams the layer after. Not yet measured on "
+                        "the device (h200_issue3.sh reuse-ab, FORMATS=Q8_0 ARMS=\"default short-chunks-cpu\")",
     "cpu-warm": "offloaded decode has the CPU kernel's workers read the next layer's predicted experts that the "
                 "planner would give the CPU into their caches while the host waits for that layer's routing (the "
                 "CPU otherwise idles through the layer's dense work; kernels/cpu_experts/memory.h ft_warm). "

@@ -78,14 +78,15 @@ class PrefillPath:
                 misses.append(g)
         # streamed ahead for nothing: staging slots are free again (an admitted one stays cached, unused)
         self.copier.release(*staged_ahead.values(), *(a.ring for a in ahead.values() if a.ring is not None))
+        cpu_share = self._short_chunk_cpu_share(topk_ids)
         if not misses and not near and grouped_mm_available(hidden):  # every expert is on the device (or on its way)
             out = self._compute_sorted(hidden, topk_ids, topk_weights, hits, streamed)
             if self._streams_ahead(topk_ids):
-                self._stream_next_layer(layer)
+                self._stream_next_layer(layer, cpu_share)
             return out
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
-        if self.miss_path == "auto" and self._streams_short(topk_ids):  # the link takes the whole layer
-            limit = 0
+        if self.miss_path == "auto" and self._streams_short(topk_ids) and cpu_share is None:
+            limit = 0  # the link takes the whole layer
         planner = self._prefill_planner()
         to_copy, to_cpu = self._plan([g for g in misses if len(g.tokens) <= limit], lambda g: len(g.tokens),
                                      planner=planner)
@@ -94,7 +95,7 @@ class PrefillPath:
         out = self._copy_and_compute(layer, hidden, hits, to_copy, streamed,
                                      evict=hidden.shape[0] < self.PREFILL_TOKENS)
         if self._streams_ahead(topk_ids):
-            self._stream_next_layer(layer)
+            self._stream_next_layer(layer, cpu_share)
         weighed = sum(planner.cpu_bytes(self.expert_bytes, len(g.tokens)) for g in to_cpu)
         return self._add_cpu(out, on_cpu, len(to_cpu), planner=planner, weighed_bytes=weighed)
 
@@ -130,6 +131,15 @@ class PrefillPath:
         return self.prefill_ahead and gpu_paths.enabled("stream-short-chunks") and \
             topk_ids.numel() / self.num_experts >= self.AHEAD_TOKENS_PER_EXPERT
 
+    def _short_chunk_cpu_share(self, topk_ids: torch.Tensor) -> float | None:
+        """GPU path "short-chunks-cpu": a short chunk that streams ahead (`_streams_short`) leaves part of each next
+        layer's missing experts to the CPU, which computes them once the layer routes while the link streams the
+        layer after. Returns the tokens an expert averages (what the CPU's share is weighed by), or None."""
+        if self.miss_path != "auto" or not self._streams_short(topk_ids) or \
+                not gpu_paths.enabled("short-chunks-cpu"):
+            return None
+        return topk_ids.numel() / self.num_experts
+
     def _compute_sorted(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         hits: list, streamed: list) -> torch.Tensor:
         """A layer whose experts are all on the device, hits or streamed ahead: one sorted grouped-matmul pass
@@ -147,15 +157,21 @@ class PrefillPath:
         self.copier.release(*(a.ring for _, a in streamed if a.ring is not None))
         return out
 
-    def _stream_next_layer(self, layer: int) -> None:
+    def _stream_next_layer(self, layer: int, cpu_tokens: float | None = None) -> None:
         """Queues copies of every expert of the next MoE layer the cache lacks, behind this layer's copies: into
         free cache slots while there are any (the chunk evicts nothing), else into the staging ring, whose slots
         wait for their last reader (this layer's compute, already queued). No routing is predicted: a long chunk
-        routes to nearly all of them, and asking would cost a host sync per layer."""
+        routes to nearly all of them, and asking would cost a host sync per layer. `cpu_tokens` (GPU path
+        "short-chunks-cpu"): only as many as the prefill planner would copy of experts averaging that many tokens,
+        the rest left to the layer's own split (the CPU's, as its planner decides)."""
         next_layer = self._next_layer.get(layer)
         if next_layer is None:
             return
         missing = [e for e in range(self.num_experts) if (next_layer, e) not in self.cache.slot_of]
+        if cpu_tokens is not None and missing:
+            planner = self._prefill_planner()
+            split = planner.split(missing, self.expert_bytes, tokens_of=lambda e: cpu_tokens, observe=False)
+            missing = missing[:max(0, len(split.copy) - planner.held_for_probe())]
         copier, ahead, ring_left = self.copier, {}, self.copier.staging_slots
         cached, staged = [], []
         for e in missing:

@@ -368,13 +368,17 @@ def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(c
 
 
 @pytest.mark.parametrize("slots", [0, 6])
-def test_short_chunks_stream_ahead_under_the_gpu_path(checkpoint, slots, monkeypatch):
+@pytest.mark.parametrize("with_cpu", [False, True], ids=["link-only", "short-chunks-cpu"])
+def test_short_chunks_stream_ahead_under_the_gpu_path(checkpoint, slots, with_cpu, monkeypatch):
     """GPU path "stream-short-chunks" (on by default): in `auto`, a chunk with too few tokens for the long-chunk
     rule (its experts would be split between copies and the CPU) but enough to route to nearly every expert copies
-    all its misses and streams each next layer ahead; the logits stay the resident ones and the CPU takes none."""
+    all its misses and streams each next layer ahead; the logits stay the resident ones and the CPU takes none.
+    With "short-chunks-cpu" only the planner's copy share of each next layer streams ahead, and the CPU computes
+    part of what is left when the layer routes: the same logits, and the CPU's share counted."""
     from freetoken.engine.offload import prefill
 
-    monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name == "stream-short-chunks")
+    on = {"stream-short-chunks", "short-chunks-cpu"} if with_cpu else {"stream-short-chunks"}
+    monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name in on)
     path, resident, _ = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert, prefill_ahead=True)
@@ -391,7 +395,9 @@ def test_short_chunks_stream_ahead_under_the_gpu_path(checkpoint, slots, monkeyp
         got = [lm.forward(torch.tensor(ids[s:s + chunk]), cache, seq) for s in range(0, len(ids), chunk)]
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-5, rtol=1e-5)
     c = ex.counters
-    assert c.cpu_experts == 0 and 0 < c.prefetch_used <= c.prefetched and c.evictions == 0
+    assert (c.cpu_experts > 0) == with_cpu and 0 < c.prefetch_used <= c.prefetched and c.evictions == 0
+    if with_cpu:  # the layers after each chunk's first streamed only part of their missing experts ahead
+        assert c.prefetched < 2 * (len(lm.moe_spec.moe_layers) - 1) * ex.num_experts
     monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: False)  # off: the same chunk is split
     fresh = lm.new_cache(page_size=4)
     with torch.inference_mode():
