@@ -29,7 +29,7 @@ for part in "$@"; do
              FREETOKEN_EXPERIMENTAL=${x#default} timeout ${REUSE_S:-200} ft bench reuse --shape qwen3-30b-a3b --skew ${SKEW:-0} \
                --history 20000 --turn 500 --edits ${EDITS:-1000,4000,16000} --expert-cache 16GiB --expert-format $f \
                --turn-paths "" --commit "$commit $x" --out "$OUT/reuse-20k-16gib-skew${SKEW:-0}-$f-$x.md" 2>&1 \
-               | grep -E "^\| (cold|reuse|edit)" ; done; done ;;
+               | grep -E "^\| (cold|reuse|edit)|^prefill planner" ; done; done ;;
     reuse-resident) ft bench reuse --shape qwen3-30b-a3b --history 20000 --turn 500 --edits 1000,4000,16000 \
              --commit "$commit" --out "$OUT/reuse-qwen3-30b-a3b-20k-resident.md" ;;
     # where a kernel call's time goes per tokens per expert (the 32-token cliff): 15 threads, buffers fresh and

@@ -112,6 +112,8 @@ def bench(a: argparse.Namespace) -> list[tuple]:
         if 0 < d < a.history:
             measure(f"edit at -{d}", d, from_history(d))
     cache.release(base)
+    if hasattr(executor, "_prefill_planner"):  # how the turns' misses were weighed (the offloaded executor's)
+        print(f"prefill planner: {executor._prefill_planner().describe()}", file=sys.stderr, flush=True)
     return rows
 
 
