@@ -81,6 +81,9 @@ def bench(a: argparse.Namespace) -> list[tuple]:
         rows.append((case, distance, len(turn) + (a.history if case == "cold" else distance),
                      statistics.median(times), traffic))
         print(_format(rows[-1], rows[0][3]), file=sys.stderr, flush=True)
+        if hasattr(lm.experts, "_prefill_planner"):  # how the offloaded executor weighed the paths by then
+            print(f"prefill planner after {case}: {lm.experts._prefill_planner().describe()}", file=sys.stderr,
+                  flush=True)
 
     def cold() -> float:
         seq = cache.new_sequence()
@@ -112,8 +115,6 @@ def bench(a: argparse.Namespace) -> list[tuple]:
         if 0 < d < a.history:
             measure(f"edit at -{d}", d, from_history(d))
     cache.release(base)
-    if hasattr(executor, "_prefill_planner"):  # how the turns' misses were weighed (the offloaded executor's)
-        print(f"prefill planner: {executor._prefill_planner().describe()}", file=sys.stderr, flush=True)
     return rows
 
 

@@ -135,10 +135,11 @@ class PrefillPath:
         """GPU path "short-chunks-cpu": a short chunk that streams ahead (`_streams_short`) leaves part of each next
         layer's missing experts to the CPU, which computes them once the layer routes while the link streams the
         layer after. Returns the tokens an expert averages (what the CPU's share is weighed by), or None."""
-        if self.miss_path != "auto" or not self._streams_short(topk_ids) or \
+        tokens = topk_ids.numel() / self.num_experts
+        if self.miss_path != "auto" or tokens >= self.CPU_MAX_TOKENS or not self._streams_short(topk_ids) or \
                 not gpu_paths.enabled("short-chunks-cpu"):
-            return None
-        return topk_ids.numel() / self.num_experts
+            return None  # (a long chunk's experts are the GPU's: CPU_MAX_TOKENS)
+        return tokens
 
     def _compute_sorted(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         hits: list, streamed: list) -> torch.Tensor:
