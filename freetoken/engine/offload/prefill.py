@@ -88,9 +88,11 @@ class PrefillPath:
         if self.miss_path == "auto" and self._streams_short(topk_ids) and cpu_share is None:
             limit = 0  # the link takes the whole layer
         planner = self._prefill_planner()
-        to_copy, to_cpu = self._plan([g for g in misses if len(g.tokens) <= limit], lambda g: len(g.tokens),
-                                     planner=planner)
-        to_copy = near + to_copy + [g for g in misses if len(g.tokens) > limit]
+        left = self._take_left_to_cpu(layer)  # the CPU's by the split made when the previous layer streamed
+        given = [g for g in misses if g.expert in left and len(g.tokens) <= limit]
+        to_copy, to_cpu = self._plan([g for g in misses if g.expert not in left and len(g.tokens) <= limit],
+                                     lambda g: len(g.tokens), planner=planner)
+        to_copy, to_cpu = near + to_copy + [g for g in misses if len(g.tokens) > limit], to_cpu + given
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
         out = self._copy_and_compute(layer, hidden, hits, to_copy, streamed,
                                      evict=hidden.shape[0] < self.PREFILL_TOKENS)
@@ -163,16 +165,18 @@ class PrefillPath:
         free cache slots while there are any (the chunk evicts nothing), else into the staging ring, whose slots
         wait for their last reader (this layer's compute, already queued). No routing is predicted: a long chunk
         routes to nearly all of them, and asking would cost a host sync per layer. `cpu_tokens` (GPU path
-        "short-chunks-cpu"): only as many as the prefill planner would copy of experts averaging that many tokens,
-        the rest left to the layer's own split (the CPU's, as its planner decides)."""
+        "short-chunks-cpu"): the prefill planner splits them now, for experts averaging that many tokens (it cannot
+        know the layer's routing yet), and only its copy share streams; the rest is the CPU's when the layer routes,
+        while the link streams the layer after."""
         next_layer = self._next_layer.get(layer)
         if next_layer is None:
             return
         missing = [e for e in range(self.num_experts) if (next_layer, e) not in self.cache.slot_of]
-        if cpu_tokens is not None and missing:
-            planner = self._prefill_planner()
-            split = planner.split(missing, self.expert_bytes, tokens_of=lambda e: cpu_tokens, observe=False)
-            missing = missing[:max(0, len(split.copy) - planner.held_for_probe())]
+        if cpu_tokens is not None and missing:  # the split of that layer's misses, made now (probes included)
+            split = self._prefill_planner().split(missing, self.expert_bytes, tokens_of=lambda e: cpu_tokens)
+            left = set(split.cpu)
+            missing = [e for e in missing if e not in left]
+            self._left_to_cpu = (next_layer, left)
         copier, ahead, ring_left = self.copier, {}, self.copier.staging_slots
         cached, staged = [], []
         for e in missing:
@@ -202,6 +206,10 @@ class PrefillPath:
         self._chunk_ahead = (next_layer, ahead)
         self._prefetched.update((next_layer, e) for e in ahead)
         self.counters.prefetched += len(ahead)
+
+    def _take_left_to_cpu(self, layer: int) -> set[int]:
+        left, self._left_to_cpu = self._left_to_cpu, None
+        return left[1] if left is not None and left[0] == layer else set()
 
     def _take_chunk_ahead(self, layer: int) -> dict[int, _Ahead]:
         """expert → where the previous layer streamed it, for `layer`; streamed for another layer (a forward cut
