@@ -42,22 +42,27 @@ typedef struct {
 } warm_job;
 static warm_job warming;
 
+/* One load a line of n bytes at `at`, folded into acc; stops early once the job is cancelled (checked every 4 KiB). */
+static probe_vec read_lines(const uint8_t *at, size_t n, probe_vec acc) {
+    for (size_t page = 0; page < n; page += 4096) {
+        if (atomic_load_explicit(&background_cancel, memory_order_relaxed)) break;
+        size_t end = page + 4096 < n ? page + 4096 : n;
+        for (size_t i = page; i + sizeof acc <= end; i += 64) {
+            probe_vec v;
+            memcpy(&v, at + i, sizeof v);
+            acc ^= v;
+        }
+    }
+    return acc;
+}
+
 static void warm_task(void *ctx, int task) {
     warm_job *j = ctx;
     int r = 0;
     while (j->first_task[r + 1] <= (size_t)task) r++;
     size_t lo = (task - j->first_task[r]) * (size_t)WARM_CHUNK;
     size_t hi = lo + WARM_CHUNK < j->bytes[r] ? lo + WARM_CHUNK : j->bytes[r];
-    probe_vec acc = {0};
-    for (size_t page = lo; page < hi; page += 4096) {
-        if (atomic_load_explicit(&background_cancel, memory_order_relaxed)) break;
-        size_t end = page + 4096 < hi ? page + 4096 : hi;
-        for (size_t i = page; i + sizeof acc <= end; i += 64) {  /* one load a line */
-            probe_vec v;
-            memcpy(&v, j->ptr[r] + i, sizeof v);
-            acc ^= v;
-        }
-    }
+    probe_vec acc = read_lines(j->ptr[r] + lo, hi - lo, (probe_vec){0});
     atomic_fetch_xor(&j->sum, acc[0]);  /* keeps the loads alive */
 }
 
@@ -88,19 +93,6 @@ typedef struct {
     _Atomic uint64_t sum;
 } warm_rows_job;
 static warm_rows_job warming_rows;
-
-static probe_vec read_lines(const uint8_t *at, size_t n, probe_vec acc) {
-    for (size_t page = 0; page < n; page += 4096) {
-        if (atomic_load_explicit(&background_cancel, memory_order_relaxed)) break;
-        size_t end = page + 4096 < n ? page + 4096 : n;
-        for (size_t i = page; i + sizeof acc <= end; i += 64) {
-            probe_vec v;
-            memcpy(&v, at + i, sizeof v);
-            acc ^= v;
-        }
-    }
-    return acc;
-}
 
 static void warm_rows_task(void *ctx, int task) {
     warm_rows_job *j = ctx;
