@@ -307,7 +307,13 @@ def default_block_share() -> float:
 def planner_for(device: torch.device) -> MissPlanner | None:
     """A planner seeded from this machine's `ft calibrate` profile, or None (the executor's defaults)."""
     profile = load_profile(torch.device(device))
-    if profile is None or not profile.h2d_gb_s:
+    if profile is None:
+        # the defaults are a slow machine's (copies 20, CPU 10 GB/s): a server's CPU share then starts out far
+        # too small and grows only as probes measure it, a prefill planner's too (it is seeded from decode's)
+        log.info("no calibration profile for this machine: the miss planner starts from default bandwidths and "
+                 "learns them; `ft calibrate` measures them once (about a minute)")
+        return None
+    if not profile.h2d_gb_s:  # calibrated without a GPU: nothing to seed a copy path with
         return None
     return MissPlanner(profile.h2d_gb_s, profile.cpu_expert_gb_s)
 

@@ -24,3 +24,21 @@ def test_a_corrupt_profile_reads_as_uncalibrated(tmp_path, monkeypatch):
     profile = calibrate(torch.device("cpu"), torch.float32, quick=True)
     save_profile(profile).write_text("{not json")
     assert load_profile(torch.device("cpu")) is None
+
+
+def test_an_uncalibrated_machine_is_told_how_to_calibrate(tmp_path, monkeypatch, caplog):
+    """Without a profile the miss planner starts from a slow machine's bandwidths: loading says so once, with the
+    command that fixes it; a profile without a GPU link (a CPU-only machine) seeds nothing and says nothing."""
+    import logging
+
+    from freetoken.engine.loader import planner_for
+
+    monkeypatch.setenv("FREETOKEN_HOME", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="freetoken.engine.loader"):
+        assert planner_for(torch.device("cpu")) is None
+    assert [r.getMessage() for r in caplog.records if "ft calibrate" in r.getMessage()]
+    caplog.clear()
+    save_profile(calibrate(torch.device("cpu"), torch.float32, quick=True))
+    with caplog.at_level(logging.INFO, logger="freetoken.engine.loader"):
+        assert planner_for(torch.device("cpu")) is None
+    assert not caplog.records
