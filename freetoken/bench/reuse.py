@@ -2,7 +2,7 @@
 long conversation with reuse against from scratch, and the cost of an edit by its distance from the end.
 
     ft bench reuse [--shape qwen3-30b-a3b] [--history 20000] [--turn 500] [--edits 1000,4000,16000]
-                   [--expert-cache SIZE] [--repeats 3]
+                   [--expert-cache SIZE] [--repeats 3] [--calibrated]
 
 The history (random token ids standing in for a real agent transcript: reuse does not depend on the text) is
 prefilled once into a sequence of the generator's cache; every measurement works on a fork of it, so each
@@ -27,9 +27,18 @@ import time
 
 import torch
 
-from freetoken.bench.decode import _routing, _sync, add_model_args, add_run_args, emit, result_header
+from freetoken.bench.decode import (
+    _routing,
+    _sync,
+    add_model_args,
+    add_run_args,
+    emit,
+    measure_ceilings,
+    result_header,
+)
 from freetoken.bench.synthetic import build_synthetic
 from freetoken.engine.generator import Generator
+from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.sampling import SamplingParams
 from freetoken.units import parse_bytes
 
@@ -58,6 +67,12 @@ def bench(a: argparse.Namespace) -> list[tuple]:
     budget = None if a.expert_cache == "all" else parse_bytes(a.expert_cache)
     lm = build_synthetic(a.shape, device=device, dtype=dtype, expert_cache=budget, layers=a.layers, seed=a.seed,
                          skew=a.skew, expert_format=a.expert_format)
+    a.seeded = None
+    if a.calibrated and hasattr(lm.experts, "planner"):
+        ceilings = measure_ceilings(device, a.expert_format, dtype)
+        if ceilings.h2d and ceilings.cpu_experts > 0:
+            lm.experts.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
+            a.seeded = (ceilings.h2d, ceilings.cpu_experts)
     total = a.history + a.turn + 8
     gen = Generator(lm, max_seq_len=total, pool_tokens=3 * total)  # the history, a fork's new pages, a cold copy
     cache = gen.cache(3 * total)  # allocated up front: a pool growing mid-measurement would be timed too
@@ -132,6 +147,8 @@ def render(rows, a: argparse.Namespace) -> str:
         f"- history {a.history} tokens (random ids), new turn {a.turn} tokens, expert cache {a.expert_cache}, "
         f"median of {a.repeats} runs after one warm-up; every run on a fork of the prefilled history; "
         f"{_routing(a.skew)}; hit rate: experts the device held (dequantized or in the block store)",
+        *([f"- miss planner seeded from this run's measurements (`--calibrated`): link {a.seeded[0]:.1f} GB/s, "
+           f"CPU expert kernel {a.seeded[1]:.1f} GB/s (batch 1)"] if getattr(a, "seeded", None) else []),
         "",
         "| case | distance from the end (tokens) | tokens computed | TTFT s | faster than cold |"
         + (" expert hit rate | GB copied | CPU experts |" if rows[0][4] is not None else ""),
@@ -153,6 +170,9 @@ def main(argv: list[str]) -> int:
                    help="miss paths to time the follow-up turn on alone, beside auto (offloaded experts; '' for none)")
     p.add_argument("--skew", type=float, default=0.0,
                    help="Zipf exponent of expert popularity (0: near-uniform routing, the pessimistic case)")
+    p.add_argument("--calibrated", action="store_true",
+                   help="seed the miss planner from this run's measured link and CPU kernel rates, as `ft "
+                        "calibrate` would (default: the uncalibrated defaults, which the planner then learns)")
     add_run_args(p)
     a = p.parse_args(argv)
     a.argv, a.edits = argv, [int(x) for x in a.edits.split(",") if x]

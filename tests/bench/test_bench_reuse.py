@@ -35,3 +35,23 @@ def test_reuse_bench_labels_skewed_routing(tmp_path):
     assert "router skewed to Zipf-like popularity (s=2.0)" in table
     assert [r.split(" | ")[0] for r in table.splitlines() if r.startswith(("| cold", "| reuse"))] == \
         ["| cold", "| reuse"]
+
+
+def test_calibrated_seeds_the_miss_planner_from_the_runs_measurements(tmp_path, monkeypatch):
+    """--calibrated: the planner starts from the link and CPU kernel rates measured in the run (as after `ft
+    calibrate`), and the result says so; where no link was measured (no GPU) nothing is seeded or claimed."""
+    from freetoken.bench import reuse
+    from freetoken.bench.decode import Ceilings
+
+    seeded = []
+    planner = reuse.MissPlanner
+    monkeypatch.setattr(reuse, "MissPlanner", lambda copy, cpu: seeded.append((copy, cpu)) or planner(copy, cpu))
+    argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--history", "32", "--turn", "8",
+            "--edits", "", "--repeats", "1", "--expert-cache", "64KiB", "--turn-paths", "", "--calibrated"]
+    monkeypatch.setattr(reuse, "measure_ceilings", lambda *args: Ceilings(54.0, 120.0, 80.0))
+    assert main([*argv, "--out", str(tmp_path / "a.md")]) == 0
+    assert seeded == [(54.0, 80.0)]
+    assert "link 54.0 GB/s, CPU expert kernel 80.0 GB/s" in (tmp_path / "a.md").read_text()
+    monkeypatch.setattr(reuse, "measure_ceilings", lambda *args: Ceilings(None, 120.0, 80.0))
+    assert main([*argv, "--out", str(tmp_path / "b.md")]) == 0
+    assert seeded == [(54.0, 80.0)] and "seeded" not in (tmp_path / "b.md").read_text()
