@@ -173,7 +173,8 @@ class PrefillPath:
             return
         missing = [e for e in range(self.num_experts) if (next_layer, e) not in self.cache.slot_of]
         if cpu_tokens is not None and missing:  # the split of that layer's misses, made now (probes included)
-            split = self._prefill_planner().split(missing, self.expert_bytes, tokens_of=lambda e: cpu_tokens)
+            split = self._prefill_planner().split(missing, self.expert_bytes, tokens_of=lambda e: cpu_tokens,
+                                                  min_copy=len(self.cache.free_slots))  # free slots: worth filling
             left = set(split.cpu)
             missing = [e for e in missing if e not in left]
             self._left_to_cpu = (next_layer, left)
