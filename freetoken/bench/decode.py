@@ -68,6 +68,11 @@ class Ceilings:
     def miss_gb_s(self) -> float:
         return min((self.h2d or 0.0) + self.cpu_experts, self.dram_read)
 
+    def planner(self, guard: bool = True) -> MissPlanner | None:
+        """A miss planner seeded from these rates, as a calibration profile seeds one; None where the run measured
+        no link or no CPU kernel rate (the executor's defaults then stand)."""
+        return MissPlanner(self.h2d, self.cpu_experts, guard=guard) if self.h2d and self.cpu_experts > 0 else None
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -247,9 +252,8 @@ def bench(a: argparse.Namespace) -> tuple[list[Row], Ceilings]:
                 executor = build_executor(host, spec, dtype, device, parse_bytes(budget), policy, miss_path,
                                           block_share=share)
                 executor.prefetch = strategy in ("auto", "auto-noguard")
-                if ceilings.h2d and ceilings.cpu_experts > 0:  # seed the planner with this run's measurements
-                    executor.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts,
-                                                   guard=strategy != "auto-noguard")
+                if (seeded := ceilings.planner(guard=strategy != "auto-noguard")) is not None:
+                    executor.planner = seeded  # seeded with this run's measurements
             attach_experts(lm.model, executor)
             lm.experts = executor
             # every strategy but the eager `resident` reference decodes through CUDA graphs (segmented when the

@@ -38,7 +38,6 @@ from freetoken.bench.decode import (
 )
 from freetoken.bench.synthetic import build_synthetic
 from freetoken.engine.generator import Generator
-from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.sampling import SamplingParams
 from freetoken.units import parse_bytes
 
@@ -70,9 +69,8 @@ def bench(a: argparse.Namespace) -> list[tuple]:
     a.seeded = None
     if a.calibrated and hasattr(lm.experts, "planner"):
         ceilings = measure_ceilings(device, a.expert_format, dtype)
-        if ceilings.h2d and ceilings.cpu_experts > 0:
-            lm.experts.planner = MissPlanner(ceilings.h2d, ceilings.cpu_experts)
-            a.seeded = (ceilings.h2d, ceilings.cpu_experts)
+        if (seeded := ceilings.planner()) is not None:
+            lm.experts.planner, a.seeded = seeded, (ceilings.h2d, ceilings.cpu_experts)
     total = a.history + a.turn + 8
     gen = Generator(lm, max_seq_len=total, pool_tokens=3 * total)  # the history, a fork's new pages, a cold copy
     cache = gen.cache(3 * total)  # allocated up front: a pool growing mid-measurement would be timed too

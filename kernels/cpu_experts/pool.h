@@ -288,6 +288,9 @@ static void parallel_start(task_fn fn, void *ctx, int ntasks) {
     wake_sleepers();
 }
 
+/* The owner of a phase's task i: each period's tasks shared out in order over the workers. */
+static inline int owner_of(int i, int period, int owners) { return (int)((int64_t)(i % period) * owners / period); }
+
 /* parallel_start for a job of owned tasks: `phases` phases of tasks[p] tasks each, numbered phase after phase;
    task i of phase p belongs to worker ((i % period[p]) * workers) / period[p], i.e. each period's tasks are
    shared out in order (a job whose tasks walk an expert's rows in periods gives each worker the same rows of every
@@ -303,12 +306,12 @@ static void parallel_start_owned(task_fn fn, void *ctx, int phases, const int *t
     static int32_t count[OWNED_PHASES][MAX_THREADS + 1];  /* the poster's only: one job is posted at a time */
     for (int p = 0, first = 0; p < phases; p++) {  /* counting sort by owner, a phase's positions after the last's */
         memset(count[p], 0, sizeof count[p]);
-        for (int i = 0; i < tasks[p]; i++) count[p][(i % period[p]) * (int64_t)owners / period[p] + 1]++;
+        for (int i = 0; i < tasks[p]; i++) count[p][owner_of(i, period[p], owners) + 1]++;
         count[p][0] = first;
         for (int o = 0; o < owners; o++) count[p][o + 1] += count[p][o];
         int32_t at[MAX_THREADS];
         memcpy(at, count[p], owners * sizeof *at);
-        for (int i = 0; i < tasks[p]; i++) owned_order[at[(i % period[p]) * (int64_t)owners / period[p]]++] = first + i;
+        for (int i = 0; i < tasks[p]; i++) owned_order[at[owner_of(i, period[p], owners)]++] = first + i;
         first += tasks[p];
     }
     pool.fn = fn;

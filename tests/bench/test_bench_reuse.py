@@ -44,8 +44,15 @@ def test_calibrated_seeds_the_miss_planner_from_the_runs_measurements(tmp_path, 
     from freetoken.bench.decode import Ceilings
 
     seeded = []
-    planner = reuse.MissPlanner
-    monkeypatch.setattr(reuse, "MissPlanner", lambda copy, cpu: seeded.append((copy, cpu)) or planner(copy, cpu))
+    planner = Ceilings.planner
+
+    def recorded(self, guard=True):  # the planners actually seeded, by the rates they were seeded from
+        made = planner(self, guard)
+        if made is not None:
+            seeded.append((self.h2d, self.cpu_experts))
+        return made
+
+    monkeypatch.setattr(Ceilings, "planner", recorded)
     argv = ["--shape", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--history", "32", "--turn", "8",
             "--edits", "", "--repeats", "1", "--expert-cache", "64KiB", "--turn-paths", "", "--calibrated"]
     monkeypatch.setattr(reuse, "measure_ceilings", lambda *args: Ceilings(54.0, 120.0, 80.0))
