@@ -94,9 +94,10 @@ EXPERIMENTAL: dict[str, str] = {
     "short-chunks-cpu": "offloaded prefill chunks that stream ahead under stream-short-chunks (an agent's next "
                         "turn: tens of tokens an expert) stream only the share of each next layer's missing experts "
                         "that the prefill planner would copy; the layer's remaining misses are split when it routes, "
-                        "so the CPU computes its share while the link streams the layer after. Its first form (also "
-                        "long chunks; leftovers re-split) was slower on the device, the CPU took none of a turn's "
-                        "misses (reuse-qwen3-30b-a3b-20k-h200.md); the reworked form is unmeasured "
+                        "so the CPU computes its share while the link streams the layer after. Slower on the device "
+                        "in both measured forms (18ed6c9: turn 0.857 against 0.598 s, the CPU taking 1,298 experts; "
+                        "reuse-qwen3-30b-a3b-20k-h200.md), where a layer with a CPU share left the one sorted pass "
+                        "for per-expert groups; with that mended, unmeasured "
                         "(h200_issue3.sh reuse-ab, FORMATS=Q8_0 ARMS=\"default short-chunks-cpu\")",
     "cpu-warm": "offloaded decode has the CPU kernel's workers read the next layer's predicted experts that the "
                 "planner would give the CPU into their caches while the host waits for that layer's routing (the "

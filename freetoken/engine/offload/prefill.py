@@ -94,8 +94,11 @@ class PrefillPath:
                                      lambda g: len(g.tokens), planner=planner)
         to_copy, to_cpu = near + to_copy + [g for g in misses if len(g.tokens) > limit], to_cpu + given
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
-        out = self._copy_and_compute(layer, hidden, hits, to_copy, streamed,
-                                     evict=hidden.shape[0] < self.PREFILL_TOKENS)
+        if not to_copy and grouped_mm_available(hidden):  # the CPU's share aside, all on the device already
+            out = self._compute_sorted(hidden, topk_ids, topk_weights, hits, streamed)
+        else:
+            out = self._copy_and_compute(layer, hidden, hits, to_copy, streamed,
+                                         evict=hidden.shape[0] < self.PREFILL_TOKENS)
         if self._streams_ahead(topk_ids):
             self._stream_next_layer(layer, cpu_share)
         weighed = sum(planner.cpu_bytes(self.expert_bytes, len(g.tokens)) for g in to_cpu)
@@ -147,7 +150,9 @@ class PrefillPath:
                         hits: list, streamed: list) -> torch.Tensor:
         """A layer whose experts are all on the device, hits or streamed ahead: one sorted grouped-matmul pass
         over the slot tensor (each pair's id is its expert's slot) once the layer's copies have landed. With the
-        layer streamed during the previous one, that wait is short, and a few launches replace ~9 per expert."""
+        layer streamed during the previous one, that wait is short, and a few launches replace ~9 per expert.
+        Experts in neither list (the CPU's share of the layer) point at the zero slot: their pairs add nothing
+        here, nor their biases (`_bias_owners`)."""
         table = [self.zero_slot] * self.num_experts
         for g, slot in hits:
             table[g.expert] = slot
@@ -156,7 +161,9 @@ class PrefillPath:
         if streamed:
             self.copier.wait_all()  # the copy stream holds this layer's copies and nothing after them yet
         slot_ids = host_ints_to(hidden.device, table)[topk_ids]
-        out = sorted_expert_forward(self.slots, hidden, slot_ids, topk_weights, self._form, topk_ids)
+        owners = self._bias_owners(self._form, slot_ids, topk_ids)
+        out = sorted_expert_forward(self.slots, hidden, slot_ids, topk_weights, self._form,
+                                    topk_ids if owners is None else owners)
         self.copier.release(*(a.ring for _, a in streamed if a.ring is not None))
         return out
 

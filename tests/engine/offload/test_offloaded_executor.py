@@ -369,19 +369,37 @@ def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(c
 
 @pytest.mark.parametrize("slots", [0, 6])
 @pytest.mark.parametrize("with_cpu", [False, True], ids=["link-only", "short-chunks-cpu"])
-def test_short_chunks_stream_ahead_under_the_gpu_path(checkpoint, slots, with_cpu, monkeypatch):
+@pytest.mark.parametrize("sorted_pass", [False, True])
+def test_short_chunks_stream_ahead_under_the_gpu_path(checkpoint, slots, with_cpu, sorted_pass, monkeypatch):
     """GPU path "stream-short-chunks" (on by default): in `auto`, a chunk with too few tokens for the long-chunk
     rule (its experts would be split between copies and the CPU) but enough to route to nearly every expert copies
     all its misses and streams each next layer ahead; the logits stay the resident ones and the CPU takes none.
     With "short-chunks-cpu" only the planner's copy share of each next layer streams ahead, and the CPU computes
-    part of what is left when the layer routes: the same logits, and the CPU's share counted."""
+    part of what is left when the layer routes: the same logits, and the CPU's share counted. `sorted_pass`: a
+    layer with nothing left to copy runs its device share as one sorted pass (Hopper's path, here through torch's
+    CPU fallback), the CPU's experts pointing at the zero slot."""
+    path, resident, _ = checkpoint
+    _check_short_chunks(path, resident, slots, with_cpu, sorted_pass, monkeypatch)
+
+
+@pytest.mark.parametrize("sorted_pass", [False, True])
+def test_short_chunks_cpu_share_adds_no_bias_twice(tmp_path, sorted_pass, monkeypatch):
+    """"short-chunks-cpu" on a family whose experts have biases (gpt-oss): the CPU adds its experts' biases, so
+    the device's pass over the same layer must add none for them (their pairs take the zero bias row)."""
+    write_hf_checkpoint("gpt_oss", tmp_path)
+    resident = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    # (its logits are larger: 1e-5 absolute is at fp32's summation-order noise there; a bias added twice is not)
+    _check_short_chunks(tmp_path, resident, 0, True, sorted_pass, monkeypatch, tolerance=1e-4, dtype=torch.float32)
+
+
+def _check_short_chunks(path, resident, slots, with_cpu, sorted_pass, monkeypatch, tolerance=1e-5, **load):
     from freetoken.engine.offload import prefill
 
     on = {"stream-short-chunks", "short-chunks-cpu"} if with_cpu else {"stream-short-chunks"}
     monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name in on)
-    path, resident, _ = checkpoint
+    monkeypatch.setattr(prefill, "grouped_mm_available", lambda hidden: sorted_pass)
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
-    lm = load_model(path, progress=False, expert_cache=slots * per_expert, prefill_ahead=True)
+    lm = load_model(path, progress=False, expert_cache=slots * per_expert, prefill_ahead=True, **load)
     ex = lm.experts
     ex.miss_path, ex.planner = "auto", EVEN_SPLIT()
     chunk = max(ex.PREFILL_TOKENS, ex.num_experts * ex.AHEAD_TOKENS_PER_EXPERT // ex._top_k)
@@ -391,13 +409,20 @@ def test_short_chunks_stream_ahead_under_the_gpu_path(checkpoint, slots, with_cp
     expected = resident.prefill_logits(ids)
     cache = lm.new_cache(page_size=4)
     seq = cache.new_sequence()
+    sorted_layers = []
+    if sorted_pass:  # which layers took the sorted pass while the CPU had a share of them
+        compute_sorted = ex._compute_sorted
+        monkeypatch.setattr(ex, "_compute_sorted", lambda hidden, *a: sorted_layers.append(ex.counters.cpu_experts)
+                            or compute_sorted(hidden, *a))
     with torch.inference_mode():
         got = [lm.forward(torch.tensor(ids[s:s + chunk]), cache, seq) for s in range(0, len(ids), chunk)]
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(got), expected, atol=tolerance, rtol=tolerance)
     c = ex.counters
     assert (c.cpu_experts > 0) == with_cpu and 0 < c.prefetch_used <= c.prefetched and c.evictions == 0
     if with_cpu:  # the layers after each chunk's first streamed only part of their missing experts ahead
         assert c.prefetched < 2 * (len(lm.moe_spec.moe_layers) - 1) * ex.num_experts
+    if sorted_pass:  # every layer after a chunk's first had all its device share streamed: one pass each
+        assert len(sorted_layers) == 2 * (len(lm.moe_spec.moe_layers) - 1)
     monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: False)  # off: the same chunk is split
     fresh = lm.new_cache(page_size=4)
     with torch.inference_mode():
