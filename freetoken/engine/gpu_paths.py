@@ -99,6 +99,10 @@ EXPERIMENTAL: dict[str, str] = {
                         "reuse-qwen3-30b-a3b-20k-h200.md), where a layer with a CPU share left the one sorted pass "
                         "for per-expert groups; with that mended, unmeasured "
                         "(h200_issue3.sh reuse-ab, FORMATS=Q8_0 ARMS=\"default short-chunks-cpu\")",
+    "ahead-wide": "offloaded prefill streams the next layer's experts ahead up to 32 at a time (within 256 MiB of "
+                  "block bytes) instead of ahead-batches' 8: a quarter of the batches, for a short chunk whose "
+                  "streaming may be bound by the host's cost per batch (the block store's bookkeeping, index copies, "
+                  "dequantizing launches). Unmeasured (h200_issue3.sh profile-turn, TURN_AB=ahead-wide)",
     "cpu-warm": "offloaded decode has the CPU kernel's workers read the next layer's predicted experts that the "
                 "planner would give the CPU into their caches while the host waits for that layer's routing (the "
                 "CPU otherwise idles through the layer's dense work; kernels/cpu_experts/memory.h ft_warm). "

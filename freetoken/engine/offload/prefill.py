@@ -53,6 +53,10 @@ class PrefillPath:
     # then routes to (nearly) every expert, so all those the cache lacks are copied.
     AHEAD_TOKENS_PER_EXPERT = 8
     AHEAD_BATCH = 8  # experts a batch of copies streamed ahead holds (one event, one dequantizing launch)
+    # GPU path "ahead-wide": up to this many experts a batch, within AHEAD_WIDE_BYTES of block bytes (a batch of
+    # block-format experts lands in device rows of that size first)
+    AHEAD_WIDE = 32
+    AHEAD_WIDE_BYTES = 256 << 20
 
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
@@ -200,7 +204,7 @@ class PrefillPath:
         # last reader; waiting would hold these copies behind this layer's experts and idle the link. GPU path
         # "ahead-batches": copies go AHEAD_BATCH experts at a time, since the host's cost per expert (runtime
         # calls, a dequantizing launch for block formats) may bound a layer of small (Q8_0) experts below the link.
-        batch = self.AHEAD_BATCH if gpu_paths.enabled("ahead-batches") else 1
+        batch = self._ahead_batch()
         copier.begin(wait_compute=False, prefill=True, store_evicts=False)
         for i in range(0, len(cached), batch):
             part = cached[i:i + batch]
@@ -214,6 +218,15 @@ class PrefillPath:
         self._chunk_ahead = (next_layer, ahead)
         self._prefetched.update((next_layer, e) for e in ahead)
         self.counters.prefetched += len(ahead)
+
+    def _ahead_batch(self) -> int:
+        """Experts a batch streamed ahead holds. "ahead-wide" (experimental): fewer, larger batches, for a turn
+        whose layer-ahead streaming may be bound by the host's cost per batch (its store bookkeeping, index
+        copies and launches), not by the link."""
+        batch = self.AHEAD_BATCH if gpu_paths.enabled("ahead-batches") else 1
+        if gpu_paths.enabled("ahead-wide"):
+            batch = max(batch, min(self.AHEAD_WIDE, self.AHEAD_WIDE_BYTES // self.expert_bytes))
+        return batch
 
     def _take_left_to_cpu(self, layer: int) -> set[int]:
         left, self._left_to_cpu = self._left_to_cpu, None

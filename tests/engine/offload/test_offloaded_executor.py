@@ -328,17 +328,19 @@ def test_without_the_native_kernel_the_cpu_path_falls_back_to_torch(checkpoint, 
 @pytest.mark.parametrize("slots", [0, 6, 64])  # none, fewer than a layer's experts, every expert
 @pytest.mark.parametrize("miss_path", ["copy", "auto"])
 @pytest.mark.parametrize("sorted_pass", [False, True])
-@pytest.mark.parametrize("batches", [False, True])
+@pytest.mark.parametrize("batches", ["one", "ahead-batches", "ahead-wide"])
 def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(checkpoint, slots, miss_path,
                                                                                sorted_pass, batches, monkeypatch):
     """With `prefill_ahead`, a long chunk copies each next layer's experts (those the cache lacks: into free cache
     slots, else staging) while this layer computes; that layer computes them from there, the rest releases.
     `sorted_pass`: a layer with no miss left runs as one sorted grouped-matmul pass over the slots (Hopper's path,
-    here through torch's CPU fallback). `batches`: GPU path "ahead-batches" (AHEAD_BATCH experts a batch)."""
+    here through torch's CPU fallback). `batches`: one expert a batch, GPU path "ahead-batches" (AHEAD_BATCH experts
+    a batch) or "ahead-wide" with it (AHEAD_WIDE: here a whole layer a batch)."""
     from freetoken.engine.offload import prefill
 
     monkeypatch.setattr(prefill, "grouped_mm_available", lambda hidden: sorted_pass)
-    on = {"prefill-ahead", "ahead-batches"} if batches else {"prefill-ahead"}
+    on = {"prefill-ahead", *{"one": (), "ahead-batches": ("ahead-batches",),
+                             "ahead-wide": ("ahead-batches", "ahead-wide")}[batches]}
     monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name in on)
     path, resident, _ = checkpoint
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
@@ -347,9 +349,16 @@ def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(c
     assert ex.prefill_ahead and ex.copier.staging_slots == 2 * ex.num_experts
     ex.miss_path, ex.planner = miss_path, EVEN_SPLIT()
     ex.CPU_MAX_TOKENS = 4  # so that `auto` streams ahead chunks of this tiny model's size
+    ex.AHEAD_BATCH = 2  # below this tiny model's experts a layer, so that "ahead-wide" batches are the larger
+    assert ex.num_experts > ex.AHEAD_BATCH
     chunk = max(ex.PREFILL_TOKENS, ex.num_experts * max(ex.AHEAD_TOKENS_PER_EXPERT, ex.CPU_MAX_TOKENS) // ex._top_k)
     ids = torch.randint(0, resident.args.decoder.vocab_size, (3 * chunk,),
                         generator=torch.Generator().manual_seed(2)).tolist()
+    batch_sizes = []  # experts per batch streamed ahead
+    for name in ("to_slots_marked", "to_staging_batch"):
+        issue = getattr(ex.copier, name)
+        monkeypatch.setattr(ex.copier, name, lambda layer, experts, *a, issue=issue: batch_sizes.append(len(experts))
+                            or issue(layer, experts, *a))
     expected = resident.prefill_logits(ids)
     cache = lm.new_cache(page_size=4)
     seq = cache.new_sequence()
@@ -365,6 +374,8 @@ def test_prefill_streaming_the_next_layers_experts_ahead_gives_the_same_logits(c
         assert c.prefetched * ex.expert_bytes < c.bytes_copied <= (c.prefetched + 3 * ex.num_experts) * ex.expert_bytes
     assert c.evictions == 0
     assert ex._chunk_ahead is None  # the last layer streams nothing ahead
+    wide = min(ex.num_experts, ex.AHEAD_WIDE, ex.AHEAD_WIDE_BYTES // ex.expert_bytes)
+    assert max(batch_sizes) == {"one": 1, "ahead-batches": ex.AHEAD_BATCH, "ahead-wide": wide}[batches]
 
 
 @pytest.mark.parametrize("slots", [0, 6])
