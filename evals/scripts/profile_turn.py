@@ -76,11 +76,14 @@ def main() -> None:
     p.add_argument("--expert-format", default="Q8_0", choices=["dense", "Q8_0"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--prefill-ahead", action="store_true",
+                   help="stream each next layer ahead on any device (default: as served, on CUDA only): a CPU check")
     p.add_argument("--ab", metavar="PATHS", nargs="+", help="FREETOKEN_EXPERIMENTAL values to alternate with none")
     a = p.parse_args()
     device = torch.device(a.device)
     lm = build_synthetic(a.shape, device=device, dtype=torch.bfloat16, expert_cache=parse_bytes(a.expert_cache),
-                         layers=a.layers, seed=0, expert_format=a.expert_format)
+                         layers=a.layers, seed=0, expert_format=a.expert_format,
+                         prefill_ahead=True if a.prefill_ahead else None)
     clock = _Clock()
     for label, (owner, name) in PHASES.items():
         _mark(owner, name, label, clock)
