@@ -83,11 +83,6 @@ class PrefillPath:
         # streamed ahead for nothing: staging slots are free again (an admitted one stays cached, unused)
         self.copier.release(*staged_ahead.values(), *(a.ring for a in ahead.values() if a.ring is not None))
         cpu_share = self._short_chunk_cpu_share(topk_ids)
-        if not misses and not near and grouped_mm_available(hidden):  # every expert is on the device (or on its way)
-            out = self._compute_sorted(hidden, topk_ids, topk_weights, hits, streamed)
-            if self._streams_ahead(topk_ids):
-                self._stream_next_layer(layer, cpu_share)
-            return out
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
         if self.miss_path == "auto" and self._streams_short(topk_ids) and cpu_share is None:
             limit = 0  # the link takes the whole layer
@@ -98,7 +93,8 @@ class PrefillPath:
                                      lambda g: len(g.tokens), planner=planner)
         to_copy, to_cpu = near + to_copy + [g for g in misses if len(g.tokens) > limit], to_cpu + given
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
-        if not to_copy and grouped_mm_available(hidden):  # the CPU's share aside, all on the device already
+        # every expert on the device (hits, or streamed ahead), the CPU's share aside: one sorted pass
+        if not to_copy and grouped_mm_available(hidden):
             out = self._compute_sorted(hidden, topk_ids, topk_weights, hits, streamed)
         else:
             out = self._copy_and_compute(layer, hidden, hits, to_copy, streamed,
