@@ -420,10 +420,10 @@ def _check_short_chunks(path, resident, slots, with_cpu, sorted_pass, monkeypatc
     expected = resident.prefill_logits(ids)
     cache = lm.new_cache(page_size=4)
     seq = cache.new_sequence()
-    sorted_layers = []
-    if sorted_pass:  # which layers took the sorted pass while the CPU had a share of them
+    sorted_layers = []  # one entry per layer that took the sorted pass
+    if sorted_pass:
         compute_sorted = ex._compute_sorted
-        monkeypatch.setattr(ex, "_compute_sorted", lambda hidden, *a: sorted_layers.append(ex.counters.cpu_experts)
+        monkeypatch.setattr(ex, "_compute_sorted", lambda hidden, *a: sorted_layers.append(hidden.shape[0])
                             or compute_sorted(hidden, *a))
     with torch.inference_mode():
         got = [lm.forward(torch.tensor(ids[s:s + chunk]), cache, seq) for s in range(0, len(ids), chunk)]
