@@ -97,7 +97,8 @@ EXPERIMENTAL: dict[str, str] = {
                         "so the CPU computes its share while the link streams the layer after. Slower on the device "
                         "in both measured forms (18ed6c9: turn 0.857 against 0.598 s, the CPU taking 1,298 experts; "
                         "reuse-qwen3-30b-a3b-20k-h200.md), where a layer with a CPU share left the one sorted pass "
-                        "for per-expert groups; with that mended, unmeasured "
+                        "for per-expert groups, and over the block store the CPU's share was cut from experts the "
+                        "store held (they came back as store reads, off the sorted pass too); both mended, unmeasured "
                         "(h200_issue3.sh reuse-ab, FORMATS=Q8_0 ARMS=\"default short-chunks-cpu\")",
     "ahead-wide": "offloaded prefill streams the next layer's experts ahead up to 32 at a time (within 256 MiB of "
                   "block bytes) instead of ahead-batches' 8: a quarter of the batches, for a short chunk whose "

@@ -172,15 +172,19 @@ class PrefillPath:
         free cache slots while there are any (the chunk evicts nothing), else into the staging ring, whose slots
         wait for their last reader (this layer's compute, already queued). No routing is predicted: a long chunk
         routes to nearly all of them, and asking would cost a host sync per layer. `cpu_tokens` (GPU path
-        "short-chunks-cpu"): the prefill planner splits them now, for experts averaging that many tokens (it cannot
-        know the layer's routing yet), and only its copy share streams; the rest is the CPU's when the layer routes,
-        while the link streams the layer after."""
+        "short-chunks-cpu"): the prefill planner splits those whose bytes cross the link now, for experts averaging
+        that many tokens (it cannot know the layer's routing yet), and only its copy share streams; the rest is the
+        CPU's when the layer routes, while the link streams the layer after. Those the block store holds always
+        stream: dequantized from device memory, they cost less than any CPU work, and one left to the CPU would
+        come back at routing as a store read, taking the layer off its one sorted pass."""
         next_layer = self._next_layer.get(layer)
         if next_layer is None:
             return
         missing = [e for e in range(self.num_experts) if (next_layer, e) not in self.cache.slot_of]
-        if cpu_tokens is not None and missing:  # the split of that layer's misses, made now (probes included)
-            split = self._prefill_planner().split(missing, self.expert_bytes, tokens_of=lambda e: cpu_tokens,
+        # the split of that layer's misses over the link, made now (probes included)
+        far = [e for e in missing if not self.copier.stored(next_layer, e)] if cpu_tokens is not None else []
+        if far:
+            split = self._prefill_planner().split(far, self.expert_bytes, tokens_of=lambda e: cpu_tokens,
                                                   min_copy=len(self.cache.free_slots))  # free slots: worth filling
             left = set(split.cpu)
             missing = [e for e in missing if e not in left]

@@ -42,13 +42,14 @@ def expected(q8_gguf):
     return Generator(load_model(q8_gguf, progress=False)).generate_ids(prompt_ids(), GREEDY)
 
 
-def _offloaded(gguf, slots: int, rows: int, device: str = "cpu"):
+def _offloaded(gguf, slots: int, rows: int, device: str = "cpu", **load):
     """The model with `slots` dequantized slots and `rows` block-store rows (byte budget and share to match)."""
     resident_spec = load_model(gguf, progress=False, device=device, dtype=torch.float32, expert_cache=0).moe_spec
     slot_bytes, row_bytes = resident_spec.bytes_per_expert(torch.float32), resident_spec.bytes_per_expert("Q8_0")
     budget = slots * slot_bytes + rows * row_bytes
     share = rows * row_bytes / budget if budget else 0.0
-    lm = load_model(gguf, progress=False, device=device, dtype=torch.float32, expert_cache=budget, block_share=share)
+    lm = load_model(gguf, progress=False, device=device, dtype=torch.float32, expert_cache=budget, block_share=share,
+                    **load)
     assert lm.experts.cache.capacity == slots and (lm.experts.copier.store is None) == (rows == 0)
     if rows:
         assert lm.experts.copier.store.capacity == rows
@@ -160,6 +161,43 @@ def test_a_link_sample_times_only_the_experts_that_crossed_it(q8_gguf, monkeypat
     [(nbytes, seconds, sample, _)] = copier.finished_timings()
     assert nbytes == copier.expert_bytes and sample and seconds < 0.1
     assert copier.counters.store_hits == 1
+
+
+def test_a_short_chunk_streams_what_the_store_holds_and_leaves_the_cpu_only_link_misses(q8_gguf, monkeypatch):
+    """GPU path "short-chunks-cpu" over a block store: of each next layer's missing experts, the CPU's share is
+    taken from those whose bytes cross the link only. Those the store holds stream ahead (a dequantization from
+    device memory); left to the CPU they came back at routing as store reads, and the layer lost its one sorted
+    pass for the per-expert path. The planner here is one that gives the CPU every miss it may take."""
+    from freetoken.engine.offload import prefill
+
+    monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name in {"stream-short-chunks", "short-chunks-cpu"})
+    monkeypatch.setattr(prefill, "grouped_mm_available", lambda hidden: True)
+    lm = _offloaded(q8_gguf, 0, 12, prefill_ahead=True)  # 16 experts in two MoE layers (0 and 2), 12 rows
+    ex, (first, last) = lm.experts, lm.moe_spec.moe_layers
+    ex.planner = MissPlanner(1, 1000, copy_fixed_s=0, cpu_fixed_s=0, learn=False)  # the CPU far faster
+    chunk = max(ex.PREFILL_TOKENS, ex.num_experts * ex.AHEAD_TOKENS_PER_EXPERT // ex._top_k)
+    ids = torch.randint(0, lm.args.decoder.vocab_size, (3 * chunk,),
+                        generator=torch.Generator().manual_seed(3)).tolist()
+    expected = load_model(q8_gguf, progress=False, dtype=torch.float32).prefill_logits(ids)
+    per_expert_layers = []
+    copy_and_compute = ex._copy_and_compute
+    monkeypatch.setattr(ex, "_copy_and_compute", lambda layer, *a, **k: per_expert_layers.append(layer)
+                        or copy_and_compute(layer, *a, **k))
+    cache = lm.new_cache(page_size=4)
+    seq = cache.new_sequence()
+    got = []
+    with torch.inference_mode():
+        ex.miss_path = "copy"  # the first chunk streams everything: the store's free rows take layer 2's first 4
+        got.append(lm.forward(torch.tensor(ids[:chunk]), cache, seq))
+        stored = {e for e in range(ex.num_experts) if ex.copier.stored(last, e)}
+        assert len(stored) == 4
+        ex.miss_path, per_expert_layers[:] = "auto", []
+        cpu_before, hits_before = ex.counters.cpu_experts, ex.counters.store_hits
+        got += [lm.forward(torch.tensor(ids[s:s + chunk]), cache, seq) for s in (chunk, 2 * chunk)]
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    assert last not in per_expert_layers and first in per_expert_layers  # (the first is streamed by nothing)
+    assert ex.counters.cpu_experts - cpu_before >= 2 * (ex.num_experts - len(stored))  # each chunk: every link miss
+    assert ex.counters.store_hits - hits_before >= 2 * len(stored)
 
 
 def test_a_prefill_chunk_fills_free_rows_but_evicts_none(q8_gguf):
