@@ -33,7 +33,7 @@ for part in "$@"; do
     # issue 5's turn under offload, the host thread's phases per layer (evals/scripts/profile_turn.py): without and
     # with the block store, each A/B against TURN_AB (run-time GPU paths)
     profile-turn) for x in "" block-store; do (cd /tmp && FREETOKEN_EXPERIMENTAL=$x python3 \
-               "$OLDPWD/evals/scripts/profile_turn.py" --ab ${TURN_AB:-short-chunks-cpu ahead-wide} 2>&1 | grep -v Warning \
+               "$OLDPWD/evals/scripts/profile_turn.py" --ab ${TURN_AB:-short-chunks-cpu ahead-wide short-chunks-cpu,ahead-wide} 2>&1 | grep -v Warning \
                | sed "1i == block store ${x:-off}" | tee -a "$OUT/profile-turn.txt"); done ;;
     reuse-resident) ft bench reuse --shape qwen3-30b-a3b --history 20000 --turn 500 --edits 1000,4000,16000 \
              --commit "$commit" --out "$OUT/reuse-qwen3-30b-a3b-20k-resident.md" ;;
