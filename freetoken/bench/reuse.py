@@ -94,8 +94,8 @@ def bench(a: argparse.Namespace) -> list[tuple]:
         rows.append((case, distance, len(turn) + (a.history if case == "cold" else distance),
                      statistics.median(times), traffic))
         print(_format(rows[-1], rows[0][3]), file=sys.stderr, flush=True)
-        if hasattr(lm.experts, "_prefill_planner"):  # how the offloaded executor weighed the paths by then
-            print(f"prefill planner after {case}: {lm.experts._prefill_planner().describe()}", file=sys.stderr,
+        if hasattr(lm.experts, "prefill_planner"):  # how the offloaded executor weighed the paths by then
+            print(f"prefill planner after {case}: {lm.experts.prefill_planner().describe()}", file=sys.stderr,
                   flush=True)
 
     def cold() -> float:

@@ -211,7 +211,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
     def _collect_copy_timings(self) -> None:
         for nbytes, seconds, sample, prefill in self.copier.finished_timings():
             if sample and prefill:
-                self._prefill_planner().observe_copy(nbytes, seconds)
+                self.prefill_planner().observe_copy(nbytes, seconds)
             elif sample:
                 self.planner.observe_copy(nbytes, seconds)
             self.counters.copy_seconds += seconds

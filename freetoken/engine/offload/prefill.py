@@ -86,7 +86,7 @@ class PrefillPath:
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
         if self.miss_path == "auto" and self._streams_short(topk_ids) and cpu_share is None:
             limit = 0  # the link takes the whole layer
-        planner = self._prefill_planner()
+        planner = self.prefill_planner()
         left = self._take_left_to_cpu(layer)  # the CPU's by the split made when the previous layer streamed
         given = [g for g in misses if g.expert in left and len(g.tokens) <= limit]
         to_copy, to_cpu = self._plan([g for g in misses if g.expert not in left and len(g.tokens) <= limit],
@@ -104,7 +104,7 @@ class PrefillPath:
         weighed = sum(planner.cpu_bytes(self.expert_bytes, len(g.tokens)) for g in to_cpu)
         return self._add_cpu(out, on_cpu, len(to_cpu), planner=planner, weighed_bytes=weighed)
 
-    def _prefill_planner(self) -> MissPlanner:
+    def prefill_planner(self) -> MissPlanner:
         """The planner of prefill splits, with cost models of its own, seeded from the decode planner's: tens of
         tokens per expert cost the CPU arithmetic as well as reads, and a chunk's copies are paced by its staging
         ring and by the host launching their compute, so neither path costs what decode measured. It learns from
@@ -184,7 +184,7 @@ class PrefillPath:
         # the split of that layer's misses over the link, made now (probes included)
         far = [e for e in missing if not self.copier.stored(next_layer, e)] if cpu_tokens is not None else []
         if far:
-            split = self._prefill_planner().split(far, self.expert_bytes, tokens_of=lambda e: cpu_tokens,
+            split = self.prefill_planner().split(far, self.expert_bytes, tokens_of=lambda e: cpu_tokens,
                                                   min_copy=len(self.cache.free_slots))  # free slots: worth filling
             left = set(split.cpu)
             missing = [e for e in missing if e not in left]

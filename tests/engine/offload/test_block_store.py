@@ -111,11 +111,11 @@ def test_a_store_holding_every_expert_ends_the_link_traffic(q8_gguf, expected):
     ex = lm.experts
     ex.miss_path = "copy"
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
-    copied, samples = ex.counters.bytes_copied, (ex.planner.copy.samples, ex._prefill_planner().copy.samples)
+    copied, samples = ex.counters.bytes_copied, (ex.planner.copy.samples, ex.prefill_planner().copy.samples)
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     assert ex.counters.bytes_copied == copied  # the second run read every expert from the store
     # and taught the planners nothing about the link: store hits are no link samples
-    assert (ex.planner.copy.samples, ex._prefill_planner().copy.samples) == samples
+    assert (ex.planner.copy.samples, ex.prefill_planner().copy.samples) == samples
     stats = snapshot(lm).experts
     assert stats.block_rows == stats.block_cached == lm.moe_spec.total_routed_experts
     assert stats.store_hits == ex.counters.store_hits > 0 and set("".join(stats.grid)) == {"#"}

@@ -483,7 +483,7 @@ def test_prefill_chunks_teach_the_prefill_planner_not_the_decode_one(checkpoint)
         lm.forward(torch.tensor(ids), cache, cache.new_sequence())
         ex.forward(0, torch.zeros(1, resident.args.decoder.hidden_size), torch.zeros(1, 1, dtype=torch.long),
                    torch.ones(1, 1))  # collects the last layer's copy timings
-    prefill = ex._prefill_planner()
+    prefill = ex.prefill_planner()
     assert prefill is not ex.planner and prefill.copy is not ex.planner.copy
     assert prefill.copy.samples > 0 and ex.planner.copy.samples == 0
 
