@@ -104,6 +104,10 @@ EXPERIMENTAL: dict[str, str] = {
                   "block bytes) instead of ahead-batches' 8: a quarter of the batches, for a short chunk whose "
                   "streaming may be bound by the host's cost per batch (the block store's bookkeeping, index copies, "
                   "dequantizing launches). Unmeasured (h200_issue3.sh profile-turn, TURN_AB=ahead-wide)",
+    "dequant-stream": "offloaded prefill's batches of block-format (Q8_0, MXFP4, FP8) experts dequantize on a stream "
+                      "of their own once their copies land, so the link's next copies never wait behind a "
+                      "dequantizing launch (a 500-token turn under a block store kept the copy stream busy only "
+                      "57-67% of the turn: evals/results/reuse-qwen3-30b-a3b-20k-h200.md). Unmeasured",
     "cpu-warm": "offloaded decode has the CPU kernel's workers read the next layer's predicted experts that the "
                 "planner would give the CPU into their caches while the host waits for that layer's routing (the "
                 "CPU otherwise idles through the layer's dense work; kernels/cpu_experts/memory.h ft_warm). "
