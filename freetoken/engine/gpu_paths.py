@@ -98,12 +98,15 @@ EXPERIMENTAL: dict[str, str] = {
                         "in both measured forms (18ed6c9: turn 0.857 against 0.598 s, the CPU taking 1,298 experts; "
                         "reuse-qwen3-30b-a3b-20k-h200.md), where a layer with a CPU share left the one sorted pass "
                         "for per-expert groups, and over the block store the CPU's share was cut from experts the "
-                        "store held (they came back as store reads, off the sorted pass too); both mended, unmeasured "
-                        "(h200_issue3.sh reuse-ab, FORMATS=Q8_0 ARMS=\"default short-chunks-cpu\")",
+                        "store held (they came back as store reads, off the sorted pass too); both mended, and still "
+                        "slower (e3f4eeb: 0.61-0.70 against 0.49-0.57 s): the CPU computes a layer's share once it "
+                        "routes, on that layer's critical path, while the link streams a layer ahead, yet the "
+                        "planner weighs the two as if side by side and gives the CPU ~3x the share that would help",
     "ahead-wide": "offloaded prefill streams the next layer's experts ahead up to 32 at a time (within 256 MiB of "
                   "block bytes) instead of ahead-batches' 8: a quarter of the batches, for a short chunk whose "
                   "streaming may be bound by the host's cost per batch (the block store's bookkeeping, index copies, "
-                  "dequantizing launches). Unmeasured (h200_issue3.sh profile-turn, TURN_AB=ahead-wide)",
+                  "dequantizing launches). Within noise (e3f4eeb, H100: the turn 0.84-1.11x the time across six "
+                  "pairs, cold 0.95x in two; evals/results/reuse-qwen3-30b-a3b-20k-h200.md)",
     "dequant-stream": "offloaded prefill's batches of block-format (Q8_0, MXFP4, FP8) experts dequantize on a stream "
                       "of their own once their copies land, so the link's next copies never wait behind a "
                       "dequantizing launch (a 500-token turn under a block store kept the copy stream busy only "
