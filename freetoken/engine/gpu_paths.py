@@ -107,10 +107,6 @@ EXPERIMENTAL: dict[str, str] = {
                   "streaming may be bound by the host's cost per batch (the block store's bookkeeping, index copies, "
                   "dequantizing launches). Within noise (e3f4eeb, H100: the turn 0.84-1.11x the time across six "
                   "pairs, cold 0.95x in two; evals/results/reuse-qwen3-30b-a3b-20k-h200.md)",
-    "dequant-stream": "offloaded prefill's batches of block-format (Q8_0, MXFP4, FP8) experts dequantize on a stream "
-                      "of their own once their copies land, so the link's next copies never wait behind a "
-                      "dequantizing launch (a 500-token turn under a block store kept the copy stream busy only "
-                      "57-67% of the turn: evals/results/reuse-qwen3-30b-a3b-20k-h200.md). Unmeasured",
     "cpu-warm": "offloaded decode has the CPU kernel's workers read the next layer's predicted experts that the "
                 "planner would give the CPU into their caches while the host waits for that layer's routing (the "
                 "CPU otherwise idles through the layer's dense work; kernels/cpu_experts/memory.h ft_warm). "

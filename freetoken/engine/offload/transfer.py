@@ -28,7 +28,6 @@ from freetoken.engine import gpu_paths
 from freetoken.engine.experts import LayerExperts
 from freetoken.engine.offload import cudart
 from freetoken.engine.offload.block_store import BlockStore
-from freetoken.engine.offload.dequant_stream import DequantStream
 from freetoken.engine.offload.expert_cache import CacheCounters
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
 from freetoken.kernels.gguf_dequant import fused
@@ -109,8 +108,6 @@ class ExpertCopier:
         self._launched: set[tuple[bool, bool]] = set()  # kernel variants compiled: (slot numbers read, from store)
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
-        self._dq: DequantStream | None = None  # GPU path "dequant-stream" (dequant_stream.py), made with the fused path
-        self._split = False  # this batch's dequantizing launches go to self._dq
         # the compute stream while a decode boundary runs (the executor pins it: `torch.cuda.current_stream` costs
         # the host several µs a call, about ten calls a layer-step), else looked up at each use
         self.compute: torch.cuda.Stream | None = None
@@ -132,7 +129,6 @@ class ExpertCopier:
         """An event past the copies queued so far, for `wait` (None on the CPU)."""
         if self.stream is None:
             return None
-        self._join_dequant()
         return self._mark(self._stream_handle) if self._direct else self.stream.record_event()
 
     def wait_for(self, event) -> None:
@@ -168,9 +164,6 @@ class ExpertCopier:
         experts new to the block store take free rows only (a prefill chunk's, see `BlockStore.place`)."""
         self._batch = _Batch(sample=sample, prefill=prefill)
         self._store_evicts = store_evicts
-        self._split = prefill and self._dq is not None and gpu_paths.enabled("dequant-stream")
-        if not self._split:
-            self._join_dequant()
         if self.stream is None or not wait_compute:
             return
         if self._direct:
@@ -285,12 +278,6 @@ class ExpertCopier:
         self._index_read = [self._new_event() for _ in range(rows)]
         self._index_next = 0
         self._index_device = torch.empty(2 * most, dtype=torch.int64, device=self.device)  # read in stream order
-        self._dq = DequantStream(self.device, self.expert_bytes, self._stream_handle, _ROWS_AT_LEAST)
-
-    def _join_dequant(self) -> None:
-        """Before copies or launches that do not split: the copy stream waits for the dequantizing stream."""
-        if self._dq is not None:
-            self._dq.join()
 
     def _fused_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """On the copy stream: the experts' block bytes into rows of the device buffer (three runtime calls
@@ -298,16 +285,8 @@ class ExpertCopier:
         into these rows behind this launch."""
         self._start_timing()
         n = len(experts)
-        if self._split:  # the launch on the dequantizing stream, from a transient segment
-            j, rows = self._dq.segment(n)
-            self._queue_copies(self._block_copies(layer, experts, rows.data_ptr()), self._stream_handle)
-            self._dq.hand_over()
-            self._dequantize_rows(n, dest, slots, raw=rows)
-            self._dq.read(j)
-        else:
-            self._join_dequant()
-            self._queue_copies(self._block_copies(layer, experts, self._raw_rows(n).data_ptr()), self._stream_handle)
-            self._dequantize_rows(n, dest, slots)
+        self._queue_copies(self._block_copies(layer, experts, self._raw_rows(n).data_ptr()), self.stream.cuda_stream)
+        self._dequantize_rows(n, dest, slots)
         self._finish_timing(n)
 
     def _block_copies(self, layer: int, experts: list[int], at: int) -> list[tuple[int, int, int]]:
@@ -330,8 +309,6 @@ class ExpertCopier:
         there. The held ones' launch comes first and outside the batch's timing: it needs no link, so the GPU
         runs it while the host still queues the copies, and a link sample counts only link bytes and their
         dequantizing (with it inside, a batch of store hits read as a slow link to the planner)."""
-        if not self._split:
-            self._join_dequant()
         placed = self.store.place(layer, experts, self._store_evicts)
         near = [i for i, (_, fetch) in enumerate(placed) if not fetch]
         far = [i for i, (_, fetch) in enumerate(placed) if fetch]
@@ -351,8 +328,6 @@ class ExpertCopier:
     def _rows_into_slots(self, dest: LayerExperts, slots: list[int], rows: list[int]) -> None:
         """Experts the block store holds, dequantized from their rows into `slots` on the copy stream."""
         if self.fused:
-            if self._split:
-                self._dq.hand_over()  # after the staging slots' release waits
             self._dequantize_rows(len(rows), dest, slots, rows)
             return
         src = next(iter(self.host.values()))  # every layer's experts share one format
@@ -366,19 +341,14 @@ class ExpertCopier:
         the store took them not), then one launch per kind of row."""
         transient = [i for i, row in enumerate(rows) if row is None]
         kept = [i for i, row in enumerate(rows) if row is not None]
-        segment, raw = self._dq.segment(len(transient)) if self._split and transient else \
-            (None, self._raw_rows(len(transient)) if transient else None)
-        copies = self._block_copies(layer, [experts[i] for i in transient], raw.data_ptr()) if transient else []
+        copies = self._block_copies(layer, [experts[i] for i in transient],
+                                    self._raw_rows(len(transient)).data_ptr()) if transient else []
         store = self.store.rows
         for i in kept:
             copies += self._block_copies(layer, [experts[i]], store.data_ptr() + rows[i] * store.stride(0))
-        self._queue_copies(copies, self._stream_handle)
-        if self._split:
-            self._dq.hand_over()
+        self._queue_copies(copies, self.stream.cuda_stream)
         if transient:
-            self._dequantize_rows(len(transient), dest, [slots[i] for i in transient], raw=raw)
-            if segment is not None:
-                self._dq.read(segment)
+            self._dequantize_rows(len(transient), dest, [slots[i] for i in transient])
         if kept:
             self._dequantize_rows(len(kept), dest, [slots[i] for i in kept], [rows[i] for i in kept])
 
@@ -428,8 +398,7 @@ class ExpertCopier:
         for dst, src, nbytes in copies:
             cudart.copy_to_device(dst, src, nbytes, stream)
 
-    def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int], sources: list[int] | None = None,
-                         raw: torch.Tensor | None = None) -> None:
+    def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int], sources: list[int] | None = None) -> None:
         """Rows [0, n) (or the block store's rows `sources`) into their slots on the copy stream. Triton's
         launcher costs the host tens of µs per call,
         and this host thread is the decode step's critical path; a graph replay costs a few. The first launch
@@ -438,35 +407,33 @@ class ExpertCopier:
         samples of the link's speed (see `finished_timings`). Replays go through the runtime where torch gives
         the graph's handle (no stream context to enter)."""
         stacks, stored = _stacks(dest), sources is not None
-        raw = self.store.rows if stored else raw if raw is not None else self._rows[:n]
-        stream = self._dq.stream if self._split else self.stream  # (the launch and its slot numbers' copy)
+        raw = self.store.rows if stored else self._rows[:n]
         # a graph reads its slot numbers from the device, like a batch, and so does a launch from the store
         use_rows = DEQUANT_GRAPHS or n > 1 or stored
         compiles = (use_rows, stored) not in self._launched
         if not DEQUANT_GRAPHS or compiles:
             self._batch.sample &= not compiles
             self._launched.add((use_rows, stored))
-            index = self._slot_index(slots + (sources or []), stream.cuda_stream) if use_rows else slots[0]
-            with torch.cuda.stream(stream):
+            index = self._slot_index(slots + (sources or [])) if use_rows else slots[0]
+            with torch.cuda.stream(self.stream):
                 fused.dequantize_into(raw, self._fused_type, stacks, *self._split_index(index, n, stored))
             return
-        index = self._slot_index(slots + (sources or []), stream.cuda_stream)
+        index = self._slot_index(slots + (sources or []))
         pointers = (raw.data_ptr(), *(t.data_ptr() for t in stacks))
-        key = (n, stored, raw.data_ptr())  # (the dequantizing stream's transient rows come from two segments)
-        entry = self._dequant_graphs.get(key)
+        entry = self._dequant_graphs.get((n, stored))
         if entry is None or entry[0] != pointers:
             self._batch.sample = False
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(self.stream):
                 graph.capture_begin(capture_error_mode="thread_local")  # the CPU expert threads never touch CUDA
                 fused.dequantize_into(raw, self._fused_type, stacks, *self._split_index(index, n, stored))
                 graph.capture_end()
             handle = graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else None
-            entry = self._dequant_graphs[key] = (pointers, graph, handle)
+            entry = self._dequant_graphs[(n, stored)] = (pointers, graph, handle)
         if entry[2] is not None:
-            cudart.launch_graph(entry[2], stream.cuda_stream)
+            cudart.launch_graph(entry[2], self._stream_handle)
         else:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(self.stream):
                 entry[1].replay()
 
     @staticmethod
@@ -474,16 +441,17 @@ class ExpertCopier:
         """(destination rows, source rows or None) for `fused.dequantize_into` from one `_slot_index` tensor."""
         return (index[:n], index[n:]) if stored else (index, None)
 
-    def _slot_index(self, slots: list[int], stream: int) -> torch.Tensor:
-        """The slot numbers as a device tensor, queued on `stream` (the launch's) without holding the host."""
+    def _slot_index(self, slots: list[int]) -> torch.Tensor:
+        """The slot numbers as a device tensor, queued on the copy stream without holding the host."""
         k = self._index_next
         self._index_next = (k + 1) % len(self._index_read)
         self._index_read[k].synchronize()  # queued a ring of batches ago: long done in practice
         n = len(slots)
         self._index_rows[k, :n] = slots
         row_bytes = self._index_rows.shape[1] * 8
-        cudart.copy_to_device(self._index_device.data_ptr(), self._index_host.data_ptr() + k * row_bytes, n * 8, stream)
-        cudart.record_event(self._index_read[k], stream)
+        cudart.copy_to_device(self._index_device.data_ptr(), self._index_host.data_ptr() + k * row_bytes, n * 8,
+                              self.stream.cuda_stream)
+        cudart.record_event(self._index_read[k], self._stream_handle)
         return self._index_device[:n]
 
     def _raw_batch(self, projection: str, n: int) -> torch.Tensor:
@@ -505,8 +473,6 @@ class ExpertCopier:
 
     def wait_all(self) -> None:
         """Makes the compute stream wait for every copy issued so far."""
-        if self._dq is not None:
-            self._dq.wait_by(self.compute_stream().cuda_stream)
         if self._direct:
             cudart.record_event(self._copies_mark, self._stream_handle)
             cudart.wait_event(self.compute_stream().cuda_stream, self._copies_mark)
@@ -579,8 +545,6 @@ class ExpertCopier:
         return event
 
     def _record(self):
-        if self._split:  # this batch's last work is its launch on the dequantizing stream
-            return self._dq.record()
         return self.stream.record_event() if self.stream is not None else None
 
     def _start_timing(self) -> None:

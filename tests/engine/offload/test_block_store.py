@@ -264,32 +264,4 @@ def test_on_cuda_the_fused_launch_reads_the_block_store(q8_gguf, expected, miss_
     assert ex.copier.fused
     for _ in range(2):
         assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
-    assert ex.counters.store_hits > 0 and any(stored for _, stored, _ in ex.copier._dequant_graphs)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("rows", [0, 6])
-def test_on_cuda_prefill_dequantizes_on_its_own_stream(q8_gguf, expected, rows, monkeypatch):
-    """GPU path "dequant-stream": prefill chunks streaming each next layer ahead dequantize on a stream of their
-    own (transient rows from two segments; the block store's rows read there too), the copy stream only copying.
-    The logits stay the resident ones, and decode afterwards (the copy stream alone, joined to that stream first)
-    gives the resident tokens."""
-    from freetoken.engine import gpu_paths
-
-    enabled = gpu_paths.enabled
-    monkeypatch.setattr(gpu_paths, "enabled", lambda name: name == "dequant-stream" or enabled(name))
-    lm = _offloaded(q8_gguf, 1, rows, device="cuda", prefill_ahead=True)
-    ex = lm.experts
-    ex.miss_path = "copy"
-    assert ex.copier.fused
-    chunk = max(ex.PREFILL_TOKENS, ex.num_experts * ex.AHEAD_TOKENS_PER_EXPERT // ex._top_k)
-    ids = torch.randint(0, lm.args.decoder.vocab_size, (4 * chunk,),
-                        generator=torch.Generator().manual_seed(5)).tolist()
-    logits = load_model(q8_gguf, progress=False, device="cuda", dtype=torch.float32).prefill_logits(ids)
-    cache = lm.new_cache(page_size=4)
-    seq = cache.new_sequence()
-    with torch.inference_mode():
-        got = [lm.forward(torch.tensor(ids[s:s + chunk], device="cuda"), cache, seq) for s in range(0, len(ids), chunk)]
-    torch.testing.assert_close(torch.cat(got), logits, atol=1e-3, rtol=1e-3)
-    assert ex.copier._dq.used and ex.counters.prefetch_used > 0 and (ex.counters.store_hits > 0) == (rows > 0)
-    assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
+    assert ex.counters.store_hits > 0 and any(stored for _, stored in ex.copier._dequant_graphs)
