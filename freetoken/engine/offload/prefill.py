@@ -185,7 +185,7 @@ class PrefillPath:
         far = [e for e in missing if not self.copier.stored(next_layer, e)] if cpu_tokens is not None else []
         if far:
             split = self.prefill_planner().split(far, self.expert_bytes, tokens_of=lambda e: cpu_tokens,
-                                                  min_copy=len(self.cache.free_slots))  # free slots: worth filling
+                                                 min_copy=len(self.cache.free_slots))  # free slots: worth filling
             left = set(split.cpu)
             missing = [e for e in missing if e not in left]
             self._left_to_cpu = (next_layer, left)
