@@ -100,8 +100,8 @@ EXPERIMENTAL: dict[str, str] = {
                         "for per-expert groups, and over the block store the CPU's share was cut from experts the "
                         "store held (they came back as store reads, off the sorted pass too); both mended, and still "
                         "slower (e3f4eeb: 0.61-0.70 against 0.49-0.57 s): the CPU computes a layer's share once it "
-                        "routes, on that layer's critical path, while the link streams a layer ahead, yet the "
-                        "planner weighs the two as if side by side and gives the CPU ~3x the share that would help",
+                        "routes, on that layer's critical path, while the link streams a layer ahead, and at ~31 "
+                        "tokens an expert it read 11-20 GB/s of weights; the planner weighs the two as side by side",
     "ahead-wide": "offloaded prefill streams the next layer's experts ahead up to 32 at a time (within 256 MiB of "
                   "block bytes) instead of ahead-batches' 8: a quarter of the batches, for a short chunk whose "
                   "streaming may be bound by the host's cost per batch (the block store's bookkeeping, index copies, "
