@@ -55,6 +55,7 @@ PHASES = {  # (object, attribute) → label; inclusive, so nested phases are als
     "to_slot": (ExpertCopier, "to_slot"),  # one expert copied on a miss (the per-expert path)
     "to_staging": (ExpertCopier, "to_staging"),
     "reserve_staging": (ExpertCopier, "reserve_staging"),
+    "reserve_batch": (ExpertCopier, "reserve_staging_batch"),  # inside reserve_staging too
     "queue_copies": (ExpertCopier, "_queue_copies"),  # the runtime calls of a batch's copies
     "store_copies": (ExpertCopier, "_store_copies"),
     "store_place": (BlockStore, "place"),

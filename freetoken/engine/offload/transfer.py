@@ -78,16 +78,18 @@ class ExpertCopier:
                                                         (le.gate_proj, le.up_proj, le.down_proj))]
         self._direct = self.stream is not None and cudart.available() and all(
             t.is_contiguous() and t.is_pinned() and (self.quantized or t.dtype == dtype) for t in sources)
-        # GPU path "copy-batch" (dense experts; "copy-batch-blocks" for block formats, not faster there): a
-        # batch's copies queued by one runtime call instead of one call each
-        self._batch_copies = self._direct and cudart.batch_available() and gpu_paths.enabled(
-            "copy-batch-blocks" if self.quantized else "copy-batch")
+        # GPU path "copy-batch" (dense experts; "copy-batch-blocks" for block formats): a batch's copies queued by
+        # one runtime call instead of one call each; read at each batch, so a run can switch it (profile_turn.py)
+        self._batch_path = "copy-batch-blocks" if self.quantized else "copy-batch"
+        self._can_batch = self._direct and cudart.batch_available()
         # experts of a fused format in pinned memory: an expert's block bytes land in one row of a device buffer
         # through the runtime, and one launch dequantizes a batch of rows into their slots
         self.fused = self.quantized and self._direct and fused.available(device) and all(
             set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
             for le in host.values())
         self._released: list[torch.cuda.Event | None] = [None] * staging_slots
+        self._release_call = [0] * staging_slots  # which `release` call freed each slot (slots of one share a point)
+        self._release_calls = 0
         self._next_staging = 0
         if self._direct:  # events recorded through the runtime: created (and recorded once by torch) up front
             self._stream_handle = self.stream.cuda_stream
@@ -195,25 +197,37 @@ class ExpertCopier:
     def to_staging_batch(self, layer: int, experts: list[int], dest: LayerExperts,
                          first: int) -> tuple[list[int], object]:
         """`to_staging` for several experts as one batch: (their ring indices, what `wait` needs)."""
-        rings = [self.reserve_staging() for _ in experts]
+        rings = self.reserve_staging_batch(len(experts))
         return rings, self.to_slots_marked(layer, experts, dest, [first + i for i in rings])
 
     def reserve_staging(self, busy: frozenset[int] | set[int] = frozenset()) -> int:
         """The next staging ring index not in `busy` (slots holding prefetched experts not yet read); copies
         issued after this wait until its previous reader is done."""
+        return self.reserve_staging_batch(1, busy)[0]
+
+    def reserve_staging_batch(self, n: int, busy: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        """`reserve_staging` for `n` slots at once (one batch's copies). Slots freed by the same `release` call
+        were freed at one point of the compute stream, so the copy stream waits once per such call, not once per
+        slot (a short prefill chunk streams ~100 experts a layer through the ring: a runtime call each)."""
         ring = len(self._released)
-        if len(busy) >= ring:
+        if len(busy) + n > ring:
             raise RuntimeError("every staging slot is busy")
-        i = self._next_staging
-        while i in busy:
+        rings, waits, i = [], {}, self._next_staging
+        for _ in range(n):
+            while i in busy:
+                i = (i + 1) % ring
+            rings.append(i)
+            if self._released[i] is not None:
+                waits.setdefault(self._release_call[i], self._released[i])
             i = (i + 1) % ring
-        self._next_staging = (i + 1) % ring
-        if self.stream is not None and self._released[i] is not None:
-            if self._direct:
-                cudart.wait_event(self._stream_handle, self._released[i])
-            else:
-                self.stream.wait_event(self._released[i])
-        return i
+        self._next_staging = i
+        if self.stream is not None:
+            for event in waits.values():
+                if self._direct:
+                    cudart.wait_event(self._stream_handle, event)
+                else:
+                    self.stream.wait_event(event)
+        return rings
 
     def to_slots(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """Copies several experts into dest[slots]. Quantized ones are dequantized together, one kernel sequence
@@ -222,7 +236,7 @@ class ExpertCopier:
         if len(set(slots)) != len(slots):
             raise ValueError(f"one slot twice in a batch of copies: {slots}")
         if not self.quantized:
-            if self._batch_copies:
+            if self._batches_copies():
                 self._dense_batch(layer, experts, dest, slots)
                 return
             with self._on_copy_stream():
@@ -252,6 +266,9 @@ class ExpertCopier:
                 values = dequantize(raw.view(-1), src.type_names[p], n * out * inp, self.dtype).view(n, out, inp)
                 getattr(dest, p).index_copy_(0, index, values)
             self._finish_timing(n)
+
+    def _batches_copies(self) -> bool:
+        return self._can_batch and gpu_paths.enabled(self._batch_path)
 
     def _raw_rows(self, n: int) -> torch.Tensor:
         """[n, expert bytes] on the device: whole experts' block bytes, gate, up and down back to back."""
@@ -392,7 +409,7 @@ class ExpertCopier:
 
     def _queue_copies(self, copies: list[tuple[int, int, int]], stream: int) -> None:
         """(device address, pinned host address, bytes) copies, by one runtime call ("copy-batch") or one each."""
-        if self._batch_copies:
+        if self._batches_copies():
             cudart.copy_batch_to_device(copies, stream)
             return
         for dst, src, nbytes in copies:
@@ -483,6 +500,9 @@ class ExpertCopier:
         """The compute stream has queued its last read of these staging slots (ring indices)."""
         if self.stream is None or not staging:
             return
+        self._release_calls += 1
+        for i in staging:
+            self._release_call[i] = self._release_calls
         if self._direct:
             compute = self.compute_stream().cuda_stream
             for i in staging:

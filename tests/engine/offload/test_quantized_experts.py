@@ -167,7 +167,7 @@ def test_on_cuda_batched_copies_give_the_resident_tokens(tensor_type, tmp_path, 
         lm.experts.miss_path = "copy"
         if not cudart.batch_available():
             pytest.skip("this CUDA runtime has no cudaMemcpyBatchAsync (12.8+)")
-        assert lm.experts.copier._batch_copies and lm.experts.copier._direct
+        assert lm.experts.copier._batches_copies() and lm.experts.copier._direct
         batches = []
         call = cudart.copy_batch_to_device
         monkeypatch.setattr(cudart, "copy_batch_to_device", lambda copies, stream: batches.append(len(copies))
