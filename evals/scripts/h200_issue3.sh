@@ -51,7 +51,8 @@ for part in "$@"; do
     # shares 0 (every cached expert dequantized) and 1 (all in block format) at 8 and 16 GiB, one build
     block-tests) (cd /tmp && python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" -rf \
              "$OLDPWD/tests/engine/offload/test_block_store.py" "$OLDPWD/tests/engine/offload/test_quantized_experts.py" \
-             "$OLDPWD/tests/kernels/test_gguf_dequant_fused.py" 2>&1 | tail -15 | tee -a "$OUT/tests.txt") ;;
+             "$OLDPWD/tests/kernels/test_gguf_dequant_fused.py" "$OLDPWD/tests/engine/offload/test_stream_early.py" \
+             "$OLDPWD/tests/engine/offload/test_staging_ring.py" 2>&1 | tail -15 | tee -a "$OUT/tests.txt") ;;
     d1-blocks) ft bench decode --shape qwen3-30b-a3b --context 1024 --tokens ${TOKENS:-16} --budgets ${BUDGETS:-8GiB,16GiB} \
              --expert-format Q8_0 --strategies ${STRATEGIES:-resident-graphs,copy,auto} --block-shares ${SHARES:-0,1} \
              --commit "$commit" --out "$OUT/d1-q8-1k-blocks.md" 2>&1 | grep -v -e Warning -e "latest windows" \

@@ -102,6 +102,10 @@ EXPERIMENTAL: dict[str, str] = {
                         "slower (e3f4eeb: 0.61-0.70 against 0.49-0.57 s): the CPU computes a layer's share once it "
                         "routes, on that layer's critical path, while the link streams a layer ahead, and at ~31 "
                         "tokens an expert it read 11-20 GB/s of weights; the planner weighs the two as side by side",
+    "stream-early": "offloaded prefill queues the next layer's copies before waiting for a layer's routing (when the "
+                    "layer has nothing left to copy and the staging ring holds both layers' misses): the host's "
+                    "queueing of a short chunk's next layer (3.4-4.1 ms a layer under the block store, e3f4eeb) "
+                    "overlaps the GPU's work up to the routing (2-3.4 ms) instead of following it. Unmeasured",
     "ahead-wide": "offloaded prefill streams the next layer's experts ahead up to 32 at a time (within 256 MiB of "
                   "block bytes) instead of ahead-batches' 8: a quarter of the batches, for a short chunk whose "
                   "streaming may be bound by the host's cost per batch (the block store's bookkeeping, index copies, "

@@ -115,7 +115,7 @@ class OffloadedExpertExecutor(PrefillPath, GraphBoundaries):
         # works through that layer's attention. Off by default: within noise of plain streaming on the H200
         # (evals/results/p1-prefill-ahead-h200.md), and it wants a staging ring of two layers' experts.
         self.prefill_ahead = False
-        self._chunk_ahead = None  # (layer, {expert: _Ahead}) streamed by the previous layer of a chunk
+        self._chunk_ahead = None  # prefill's _ChunkAhead: what the previous layer of a chunk streamed
         self._left_to_cpu = None  # (layer, {expert}) that streaming left to the CPU (GPU path short-chunks-cpu)
         self._graph_io: dict[int, GraphIO] = {}  # tokens per step → its buffers (prepare_graph_io), captured decode
         self.slots_version = 0  # bumped when the slot tensors are reallocated (captured graphs read them)

@@ -36,6 +36,16 @@ class _Ahead:
     done: object  # what `copier.wait` needs before computing from it
 
 
+@dataclass(slots=True)
+class _ChunkAhead:
+    """A layer's experts streamed by the layer before it (`_stream_next_layer`)."""
+
+    layer: int
+    experts: dict[int, _Ahead]
+    done: object  # what `copier.wait` needs before computing from any of them: the last batch's mark
+    complete: bool  # every expert the cache lacked is among them or left to the CPU: nothing else to copy
+
+
 class PrefillPath:
     # A miss with more tokens than this is a large matrix product: the GPU's, whatever the link costs. Below it
     # (a short chunk: an agent's next turn, an edit's suffix) the CPU's tiles can take part of a layer's misses
@@ -60,10 +70,19 @@ class PrefillPath:
 
     def _forward_grouped(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor) -> torch.Tensor:
-        groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
         self._form = self.form_of(layer)  # the layer's biases and activation, for the computes below
         staged_ahead = self._take_staged_ahead(layer)  # decode's budget-0 prefetch (a decode step cut short)
-        ahead = self._take_chunk_ahead(layer)
+        chunk_ahead = self._take_chunk_ahead(layer)
+        ahead = chunk_ahead.experts if chunk_ahead is not None else {}
+        left = self._take_left_to_cpu(layer)  # the CPU's by the split made when the previous layer streamed
+        cpu_share = self._short_chunk_cpu_share(topk_ids)
+        streams = self._streams_ahead(topk_ids)
+        # GPU path "stream-early": the next layer's copies are queued before this layer's routing is waited for,
+        # so the host's queueing overlaps the GPU's work up to the routing instead of following it
+        early = streams and self._streams_early(layer, chunk_ahead)
+        if early:
+            self._stream_next_layer(layer, cpu_share, held={a.ring for a in ahead.values() if a.ring is not None})
+        groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
         self._count_prefetch_use(layer, [g.expert for g in groups])
         self.cache.begin_step((layer, g.expert) for g in groups)
         hits, misses, near, streamed = [], [], [], []
@@ -82,12 +101,10 @@ class PrefillPath:
                 misses.append(g)
         # streamed ahead for nothing: staging slots are free again (an admitted one stays cached, unused)
         self.copier.release(*staged_ahead.values(), *(a.ring for a in ahead.values() if a.ring is not None))
-        cpu_share = self._short_chunk_cpu_share(topk_ids)
         limit = self.CPU_MAX_TOKENS if self.miss_path == "auto" else float("inf")
         if self.miss_path == "auto" and self._streams_short(topk_ids) and cpu_share is None:
             limit = 0  # the link takes the whole layer
         planner = self.prefill_planner()
-        left = self._take_left_to_cpu(layer)  # the CPU's by the split made when the previous layer streamed
         given = [g for g in misses if g.expert in left and len(g.tokens) <= limit]
         to_copy, to_cpu = self._plan([g for g in misses if g.expert not in left and len(g.tokens) <= limit],
                                      lambda g: len(g.tokens), planner=planner)
@@ -95,11 +112,12 @@ class PrefillPath:
         on_cpu = self.cpu.submit(layer, hidden, to_cpu) if to_cpu else None
         # every expert on the device (hits, or streamed ahead), the CPU's share aside: one sorted pass
         if not to_copy and grouped_mm_available(hidden):
-            out = self._compute_sorted(hidden, topk_ids, topk_weights, hits, streamed)
+            out = self._compute_sorted(hidden, topk_ids, topk_weights, hits, streamed,
+                                       chunk_ahead.done if early else None)
         else:
             out = self._copy_and_compute(layer, hidden, hits, to_copy, streamed,
                                          evict=hidden.shape[0] < self.PREFILL_TOKENS)
-        if self._streams_ahead(topk_ids):
+        if streams and not early:
             self._stream_next_layer(layer, cpu_share)
         weighed = sum(planner.cpu_bytes(self.expert_bytes, len(g.tokens)) for g in to_cpu)
         return self._add_cpu(out, on_cpu, len(to_cpu), planner=planner, weighed_bytes=weighed)
@@ -147,18 +165,21 @@ class PrefillPath:
         return tokens
 
     def _compute_sorted(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        hits: list, streamed: list) -> torch.Tensor:
+                        hits: list, streamed: list, landed=None) -> torch.Tensor:
         """A layer whose experts are all on the device, hits or streamed ahead: one sorted grouped-matmul pass
         over the slot tensor (each pair's id is its expert's slot) once the layer's copies have landed. With the
         layer streamed during the previous one, that wait is short, and a few launches replace ~9 per expert.
         Experts in neither list (the CPU's share of the layer) point at the zero slot: their pairs add nothing
-        here, nor their biases (`_bias_owners`)."""
+        here, nor their biases (`_bias_owners`). `landed`: what `copier.wait` needs for this layer's last copy,
+        when the copy stream already holds the next layer's (stream-early); else every copy queued counts."""
         table = [self.zero_slot] * self.num_experts
         for g, slot in hits:
             table[g.expert] = slot
         for g, a in streamed:
             table[g.expert] = a.slot
-        if streamed:
+        if landed is not None:
+            self.copier.wait(landed)
+        elif streamed:
             self.copier.wait_all()  # the copy stream holds this layer's copies and nothing after them yet
         slot_ids = host_ints_to(hidden.device, table)[topk_ids]
         owners = self._bias_owners(self._form, slot_ids, topk_ids)
@@ -167,7 +188,19 @@ class PrefillPath:
         self.copier.release(*(a.ring for _, a in streamed if a.ring is not None))
         return out
 
-    def _stream_next_layer(self, layer: int, cpu_tokens: float | None = None) -> None:
+    def _streams_early(self, layer: int, chunk_ahead: _ChunkAhead | None) -> bool:
+        """GPU path "stream-early": whether the next layer may stream before this layer's routing is waited for.
+        Only when this layer has nothing left to copy (its compute waits for its own last copy, not for the next
+        layer's, which queue behind it) and the staging ring holds the next layer's misses beside this one's."""
+        next_layer = self._next_layer.get(layer)
+        if chunk_ahead is None or not chunk_ahead.complete or next_layer is None or \
+                not gpu_paths.enabled("stream-early"):
+            return False
+        held = sum(a.ring is not None for a in chunk_ahead.experts.values())
+        missing = sum((next_layer, e) not in self.cache.slot_of for e in range(self.num_experts))
+        return missing - len(self.cache.free_slots) <= self.copier.staging_slots - held
+
+    def _stream_next_layer(self, layer: int, cpu_tokens: float | None = None, held: set[int] = frozenset()) -> None:
         """Queues copies of every expert of the next MoE layer the cache lacks, behind this layer's copies: into
         free cache slots while there are any (the chunk evicts nothing), else into the staging ring, whose slots
         wait for their last reader (this layer's compute, already queued). No routing is predicted: a long chunk
@@ -176,7 +209,8 @@ class PrefillPath:
         that many tokens (it cannot know the layer's routing yet), and only its copy share streams; the rest is the
         CPU's when the layer routes, while the link streams the layer after. Those the block store holds always
         stream: dequantized from device memory, they cost less than any CPU work, and one left to the CPU would
-        come back at routing as a store read, taking the layer off its one sorted pass."""
+        come back at routing as a store read, taking the layer off its one sorted pass. `held`: staging ring
+        indices this layer's own streamed experts still hold (stream-early: queued before this layer computes)."""
         next_layer = self._next_layer.get(layer)
         if next_layer is None:
             return
@@ -189,8 +223,8 @@ class PrefillPath:
             left = set(split.cpu)
             missing = [e for e in missing if e not in left]
             self._left_to_cpu = (next_layer, left)
-        copier, ahead, ring_left = self.copier, {}, self.copier.staging_slots
-        cached, staged = [], []
+        copier, ahead, ring_left = self.copier, {}, self.copier.staging_slots - len(held)
+        cached, staged, complete = [], [], True
         for e in missing:
             admitted = self.cache.admit((next_layer, e)) if self.cache.free_slots else None
             if admitted is not None:
@@ -199,12 +233,13 @@ class PrefillPath:
                 ring_left -= 1
                 staged.append(e)
             else:
+                complete = False
                 break
         # No wait for the queued compute: the cache slots taken are free ones, staging slots wait for their own
         # last reader; waiting would hold these copies behind this layer's experts and idle the link. GPU path
         # "ahead-batches": copies go AHEAD_BATCH experts at a time, since the host's cost per expert (runtime
         # calls, a dequantizing launch for block formats) may bound a layer of small (Q8_0) experts below the link.
-        batch = self._ahead_batch()
+        batch, done = self._ahead_batch(), None
         copier.begin(wait_compute=False, prefill=True, store_evicts=False)
         for i in range(0, len(cached), batch):
             part = cached[i:i + batch]
@@ -212,10 +247,10 @@ class PrefillPath:
             ahead.update((e, _Ahead(slot, None, done)) for e, slot in part)
         for i in range(0, len(staged), batch):
             part = staged[i:i + batch]
-            rings, done = copier.to_staging_batch(next_layer, part, self.slots, self.staging_first)
+            rings, done = copier.to_staging_batch(next_layer, part, self.slots, self.staging_first, held)
             ahead.update((e, _Ahead(self.staging_first + r, r, done)) for e, r in zip(part, rings, strict=True))
         copier.end()
-        self._chunk_ahead = (next_layer, ahead)
+        self._chunk_ahead = _ChunkAhead(next_layer, ahead, done, complete)
         self._prefetched.update((next_layer, e) for e in ahead)
         self.counters.prefetched += len(ahead)
 
@@ -232,17 +267,14 @@ class PrefillPath:
         left, self._left_to_cpu = self._left_to_cpu, None
         return left[1] if left is not None and left[0] == layer else set()
 
-    def _take_chunk_ahead(self, layer: int) -> dict[int, _Ahead]:
-        """expert → where the previous layer streamed it, for `layer`; streamed for another layer (a forward cut
-        short), its staging slots are released: nothing will read them."""
+    def _take_chunk_ahead(self, layer: int) -> _ChunkAhead | None:
+        """What the previous layer streamed for `layer`; streamed for another layer (a forward cut short), its
+        staging slots are released: nothing will read them."""
         pending, self._chunk_ahead = self._chunk_ahead, None
-        if pending is None:
-            return {}
-        at, ahead = pending
-        if at == layer:
-            return ahead
-        self.copier.release(*(a.ring for a in ahead.values() if a.ring is not None))
-        return {}
+        if pending is None or pending.layer == layer:
+            return pending
+        self.copier.release(*(a.ring for a in pending.experts.values() if a.ring is not None))
+        return None
 
     def _copy_and_compute(self, layer: int, hidden: torch.Tensor, hits: list, to_copy: list[ExpertGroup],
                           streamed: list | None = None, evict: bool = True):

@@ -194,10 +194,11 @@ class ExpertCopier:
         self.to_slots(layer, experts, dest, slots)
         return self._record()
 
-    def to_staging_batch(self, layer: int, experts: list[int], dest: LayerExperts,
-                         first: int) -> tuple[list[int], object]:
-        """`to_staging` for several experts as one batch: (their ring indices, what `wait` needs)."""
-        rings = self.reserve_staging_batch(len(experts))
+    def to_staging_batch(self, layer: int, experts: list[int], dest: LayerExperts, first: int,
+                         busy: frozenset[int] | set[int] = frozenset()) -> tuple[list[int], object]:
+        """`to_staging` for several experts as one batch, into ring slots not in `busy`: (their ring indices,
+        what `wait` needs)."""
+        rings = self.reserve_staging_batch(len(experts), busy)
         return rings, self.to_slots_marked(layer, experts, dest, [first + i for i in rings])
 
     def reserve_staging(self, busy: frozenset[int] | set[int] = frozenset()) -> int:
