@@ -18,13 +18,17 @@ FREETOKEN_EXPERIMENTAL set outside applies to every round. A diagnostic, not a b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gzip
 import os
+import shutil
 import statistics
 import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from freetoken.bench.synthetic import build_synthetic
 from freetoken.engine import gpu_paths
@@ -80,12 +84,14 @@ def main() -> None:
     p.add_argument("--prefill-ahead", action="store_true",
                    help="stream each next layer ahead on any device (default: as served, on CUDA only): a CPU check")
     p.add_argument("--ab", metavar="PATHS", nargs="+", help="FREETOKEN_EXPERIMENTAL values to alternate with none")
+    p.add_argument("--trace", metavar="FILE", help="then one more turn (the last round's paths) under torch's "
+                   "profiler, its Chrome trace written to FILE (.json.gz): evals/scripts/turn_timeline.py reads it")
     a = p.parse_args()
     device = torch.device(a.device)
     lm = build_synthetic(a.shape, device=device, dtype=torch.bfloat16, expert_cache=parse_bytes(a.expert_cache),
                          layers=a.layers, seed=0, expert_format=a.expert_format,
                          prefill_ahead=True if a.prefill_ahead else None)
-    clock = _Clock()
+    clock = _TracingClock()
     for label, (owner, name) in PHASES.items():
         _mark(owner, name, label, clock)
     _mark(fused, "dequantize_into", "dequant_launch", clock)
@@ -109,6 +115,29 @@ def main() -> None:
         before = dataclasses.replace(lm.experts.counters)
         times = [_turn(gen, cache, base, ids[a.history:], a.history, device, clock) for _ in range(a.repeats)]
         _report(lm, before, times, paths, clock, a)
+    if a.trace:
+        clock.tracing = True
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            _turn(gen, cache, base, ids[a.history:], a.history, device, clock)
+        raw = a.trace.removesuffix(".gz")
+        prof.export_chrome_trace(raw)
+        if a.trace.endswith(".gz"):
+            with open(raw, "rb") as src, gzip.open(a.trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(raw)
+        print(f"trace of one turn: {a.trace}")
+
+
+class _TracingClock(_Clock):
+    """The perf clock, whose marks also become profiler ranges ("ft.<label>") once `tracing` is set."""
+
+    tracing = False
+
+    @contextlib.contextmanager
+    def __call__(self, label: str):
+        with super().__call__(label), (record_function(f"ft.{label}") if self.tracing else contextlib.nullcontext()):
+            yield
 
 
 def _turn(gen: Generator, cache, base, turn: list[int], history: int, device, clock) -> float:
