@@ -48,6 +48,7 @@ PHASES = {  # (object, attribute) → label; inclusive, so nested phases are als
     "layer": (prefill.PrefillPath, "_forward_grouped"),  # a MoE layer of the chunk, routing wait to return
     "routing_wait": (prefill, "group_by_expert"),  # the layer's routing to the host (waits for the GPU)
     "stream_next": (prefill.PrefillPath, "_stream_next_layer"),  # queueing the next layer's copies
+    "stream_layer": (prefill.PrefillPath, "_stream_layer"),  # the same, and a chunk's first layer itself (stream-early)
     "compute_sorted": (prefill.PrefillPath, "_compute_sorted"),  # one grouped pass over the layer's slots
     "copy_and_compute": (prefill.PrefillPath, "_copy_and_compute"),  # the per-expert path
     "sorted_launches": (prefill, "sorted_expert_forward"),

@@ -73,10 +73,15 @@ class PrefillPath:
         self._form = self.form_of(layer)  # the layer's biases and activation, for the computes below
         staged_ahead = self._take_staged_ahead(layer)  # decode's budget-0 prefetch (a decode step cut short)
         chunk_ahead = self._take_chunk_ahead(layer)
-        ahead = chunk_ahead.experts if chunk_ahead is not None else {}
-        left = self._take_left_to_cpu(layer)  # the CPU's by the split made when the previous layer streamed
         cpu_share = self._short_chunk_cpu_share(topk_ids)
         streams = self._streams_ahead(topk_ids)
+        if streams and chunk_ahead is None and not staged_ahead and gpu_paths.enabled("stream-early"):
+            # a chunk's first MoE layer, which no layer streamed: its misses stream now, in batches as the later
+            # layers' do, instead of one by one once it routes
+            self._stream_layer(layer, cpu_share)
+            chunk_ahead = self._take_chunk_ahead(layer)
+        ahead = chunk_ahead.experts if chunk_ahead is not None else {}
+        left = self._take_left_to_cpu(layer)  # the CPU's by the split made when the previous layer streamed
         # GPU path "stream-early": the next layer's copies are queued before this layer's routing is waited for,
         # so the host's queueing overlaps the GPU's work up to the routing instead of following it
         early = streams and self._streams_early(layer, chunk_ahead)
@@ -212,21 +217,24 @@ class PrefillPath:
         come back at routing as a store read, taking the layer off its one sorted pass. `held`: staging ring
         indices this layer's own streamed experts still hold (stream-early: queued before this layer computes)."""
         next_layer = self._next_layer.get(layer)
-        if next_layer is None:
-            return
-        missing = [e for e in range(self.num_experts) if (next_layer, e) not in self.cache.slot_of]
+        if next_layer is not None:
+            self._stream_layer(next_layer, cpu_tokens, held)
+
+    def _stream_layer(self, target: int, cpu_tokens: float | None = None, held: set[int] = frozenset()) -> None:
+        """`_stream_next_layer`'s work for the layer `target` (a chunk's first MoE layer streams itself)."""
+        missing = [e for e in range(self.num_experts) if (target, e) not in self.cache.slot_of]
         # the split of that layer's misses over the link, made now (probes included)
-        far = [e for e in missing if not self.copier.stored(next_layer, e)] if cpu_tokens is not None else []
+        far = [e for e in missing if not self.copier.stored(target, e)] if cpu_tokens is not None else []
         if far:
             split = self.prefill_planner().split(far, self.expert_bytes, tokens_of=lambda e: cpu_tokens,
                                                  min_copy=len(self.cache.free_slots))  # free slots: worth filling
             left = set(split.cpu)
             missing = [e for e in missing if e not in left]
-            self._left_to_cpu = (next_layer, left)
+            self._left_to_cpu = (target, left)
         copier, ahead, ring_left = self.copier, {}, self.copier.staging_slots - len(held)
         cached, staged, complete = [], [], True
         for e in missing:
-            admitted = self.cache.admit((next_layer, e)) if self.cache.free_slots else None
+            admitted = self.cache.admit((target, e)) if self.cache.free_slots else None
             if admitted is not None:
                 cached.append((e, admitted[0]))
             elif ring_left:  # never around the ring: a slot streamed ahead is held until the next layer reads it
@@ -243,15 +251,15 @@ class PrefillPath:
         copier.begin(wait_compute=False, prefill=True, store_evicts=False)
         for i in range(0, len(cached), batch):
             part = cached[i:i + batch]
-            done = copier.to_slots_marked(next_layer, [e for e, _ in part], self.slots, [slot for _, slot in part])
+            done = copier.to_slots_marked(target, [e for e, _ in part], self.slots, [slot for _, slot in part])
             ahead.update((e, _Ahead(slot, None, done)) for e, slot in part)
         for i in range(0, len(staged), batch):
             part = staged[i:i + batch]
-            rings, done = copier.to_staging_batch(next_layer, part, self.slots, self.staging_first, held)
+            rings, done = copier.to_staging_batch(target, part, self.slots, self.staging_first, held)
             ahead.update((e, _Ahead(self.staging_first + r, r, done)) for e, r in zip(part, rings, strict=True))
         copier.end()
-        self._chunk_ahead = _ChunkAhead(next_layer, ahead, done, complete)
-        self._prefetched.update((next_layer, e) for e in ahead)
+        self._chunk_ahead = _ChunkAhead(target, ahead, done, complete)
+        self._prefetched.update((target, e) for e in ahead)
         self.counters.prefetched += len(ahead)
 
     def _ahead_batch(self) -> int:

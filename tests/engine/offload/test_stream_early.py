@@ -1,7 +1,7 @@
 """GPU path "stream-early": a prefill chunk whose layer was streamed whole queues the next layer's copies before it
-waits for that layer's routing, so the host's queueing overlaps the GPU's work instead of following it. On the
-CPU the copies land at once, so a staging slot handed to the next layer while this one still needed it would
-change the logits."""
+waits for that layer's routing, so the host's queueing overlaps the GPU's work instead of following it; the
+chunk's first MoE layer, which no layer streamed, streams itself. On the CPU the copies land at once, so a staging
+slot handed to the next layer while this one still needed it would change the logits."""
 
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ def test_the_next_layer_streams_before_this_layers_routing(checkpoint, slots, mi
                         generator=torch.Generator().manual_seed(5)).tolist()
     expected = resident.prefill_logits(ids)
 
-    events = []  # ("route", layer) at each layer's routing, ("stream", layer) as a layer streams its next one
-    route, stream = prefill.group_by_expert, ex._stream_next_layer
+    events = []  # ("route", layer) at each layer's routing, ("stream", layer) as that layer's experts stream
+    route, stream = prefill.group_by_expert, ex._stream_layer
     layer_now = []
     forward = ex._forward_grouped
     monkeypatch.setattr(ex, "_forward_grouped", lambda layer, *a: layer_now.append(layer) or forward(layer, *a))
     monkeypatch.setattr(prefill, "group_by_expert", lambda *a: events.append(("route", layer_now[-1])) or route(*a))
-    monkeypatch.setattr(ex, "_stream_next_layer", lambda layer, *a, **k: events.append(("stream", layer))
+    monkeypatch.setattr(ex, "_stream_layer", lambda layer, *a, **k: events.append(("stream", layer))
                         or stream(layer, *a, **k))
     cache = lm.new_cache(page_size=4)
     seq = cache.new_sequence()
@@ -58,16 +58,14 @@ def test_the_next_layer_streams_before_this_layers_routing(checkpoint, slots, mi
 
     layers = lm.moe_spec.moe_layers
     c = ex.counters
-    streamable = 2 * (len(layers) - 1) * ex.num_experts  # every layer but a chunk's first, whole
+    streamable = 2 * len(layers) * ex.num_experts  # every layer of both chunks, whole
     assert c.prefetched == streamable if slots == 0 else 0 < c.prefetched <= streamable
     assert c.cpu_experts == 0 and c.evictions == 0 and ex._chunk_ahead is None
-    # per chunk: the first layer (nothing streamed for it) streams after its routing, the middle ones before
-    # theirs, the last (no next layer: a call that returns at once) after
+    # per chunk: the first layer streams itself, then each layer streams the next before its own routing
     assert len(layers) >= 3
-    per_chunk = [("route", layers[0]), ("stream", layers[0])]
-    for layer in layers[1:-1]:
-        per_chunk += [("stream", layer), ("route", layer)]
-    per_chunk += [("route", layers[-1]), ("stream", layers[-1])]
+    per_chunk = [("stream", layers[0])]
+    for layer, after in zip(layers, [*layers[1:], None], strict=True):
+        per_chunk += [("stream", after), ("route", layer)] if after is not None else [("route", layer)]
     assert events == 2 * per_chunk
 
 
