@@ -106,6 +106,11 @@ EXPERIMENTAL: dict[str, str] = {
                     "layer has nothing left to copy and the staging ring holds both layers' misses): the host's "
                     "queueing of a short chunk's next layer (3.4-4.1 ms a layer under the block store, e3f4eeb) "
                     "overlaps the GPU's work up to the routing (2-3.4 ms) instead of following it. Unmeasured",
+    "prefill-spread": "offloaded prefill chunks (which evict nothing) fill free expert-cache slots and block-store "
+                      "rows up to an even share per layer instead of in layer order. Filled in order (9cd463a, "
+                      "H100, 16 GiB block store): a 500-token turn found layers 0-25 all in the store, the link "
+                      "idle through them (host-bound, ~6.5 ms a layer), and layers 26-47 all missing, bound by the "
+                      "link (640 MB, ~12 ms a layer). Unmeasured",
     "ahead-wide": "offloaded prefill streams the next layer's experts ahead up to 32 at a time (within 256 MiB of "
                   "block bytes) instead of ahead-batches' 8: a quarter of the batches, for a short chunk whose "
                   "streaming may be bound by the host's cost per batch (the block store's bookkeeping, index copies, "

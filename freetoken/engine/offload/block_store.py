@@ -38,11 +38,13 @@ class BlockStore:
     def holds(self, key: Hashable) -> bool:
         return key in self.cache.slot_of
 
-    def place(self, layer: int, experts: list[int], evict: bool) -> list[tuple[int | None, bool]]:
+    def place(self, layer: int, experts: list[int], evict: bool,
+              spread: int | None = None) -> list[tuple[int | None, bool]]:
         """Per expert of one batch: (its row, or None where the store takes it not; whether its bytes must come
         from the host). Experts the store holds are read from their rows; the others are admitted where a row is
         free or (`evict`) the policy gives one up. A prefill chunk passes `evict=False`: it touches nearly every
-        expert once, and evicting for it would churn out what decode keeps using."""
+        expert once, and evicting for it would churn out what decode keeps using. `spread` (with `evict=False`):
+        the layers sharing the store, each filling free rows up to an even share (`ExpertCache.fillable`)."""
         keys = [(layer, e) for e in experts]
         slot_of = self.cache.slot_of
         self.cache.begin_step(k for k in keys if k in slot_of)  # the batch's reads: not given away below
@@ -54,7 +56,7 @@ class BlockStore:
                 placed.append((row, False))
                 continue
             # held: a later admission of this batch must not take the row this one is about to fill
-            admitted = self.cache.admit(key, hold=True) if evict or self.cache.free_slots else None
+            admitted = self.cache.admit(key, hold=True) if evict or self.cache.fillable(layer, spread) else None
             placed.append((None if admitted is None else admitted[0], True))
         return placed
 

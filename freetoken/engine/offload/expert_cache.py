@@ -7,6 +7,7 @@ slots index live in the executor.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ class ExpertCache:
         self.last_used: dict[Hashable, int] = {}
         self.steps = 0
         self.pinned: set[Hashable] = set()  # keys never evicted (a user pinned their layer); all of them cached
+        self.per_layer: Counter = Counter()  # keys cached per layer (a key's layer: its first item)
 
     def begin_step(self, needed: Iterable[Hashable]) -> None:
         """Marks the keys the coming computation needs; none of them can be evicted until the next step."""
@@ -113,6 +115,14 @@ class ExpertCache:
     def unpin(self, keys: Iterable[Hashable]) -> None:
         self.pinned.difference_update(keys)
 
+    def fillable(self, layer, layers: int | None = None) -> int:
+        """Free slots a chunk that evicts nothing may still fill with keys of `layer`: every free one, or (with
+        `layers`, the layers sharing the cache) only up to an even share of the capacity per layer, so that a
+        prefill filling the cache in layer order leaves no layer all cached and the next all missing."""
+        if layers is None:
+            return len(self.free_slots)
+        return max(0, min(len(self.free_slots), -(-self.capacity // layers) - self.per_layer[layer]))
+
     def admit(self, key: Hashable, force: bool = False, hold: bool = False) -> tuple[int, Hashable | None] | None:
         """A slot for a missed key: a free one, or one taken from the policy's victim. Returns (slot, evicted
         key or None), or None when every slot holds a protected key or the policy declines to displace its
@@ -131,6 +141,7 @@ class ExpertCache:
             self.counters.evictions += 1
         slot = self.free_slots.pop()
         self.slot_of[key] = slot
+        self.per_layer[_layer_of(key)] += 1
         self.policy.admit(key)
         if hold:
             self._protected.add(key)
@@ -138,6 +149,7 @@ class ExpertCache:
 
     def _drop(self, key: Hashable) -> None:
         self.free_slots.append(self.slot_of.pop(key))
+        self.per_layer[_layer_of(key)] -= 1
         self.policy.remove(key)
 
     def resize(self, capacity: int) -> list[Hashable]:
@@ -161,3 +173,7 @@ class ExpertCache:
         used = set(self.slot_of.values())
         self.free_slots = [s for s in range(capacity - 1, -1, -1) if s not in used]
         return moves
+
+
+def _layer_of(key: Hashable):
+    return key[0] if type(key) is tuple else None

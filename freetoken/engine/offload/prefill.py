@@ -203,7 +203,7 @@ class PrefillPath:
             return False
         held = sum(a.ring is not None for a in chunk_ahead.experts.values())
         missing = sum((next_layer, e) not in self.cache.slot_of for e in range(self.num_experts))
-        return missing - len(self.cache.free_slots) <= self.copier.staging_slots - held
+        return missing - self.cache.fillable(next_layer, self._spread()) <= self.copier.staging_slots - held
 
     def _stream_next_layer(self, layer: int, cpu_tokens: float | None = None, held: set[int] = frozenset()) -> None:
         """Queues copies of every expert of the next MoE layer the cache lacks, behind this layer's copies: into
@@ -232,9 +232,9 @@ class PrefillPath:
             missing = [e for e in missing if e not in left]
             self._left_to_cpu = (target, left)
         copier, ahead, ring_left = self.copier, {}, self.copier.staging_slots - len(held)
-        cached, staged, complete = [], [], True
+        cached, staged, complete, spread = [], [], True, self._spread()
         for e in missing:
-            admitted = self.cache.admit((target, e)) if self.cache.free_slots else None
+            admitted = self.cache.admit((target, e)) if self.cache.fillable(target, spread) else None
             if admitted is not None:
                 cached.append((e, admitted[0]))
             elif ring_left:  # never around the ring: a slot streamed ahead is held until the next layer reads it
@@ -261,6 +261,12 @@ class PrefillPath:
         self._chunk_ahead = _ChunkAhead(target, ahead, done, complete)
         self._prefetched.update((target, e) for e in ahead)
         self.counters.prefetched += len(ahead)
+
+    def _spread(self) -> int | None:
+        """GPU path "prefill-spread": a chunk fills free cache slots (and block-store rows) up to an even share
+        per layer, not in layer order: filled in order, a turn's first layers are all cached and idle the link
+        while the later ones all stream, bound by it (evals/results/reuse-qwen3-30b-a3b-20k-h200.md)."""
+        return len(self.host) if gpu_paths.enabled("prefill-spread") else None
 
     def _ahead_batch(self) -> int:
         """Experts a batch streamed ahead holds. "ahead-wide" (experimental): fewer, larger batches, for a turn
@@ -314,7 +320,8 @@ class PrefillPath:
             # a prefill chunk takes free slots only: it touches nearly every expert once, so evicting for it would
             # churn the cache (the next chunk, turn or decode step would find none of what it held); the rest
             # streams through staging, and the policy has still counted every use (lookup) for decode's admissions
-            admitted = self.cache.admit((layer, g.expert)) if evict or self.cache.free_slots else None
+            admitted = self.cache.admit((layer, g.expert)) if evict or self.cache.fillable(layer, self._spread()) \
+                else None
             if admitted is None:
                 staged.append(g)
             else:

@@ -327,7 +327,9 @@ class ExpertCopier:
         there. The held ones' launch comes first and outside the batch's timing: it needs no link, so the GPU
         runs it while the host still queues the copies, and a link sample counts only link bytes and their
         dequantizing (with it inside, a batch of store hits read as a slow link to the planner)."""
-        placed = self.store.place(layer, experts, self._store_evicts)
+        # GPU path "prefill-spread": a chunk's rows spread evenly over the layers (see ExpertCache.fillable)
+        spread = None if self._store_evicts or not gpu_paths.enabled("prefill-spread") else len(self.host)
+        placed = self.store.place(layer, experts, self._store_evicts, spread)
         near = [i for i, (_, fetch) in enumerate(placed) if not fetch]
         far = [i for i, (_, fetch) in enumerate(placed) if fetch]
         if near:
