@@ -84,7 +84,9 @@ EXPERIMENTAL: dict[str, str] = {
                   "~1.0x at 16 GiB on the third (e7f4a8b): the same arm's windows vary +-15% within a run, so a "
                   "1.5% hill climb wanders, and a bias it settled on wrongly can lose the way-level choice",
     "copy-batch-blocks": "GPU path copy-batch for block-format (Q8_0) experts too. Measured on two leases "
-                         "(d1-copy-batch-h200.md): Q8_0 auto 0.98x and 1.17x at budget 0, 0.88x and 0.96x at 16 GiB",
+                         "(d1-copy-batch-h200.md): Q8_0 auto 0.98x and 1.17x at budget 0, 0.88x and 0.96x at 16 GiB; "
+                         "a 500-token turn streamed over the block store 0.92-0.94x the time, its copies at 50 "
+                         "against 46 GB/s (70ebb4b, H100; reuse-qwen3-30b-a3b-20k-h200.md)",
     "cpu-caller-waits": "the thread that drives the GPU only waits for a layer's CPU share instead of running the "
                         "CPU kernel's tasks too, and the kernel's pool gets a worker more, so the weights it would "
                         "stream cannot push its own working set out of its caches before the next layer-step's "
@@ -105,7 +107,11 @@ EXPERIMENTAL: dict[str, str] = {
     "stream-early": "offloaded prefill queues the next layer's copies before waiting for a layer's routing (when the "
                     "layer has nothing left to copy and the staging ring holds both layers' misses): the host's "
                     "queueing of a short chunk's next layer (3.4-4.1 ms a layer under the block store, e3f4eeb) "
-                    "overlaps the GPU's work up to the routing (2-3.4 ms) instead of following it. Unmeasured",
+                    "overlaps the GPU's work up to the routing (2-3.4 ms) instead of following it; a chunk's first "
+                    "MoE layer, which no layer streamed, streams itself in batches before its routing. Over the "
+                    "block store (70ebb4b, H100) a 500-token turn 0.93-0.97x the time alone, with copy-batch-blocks "
+                    "and ahead-wide 0.383 / 0.423 against 0.449 / 0.442 s (reuse-qwen3-30b-a3b-20k-h200.md); not "
+                    "yet measured without the store or on a cold prefill",
     "prefill-spread": "offloaded prefill chunks (which evict nothing) fill free expert-cache slots and block-store "
                       "rows up to an even share per layer instead of in layer order. Filled in order (9cd463a, "
                       "H100, 16 GiB block store): a 500-token turn found layers 0-25 all in the store, the link "
