@@ -89,10 +89,13 @@ class PrefillPath:
             self._stream_next_layer(layer, cpu_share, held={a.ring for a in ahead.values() if a.ring is not None})
         groups = group_by_expert(topk_ids, topk_weights, self.num_experts, hidden.dtype)
         self._count_prefetch_use(layer, [g.expert for g in groups])
-        self.cache.begin_step((layer, g.expert) for g in groups)
+        keys = [(layer, g.expert) for g in groups]
+        self.cache.begin_step(keys)
+        self.cache.record_uses(layer, keys)  # what a lookup per key counts, in one call (nothing is admitted here)
         hits, misses, near, streamed = [], [], [], []
-        for g in groups:
-            slot = self.cache.lookup((layer, g.expert))
+        slot_of = self.cache.slot_of
+        for g, key in zip(groups, keys, strict=True):
+            slot = slot_of.get(key)
             if g.expert in ahead:  # copied while the previous layer computed (into staging or a free slot)
                 streamed.append((g, ahead.pop(g.expert)))
             elif slot is not None:

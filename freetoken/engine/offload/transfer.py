@@ -500,20 +500,20 @@ class ExpertCopier:
             self.compute_stream().wait_stream(self.stream)
 
     def release(self, *staging: int) -> None:
-        """The compute stream has queued its last read of these staging slots (ring indices)."""
+        """The compute stream has queued its last read of these staging slots (ring indices). One event marks
+        them all (a short chunk's layer releases ~100 at once): on the runtime path the first slot's own mark.
+        Re-recorded later for that slot alone, it makes the others wait for a later point of the compute
+        stream than theirs: longer at worst, never wrong, as that point was queued before any copy that waits."""
         if self.stream is None or not staging:
             return
         self._release_calls += 1
+        if self._direct:
+            event = self._release_marks[staging[0]]
+            cudart.record_event(event, self.compute_stream().cuda_stream)
+        else:
+            event = self.compute_stream().record_event()
         for i in staging:
             self._release_call[i] = self._release_calls
-        if self._direct:
-            compute = self.compute_stream().cuda_stream
-            for i in staging:
-                cudart.record_event(self._release_marks[i], compute)
-                self._released[i] = self._release_marks[i]
-            return
-        event = self.compute_stream().record_event()
-        for i in staging:
             self._released[i] = event
 
     def end(self) -> None:

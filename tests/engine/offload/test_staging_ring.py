@@ -55,3 +55,24 @@ def test_a_batch_waits_once_for_each_release_that_freed_its_slots():
     copies.waits.clear()
     assert copier.reserve_staging_batch(5) == [5, 6, 7, 0, 1]
     assert copies.waits == [3, 4]
+
+
+def test_on_the_runtime_path_a_release_records_one_mark_for_all_its_slots(monkeypatch):
+    """With the runtime's calls (`_direct`): one cudaEventRecord per `release`, not one per slot, and a batch then
+    waits once for it."""
+    from freetoken.engine.offload import cudart
+
+    copier, _, compute = _copier(6)
+    calls = []
+    monkeypatch.setattr(cudart, "record_event", lambda event, stream: calls.append(("record", event, stream)))
+    monkeypatch.setattr(cudart, "wait_event", lambda stream, event: calls.append(("wait", event, stream)))
+    compute.cuda_stream = "compute"
+    copier._direct, copier._stream_handle = True, "copy"
+    copier._release_marks = [f"mark {i}" for i in range(6)]
+    copier.reserve_staging_batch(6)
+    copier.release(2, 3, 4)
+    copier.release(5)
+    assert calls == [("record", "mark 2", "compute"), ("record", "mark 5", "compute")]
+    calls.clear()
+    copier.reserve_staging_batch(3, busy={0, 1})
+    assert calls == [("wait", "mark 2", "copy")]
