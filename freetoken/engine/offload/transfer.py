@@ -30,6 +30,7 @@ from freetoken.engine.offload import cudart
 from freetoken.engine.offload.block_store import BlockStore
 from freetoken.engine.offload.expert_cache import CacheCounters
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
+from freetoken.engine.offload.staging import StagingRing
 from freetoken.kernels.gguf_dequant import fused
 from freetoken.kernels.gguf_dequant.reference import dequantize
 
@@ -87,10 +88,7 @@ class ExpertCopier:
         self.fused = self.quantized and self._direct and fused.available(device) and all(
             set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
             for le in host.values())
-        self._released: list[torch.cuda.Event | None] = [None] * staging_slots
-        self._release_call = [0] * staging_slots  # which `release` call freed each slot (slots of one share a point)
-        self._release_calls = 0
-        self._next_staging = 0
+        self._ring = StagingRing(staging_slots)
         if self._direct:  # events recorded through the runtime: created (and recorded once by torch) up front
             self._stream_handle = self.stream.cuda_stream
             self._compute_mark = self._new_event()
@@ -148,7 +146,7 @@ class ExpertCopier:
 
     @property
     def staging_slots(self) -> int:
-        return len(self._released)
+        return len(self._ring)
 
     def allocate(self, n: int) -> LayerExperts:
         return LayerExperts(*(torch.empty((n, *self.shapes[p]), dtype=self.dtype, device=self.device)
@@ -207,23 +205,11 @@ class ExpertCopier:
         return self.reserve_staging_batch(1, busy)[0]
 
     def reserve_staging_batch(self, n: int, busy: frozenset[int] | set[int] = frozenset()) -> list[int]:
-        """`reserve_staging` for `n` slots at once (one batch's copies). Slots freed by the same `release` call
-        were freed at one point of the compute stream, so the copy stream waits once per such call, not once per
-        slot (a short prefill chunk streams ~100 experts a layer through the ring: a runtime call each)."""
-        ring = len(self._released)
-        if len(busy) + n > ring:
-            raise RuntimeError("every staging slot is busy")
-        rings, waits, i = [], {}, self._next_staging
-        for _ in range(n):
-            while i in busy:
-                i = (i + 1) % ring
-            rings.append(i)
-            if self._released[i] is not None:
-                waits.setdefault(self._release_call[i], self._released[i])
-            i = (i + 1) % ring
-        self._next_staging = i
+        """`reserve_staging` for `n` slots at once (one batch's copies): the copy stream waits once per release
+        that freed them (staging.py)."""
+        rings, waits = self._ring.reserve(n, busy)
         if self.stream is not None:
-            for event in waits.values():
+            for event in waits:
                 if self._direct:
                     cudart.wait_event(self._stream_handle, event)
                 else:
@@ -506,15 +492,12 @@ class ExpertCopier:
         stream than theirs: longer at worst, never wrong, as that point was queued before any copy that waits."""
         if self.stream is None or not staging:
             return
-        self._release_calls += 1
         if self._direct:
             event = self._release_marks[staging[0]]
             cudart.record_event(event, self.compute_stream().cuda_stream)
         else:
             event = self.compute_stream().record_event()
-        for i in staging:
-            self._release_call[i] = self._release_calls
-            self._released[i] = event
+        self._ring.released(staging, event)
 
     def end(self) -> None:
         batch, self._batch = self._batch, None

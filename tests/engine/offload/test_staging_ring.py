@@ -1,6 +1,6 @@
-"""The copier's staging ring: which slots a batch reserves, and what its copies wait for before they overwrite
-them (each slot's last reader on the compute stream). Runs on the CPU with recording stand-ins for the streams:
-the waits are what matters here, not the copies."""
+"""The copier's staging ring (staging.py): which slots a batch reserves, and what its copies wait for before they
+overwrite them (each slot's last reader on the compute stream). Runs on the CPU with recording stand-ins for the
+streams: the waits are what matters here, not the copies."""
 
 from __future__ import annotations
 
