@@ -38,7 +38,7 @@ class _Ahead:
 
 @dataclass(slots=True)
 class _ChunkAhead:
-    """A layer's experts streamed by the layer before it (`_stream_next_layer`)."""
+    """A layer's experts streamed before it routes: by the layer before it, or (a chunk's first) by itself."""
 
     layer: int
     experts: dict[int, _Ahead]
