@@ -192,17 +192,20 @@ def grouped_mm_available(hidden: torch.Tensor) -> bool:
 
 def sorted_expert_forward(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor,
                           topk_weights: torch.Tensor, form: ExpertForm | None = None,
-                          expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+                          expert_ids: torch.Tensor | None = None, row_pairs: list[int] | None = None) -> torch.Tensor:
     """Every (token, k) pair at once through grouped matmuls (torch._grouped_mm), pairs sorted by the stack row
     their id names: ~10 launches per layer and no host synchronisation, where `grouped_expert_forward` launches
     ~9 per expert after a sync (a 16k-token chunk: the GPU busy 57% of the time, elementwise and index_add_ as
     costly as the matmuls). `ids` [N, K] index the stacks' first dimension: experts, or an executor's slots;
-    `expert_ids` [N, K]: the experts they hold, for `form`'s biases (default: `ids`, the stacks are experts)."""
+    `expert_ids` [N, K]: the experts they hold, for `form`'s biases (default: `ids`, the stacks are experts).
+    `row_pairs`: how many pairs name each stack row, where the host knows it: a stack of more rows than one grouped
+    call takes is then cut into windows without asking the device (a sync that would wait for all work queued
+    before, an offloaded layer's copies included)."""
     n = ids.shape[0]
     form = stacks.form if form is None else form
     expert_ids = ids if expert_ids is None else expert_ids
     if n <= GROUPED_MM_TOKENS:
-        return _sorted_pass(stacks, hidden, ids, topk_weights, form, expert_ids)
+        return _sorted_pass(stacks, hidden, ids, topk_weights, form, expert_ids, row_pairs)
     step = GROUPED_MM_TOKENS
     return torch.cat([_sorted_pass(stacks, hidden[i:i + step], ids[i:i + step], topk_weights[i:i + step], form,
                                    expert_ids[i:i + step]) for i in range(0, n, step)])
@@ -212,7 +215,7 @@ GROUPED_MM_GROUPS = 1023  # torch._grouped_mm takes fewer than 1,024 groups (sta
 
 
 def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
-                 form: ExpertForm | None, expert_ids: torch.Tensor) -> torch.Tensor:
+                 form: ExpertForm | None, expert_ids: torch.Tensor, row_pairs: list[int] | None = None) -> torch.Tensor:
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by stack row
@@ -226,8 +229,14 @@ def _sorted_pass(stacks: LayerExperts, hidden: torch.Tensor, ids: torch.Tensor, 
     if rows <= GROUPED_MM_GROUPS:
         y = _grouped_ffn(x, gate, up, down, ends, biased)
     else:  # more rows (an executor's slots) than one call takes: a call per window of rows, whose pairs are a
-        # contiguous run of the sorted ones; cutting x there needs the windows' bounds on the host (one sync)
-        cuts = [0, *ends[GROUPED_MM_GROUPS - 1:rows - 1:GROUPED_MM_GROUPS].tolist(), n * k]
+        # contiguous run of the sorted ones; cutting x there needs the windows' bounds on the host (one sync, unless
+        # the caller knows them)
+        window_ends = slice(GROUPED_MM_GROUPS - 1, rows - 1, GROUPED_MM_GROUPS)
+        if row_pairs is None:
+            bounds = ends[window_ends].tolist()
+        else:
+            bounds = list(itertools.accumulate(row_pairs))[window_ends]
+        cuts = [0, *bounds, n * k]
         y = torch.empty_like(x)
         for w, (lo, hi) in enumerate(itertools.pairwise(cuts)):
             if hi > lo:

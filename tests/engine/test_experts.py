@@ -55,11 +55,13 @@ def test_grouped_forward_padded_equals_unpadded():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 37, 300])
 @pytest.mark.parametrize("groups_per_call", [1023, 3])
-def test_sorted_grouped_matmuls_equal_one_expert_at_a_time(dtype, tokens, groups_per_call, monkeypatch):
+@pytest.mark.parametrize("host_counts", [False, True])
+def test_sorted_grouped_matmuls_equal_one_expert_at_a_time(dtype, tokens, groups_per_call, host_counts, monkeypatch):
     """What the resident executor runs for chunks on Hopper (torch._grouped_mm), checked on the CPU's fallback:
     uneven and empty groups, ids naming slots of a larger stack, a chunk cut into several sorted passes, and
     (3 groups per call) a stack of more rows than one grouped call takes (an executor's 1,820 slots on the H200
-    against torch's 1,023), in windows, the last one unused."""
+    against torch's 1,023), in windows, the last one unused. `host_counts`: the pairs per row given by the caller
+    (the offloaded prefill knows them), so the windows are cut without a sync."""
     from freetoken.engine import experts as module
 
     monkeypatch.setattr(module, "GROUPED_MM_TOKENS", 128)  # 300 tokens: three passes
@@ -71,9 +73,14 @@ def test_sorted_grouped_matmuls_equal_one_expert_at_a_time(dtype, tokens, groups
     ids = torch.stack([torch.randperm(7, generator=gen)[:3] for _ in range(tokens)])  # rows 7-9 never used
     weights = torch.rand(tokens, 3, generator=gen)
     want = run_groups(hidden, group_by_expert(ids, weights, 10, dtype), stacks.weights_of)
-    got = sorted_expert_forward(stacks, hidden, ids, weights)
+    row_pairs = torch.bincount(ids.reshape(-1), minlength=10).tolist() if host_counts else None
+    got = sorted_expert_forward(stacks, hidden, ids, weights, row_pairs=row_pairs)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if host_counts and groups_per_call == 3 and tokens <= module.GROUPED_MM_TOKENS:  # the counts are what cuts
+        shifted = [*row_pairs[:2], row_pairs[2] + 1, row_pairs[3] - 1, *row_pairs[4:]]  # across a window's end
+        assert not torch.allclose(sorted_expert_forward(stacks, hidden, ids, weights, row_pairs=shifted), want,
+                                  atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("path", ["padded", "sorted", "gathered"])

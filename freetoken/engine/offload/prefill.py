@@ -181,10 +181,14 @@ class PrefillPath:
         here, nor their biases (`_bias_owners`). `landed`: what `copier.wait` needs for this layer's last copy,
         when the copy stream already holds the next layer's (stream-early); else every copy queued counts."""
         table = [self.zero_slot] * self.num_experts
+        row_pairs = [0] * self.slots.num_experts  # pairs per slot, known here: no sync to cut the slots in windows
         for g, slot in hits:
             table[g.expert] = slot
+            row_pairs[slot] += len(g.tokens)
         for g, a in streamed:
             table[g.expert] = a.slot
+            row_pairs[a.slot] += len(g.tokens)
+        row_pairs[self.zero_slot] += topk_ids.numel() - sum(row_pairs)  # the CPU's share
         if landed is not None:
             self.copier.wait(landed)
         elif streamed:
@@ -192,7 +196,7 @@ class PrefillPath:
         slot_ids = host_ints_to(hidden.device, table)[topk_ids]
         owners = self._bias_owners(self._form, slot_ids, topk_ids)
         out = sorted_expert_forward(self.slots, hidden, slot_ids, topk_weights, self._form,
-                                    topk_ids if owners is None else owners)
+                                    topk_ids if owners is None else owners, row_pairs)
         self.copier.release(*(a.ring for _, a in streamed if a.ring is not None))
         return out
 

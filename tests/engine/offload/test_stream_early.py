@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.engine import experts
 from freetoken.engine.loader import load_model
 from freetoken.engine.offload import prefill
 from freetoken.engine.offload.planner import MissPlanner
@@ -32,6 +33,9 @@ def test_the_next_layer_streams_before_this_layers_routing(checkpoint, slots, mi
     on = {"stream-short-chunks", "ahead-batches", "stream-early"}
     monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name in on)
     monkeypatch.setattr(prefill, "grouped_mm_available", lambda hidden: sorted_pass)
+    # the sorted pass cuts the slots into windows of 5 rows (torch's 1,023 against an executor's thousands), by the
+    # pairs per slot the layer knows on the host
+    monkeypatch.setattr(experts, "GROUPED_MM_GROUPS", 5)
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert, prefill_ahead=True)
     ex = lm.experts
