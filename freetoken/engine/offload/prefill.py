@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.engine import gpu_paths
+from freetoken.engine import experts, gpu_paths
 from freetoken.engine.experts import (
     PADDED_GROUP_BYTES,
     PADDED_MAX_TOKENS,
@@ -181,14 +181,10 @@ class PrefillPath:
         here, nor their biases (`_bias_owners`). `landed`: what `copier.wait` needs for this layer's last copy,
         when the copy stream already holds the next layer's (stream-early); else every copy queued counts."""
         table = [self.zero_slot] * self.num_experts
-        row_pairs = [0] * self.slots.num_experts  # pairs per slot, known here: no sync to cut the slots in windows
         for g, slot in hits:
             table[g.expert] = slot
-            row_pairs[slot] += len(g.tokens)
         for g, a in streamed:
             table[g.expert] = a.slot
-            row_pairs[a.slot] += len(g.tokens)
-        row_pairs[self.zero_slot] += topk_ids.numel() - sum(row_pairs)  # the CPU's share
         if landed is not None:
             self.copier.wait(landed)
         elif streamed:
@@ -196,9 +192,21 @@ class PrefillPath:
         slot_ids = host_ints_to(hidden.device, table)[topk_ids]
         owners = self._bias_owners(self._form, slot_ids, topk_ids)
         out = sorted_expert_forward(self.slots, hidden, slot_ids, topk_weights, self._form,
-                                    topk_ids if owners is None else owners, row_pairs)
+                                    topk_ids if owners is None else owners, self._row_pairs(topk_ids, hits, streamed))
         self.copier.release(*(a.ring for _, a in streamed if a.ring is not None))
         return out
+
+    def _row_pairs(self, topk_ids: torch.Tensor, hits: list, streamed: list) -> list[int] | None:
+        """Pairs per slot, known on the host since the routing, where the slot tensor has more rows than one grouped
+        call takes: the sorted pass cuts it into windows by them instead of by a sync, which would wait for the
+        layer's copies to land. None where one call takes every slot."""
+        if self.slots.num_experts <= experts.GROUPED_MM_GROUPS:
+            return None
+        pairs = [0] * self.slots.num_experts
+        for g, slot in (*hits, *((g, a.slot) for g, a in streamed)):
+            pairs[slot] += len(g.tokens)
+        pairs[self.zero_slot] += topk_ids.numel() - sum(pairs)  # the CPU's share
+        return pairs
 
     def _streams_early(self, layer: int, chunk_ahead: _ChunkAhead | None) -> bool:
         """GPU path "stream-early": whether the next layer may stream before this layer's routing is waited for.
