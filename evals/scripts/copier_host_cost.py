@@ -19,7 +19,7 @@ import time
 import torch
 
 from freetoken.bench.synthetic import build_synthetic
-from freetoken.engine.offload import cudart, transfer
+from freetoken.engine.offload import cudart, row_dequant
 from freetoken.engine.offload.transfer import ExpertCopier
 from freetoken.kernels.gguf_dequant import fused
 
@@ -30,7 +30,7 @@ def _median_us(samples: list[float]) -> float:
 
 def batch_costs(host, n: int, reps: int, graphs: bool) -> tuple[float, float]:
     """(median host µs to queue a batch of n, median µs the copy stream took for it)."""
-    transfer.DEQUANT_GRAPHS = graphs
+    row_dequant.DEQUANT_GRAPHS = graphs
     copier = ExpertCopier(host, torch.device("cuda"), torch.bfloat16, staging_slots=max(16, n))
     dest = copier.allocate(max(64, n))
     layer = next(iter(host))
@@ -66,7 +66,7 @@ def part_costs(host, n: int, reps: int) -> dict[str, float]:
         graph.capture_begin(capture_error_mode="thread_local")
         fused.dequantize_into(rows, "Q8_0", stacks, index)
         graph.capture_end()
-    sources = copier._block_sources[layer]
+    sources = copier.fused._sources[layer]
     for _ in range(reps):
         t0 = time.perf_counter()
         at = rows.data_ptr()

@@ -398,7 +398,7 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
                | tee "$OUT/copy-batch.md") ;;
     copy-size-cost) (cd /tmp && python3 "$OLDPWD/evals/scripts/copy_size_cost.py" | tee "$OUT/copy-size-cost.md") ;;
     copier-cost) (cd /tmp && python3 "$OLDPWD/evals/scripts/copier_host_cost.py" | tee "$OUT/copier-host-cost.md") ;;
-    d1-q8-nographs) python3 -c "import sys; from freetoken.engine.offload import transfer; transfer.DEQUANT_GRAPHS = False
+    d1-q8-nographs) python3 -c "import sys; from freetoken.engine.offload import row_dequant; row_dequant.DEQUANT_GRAPHS = False
 from freetoken.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-30b-a3b --context 1024 \
              --tokens 16 --budgets 0,8GiB --expert-format Q8_0 --strategies copy,auto --probe-mib 512 \
              --commit "$commit (dequantiser launched, no graphs)" --out "$OUT/d1-q8-1k-nographs.md" ;;

@@ -6,12 +6,11 @@ Experts the cache cannot take this step go through a ring of staging slots (at l
 into a staging slot waits for the compute that last read it, through an event recorded on the compute stream.
 The staging slots are the executor's, placed after the cache slots in one tensor so one gather reaches both.
 Quantized experts cross the link in their block format and are dequantized on the copy stream, into the slot
-(Q8_0, MXFP4 and FP8_B32 by one fused Triton launch per expert or batch, other types by the plain-torch
-reference). With a block store (block_store.py) their bytes land in its rows, and experts a row already holds
-are dequantized from it without crossing the link at all. Experts in pinned
-memory are copied through the CUDA runtime directly (`cudart`): the host thread issuing the copies is the decode
-step's critical path. On the CPU (tests, CI) the same calls run synchronously with no
-streams.
+(Q8_0, MXFP4 and FP8_B32 by one fused Triton launch per expert or batch, row_dequant.py; other types by the
+plain-torch reference). With a block store (block_store.py) their bytes land in its rows, and experts a row
+already holds are dequantized from it without crossing the link at all. Experts in pinned memory are copied
+through the CUDA runtime directly (`cudart`): the host thread issuing the copies is the decode step's critical
+path. On the CPU (tests, CI) the same calls run synchronously with no streams.
 
 Shapes: S slots, H hidden, I expert intermediate.
 """
@@ -30,12 +29,11 @@ from freetoken.engine.offload import cudart
 from freetoken.engine.offload.block_store import BlockStore
 from freetoken.engine.offload.expert_cache import CacheCounters
 from freetoken.engine.offload.quantized import PROJECTIONS, QuantizedExperts
+from freetoken.engine.offload.row_dequant import RowDequantizer, fusable
 from freetoken.engine.offload.staging import StagingRing
-from freetoken.kernels.gguf_dequant import fused
 from freetoken.kernels.gguf_dequant.reference import dequantize
 
 _ROWS_AT_LEAST = 16  # experts' block bytes the device buffers hold at first (a decode step's; they grow on demand)
-DEQUANT_GRAPHS = True  # replay the fused dequantiser's launch from a CUDA graph per batch size (False: launch it)
 
 
 def _stacks(experts: LayerExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,11 +81,6 @@ class ExpertCopier:
         # one runtime call instead of one call each; read at each batch, so a run can switch it (profile_turn.py)
         self._batch_path = "copy-batch-blocks" if self.quantized else "copy-batch"
         self._can_batch = self._direct and cudart.batch_available()
-        # experts of a fused format in pinned memory: an expert's block bytes land in one row of a device buffer
-        # through the runtime, and one launch dequantizes a batch of rows into their slots
-        self.fused = self.quantized and self._direct and fused.available(device) and all(
-            set(le.type_names.values()) <= fused.SUPPORTED and len(set(le.type_names.values())) == 1
-            for le in host.values())
         self._ring = StagingRing(staging_slots)
         if self._direct:  # events recorded through the runtime: created (and recorded once by torch) up front
             self._stream_handle = self.stream.cuda_stream
@@ -102,17 +95,18 @@ class ExpertCopier:
         if self.quantized:  # block-format bytes land here before being dequantized into a slot
             self.raw = {p: torch.empty(first.raw[p].shape[1], dtype=torch.uint8, device=device) for p in PROJECTIONS}
         self._raw_batches: dict[str, torch.Tensor] = {}  # the same for several experts at once (to_slots)
-        self._rows: torch.Tensor | None = None  # fused path: [n, expert bytes] on the device
-        # (n, from the store) → (pointers, graph, its exec handle or None)
-        self._dequant_graphs: dict[tuple[int, bool], tuple] = {}
-        self._launched: set[tuple[bool, bool]] = set()  # kernel variants compiled: (slot numbers read, from store)
+        self._rows: torch.Tensor | None = None  # [n, expert bytes] on the device: block bytes of experts in transit
         self._batch: _Batch | None = None
         self._timed: list[_Batch] = []
         # the compute stream while a decode boundary runs (the executor pins it: `torch.cuda.current_stream` costs
         # the host several µs a call, about ten calls a layer-step), else looked up at each use
         self.compute: torch.cuda.Stream | None = None
-        if self.fused:
-            self._prepare_fused()
+        # experts of a fused format in pinned memory: an expert's block bytes land in one row of a device buffer
+        # through the runtime, and one launch dequantizes a batch of rows into their slots (row_dequant.py). More
+        # batches in flight than the staging ring can have: a prefill streaming a whole layer ahead queues one
+        # batch per expert, and slot numbers still unread would hold the host until the link caught up.
+        self.fused = RowDequantizer(host, self.stream, 2 * staging_slots + 8) \
+            if self.quantized and self._direct and fusable(host, device) else None
 
     def compute_stream(self) -> torch.cuda.Stream:
         return self.compute if self.compute is not None else torch.cuda.current_stream(self.device)
@@ -264,44 +258,16 @@ class ExpertCopier:
                                      device=self.device)
         return self._rows[:n]
 
-    def _prepare_fused(self) -> None:
-        first = next(iter(self.host.values()))
-        self._fused_type = first.type_names["gate_proj"]
-        # per layer: (address of expert 0, bytes per expert) of each projection: no tensor indexing per copy
-        self._block_sources = {layer: [(le.raw[p].data_ptr(), le.raw[p].shape[1]) for p in PROJECTIONS]
-                               for layer, le in self.host.items()}
-        # a batch's slot numbers cross from a ring of pinned rows: the host fills a row only once the copy that
-        # read it last time has run (its event)
-        most = first.num_experts
-        # more rows than copies the staging ring can have in flight: a prefill streaming a whole layer ahead queues
-        # one batch per expert, and a row still unread would hold the host until the link caught up
-        rows = 2 * self.staging_slots + 8
-        # a row: a batch's slot numbers, then (from the block store) its source rows
-        self._index_host = torch.empty((rows, 2 * most), dtype=torch.int64, pin_memory=True)
-        self._index_rows = self._index_host.numpy()
-        self._index_read = [self._new_event() for _ in range(rows)]
-        self._index_next = 0
-        self._index_device = torch.empty(2 * most, dtype=torch.int64, device=self.device)  # read in stream order
-
     def _fused_copies(self, layer: int, experts: list[int], dest: LayerExperts, slots: list[int]) -> None:
         """On the copy stream: the experts' block bytes into rows of the device buffer (three runtime calls
         each), then one launch dequantizes every row into its slot. Stream order keeps the next batch's copies
         into these rows behind this launch."""
         self._start_timing()
         n = len(experts)
-        self._queue_copies(self._block_copies(layer, experts, self._raw_rows(n).data_ptr()), self.stream.cuda_stream)
+        copies = self.fused.block_copies(layer, experts, self._raw_rows(n).data_ptr())
+        self._queue_copies(copies, self.stream.cuda_stream)
         self._dequantize_rows(n, dest, slots)
         self._finish_timing(n)
-
-    def _block_copies(self, layer: int, experts: list[int], at: int) -> list[tuple[int, int, int]]:
-        """(device address, host address, bytes) of each projection of the experts' block bytes, the experts back
-        to back from device address `at` (one expert: one row of `expert_bytes`)."""
-        copies, sources = [], self._block_sources[layer]
-        for e in experts:
-            for address, nbytes in sources:
-                copies.append((at, address + e * nbytes, nbytes))
-                at += nbytes
-        return copies
 
     def stored(self, layer: int, expert: int) -> bool:
         """Whether the block store holds the expert: then making it present costs no link bytes."""
@@ -347,11 +313,11 @@ class ExpertCopier:
         the store took them not), then one launch per kind of row."""
         transient = [i for i, row in enumerate(rows) if row is None]
         kept = [i for i, row in enumerate(rows) if row is not None]
-        copies = self._block_copies(layer, [experts[i] for i in transient],
+        copies = self.fused.block_copies(layer, [experts[i] for i in transient],
                                     self._raw_rows(len(transient)).data_ptr()) if transient else []
         store = self.store.rows
         for i in kept:
-            copies += self._block_copies(layer, [experts[i]], store.data_ptr() + rows[i] * store.stride(0))
+            copies += self.fused.block_copies(layer, [experts[i]], store.data_ptr() + rows[i] * store.stride(0))
         self._queue_copies(copies, self.stream.cuda_stream)
         if transient:
             self._dequantize_rows(len(transient), dest, [slots[i] for i in transient])
@@ -405,60 +371,9 @@ class ExpertCopier:
             cudart.copy_to_device(dst, src, nbytes, stream)
 
     def _dequantize_rows(self, n: int, dest: LayerExperts, slots: list[int], sources: list[int] | None = None) -> None:
-        """Rows [0, n) (or the block store's rows `sources`) into their slots on the copy stream. Triton's
-        launcher costs the host tens of µs per call,
-        and this host thread is the decode step's critical path; a graph replay costs a few. The first launch
-        compiles the kernel, each batch size's first use captures its graph (capturing runs nothing, so it is
-        safe whatever the slots hold), and a cache resize (the slots move) recaptures. Those batches are no
-        samples of the link's speed (see `finished_timings`). Replays go through the runtime where torch gives
-        the graph's handle (no stream context to enter)."""
-        stacks, stored = _stacks(dest), sources is not None
-        raw = self.store.rows if stored else self._rows[:n]
-        # a graph reads its slot numbers from the device, like a batch, and so does a launch from the store
-        use_rows = DEQUANT_GRAPHS or n > 1 or stored
-        compiles = (use_rows, stored) not in self._launched
-        if not DEQUANT_GRAPHS or compiles:
-            self._batch.sample &= not compiles
-            self._launched.add((use_rows, stored))
-            index = self._slot_index(slots + (sources or [])) if use_rows else slots[0]
-            with torch.cuda.stream(self.stream):
-                fused.dequantize_into(raw, self._fused_type, stacks, *self._split_index(index, n, stored))
-            return
-        index = self._slot_index(slots + (sources or []))
-        pointers = (raw.data_ptr(), *(t.data_ptr() for t in stacks))
-        entry = self._dequant_graphs.get((n, stored))
-        if entry is None or entry[0] != pointers:
-            self._batch.sample = False
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(self.stream):
-                graph.capture_begin(capture_error_mode="thread_local")  # the CPU expert threads never touch CUDA
-                fused.dequantize_into(raw, self._fused_type, stacks, *self._split_index(index, n, stored))
-                graph.capture_end()
-            handle = graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else None
-            entry = self._dequant_graphs[(n, stored)] = (pointers, graph, handle)
-        if entry[2] is not None:
-            cudart.launch_graph(entry[2], self._stream_handle)
-        else:
-            with torch.cuda.stream(self.stream):
-                entry[1].replay()
-
-    @staticmethod
-    def _split_index(index, n: int, stored: bool) -> tuple:
-        """(destination rows, source rows or None) for `fused.dequantize_into` from one `_slot_index` tensor."""
-        return (index[:n], index[n:]) if stored else (index, None)
-
-    def _slot_index(self, slots: list[int]) -> torch.Tensor:
-        """The slot numbers as a device tensor, queued on the copy stream without holding the host."""
-        k = self._index_next
-        self._index_next = (k + 1) % len(self._index_read)
-        self._index_read[k].synchronize()  # queued a ring of batches ago: long done in practice
-        n = len(slots)
-        self._index_rows[k, :n] = slots
-        row_bytes = self._index_rows.shape[1] * 8
-        cudart.copy_to_device(self._index_device.data_ptr(), self._index_host.data_ptr() + k * row_bytes, n * 8,
-                              self.stream.cuda_stream)
-        cudart.record_event(self._index_read[k], self._stream_handle)
-        return self._index_device[:n]
+        """Rows [0, n) of the transit buffer (or the block store's rows `sources`) into their slots, one launch."""
+        rows = self.store.rows if sources is not None else self._rows
+        self._batch.sample &= self.fused.dequantize(rows, n, dest, slots, sources)
 
     def _raw_batch(self, projection: str, n: int) -> torch.Tensor:
         buf = self._raw_batches.get(projection)

@@ -180,12 +180,12 @@ def test_on_cuda_batched_copies_give_the_resident_tokens(tensor_type, tmp_path, 
 def test_on_cuda_graphed_dequantization_writes_each_batch_into_its_own_slots(tmp_path):
     """From the second batch of a size on, the fused launch replays from a CUDA graph: the slot numbers and the
     block bytes of every later batch must still land where that batch says, also after the slots moved."""
-    from freetoken.engine.offload import transfer
+    from freetoken.engine.offload import row_dequant
 
     gguf = _tiny_gguf(tmp_path)
     lm = load_model(gguf, device="cuda", dtype=torch.bfloat16, progress=False, expert_cache=0)
     copier, host = lm.experts.copier, lm.experts.host[0]
-    assert copier.fused and transfer.DEQUANT_GRAPHS
+    assert copier.fused and row_dequant.DEQUANT_GRAPHS
     dest = copier.allocate(8)
     generator = torch.Generator().manual_seed(0)
     for round_ in range(6):
