@@ -33,6 +33,7 @@ from freetoken.engine.offload import executor as executor_module
 from freetoken.engine.offload.block_store import BlockStore
 from freetoken.engine.offload.expert_cache import ExpertCache
 from freetoken.engine.offload.planner import MissPlanner
+from freetoken.engine.offload.row_dequant import RowDequantizer
 from freetoken.engine.offload.transfer import ExpertCopier
 from freetoken.kernels.cpu_experts.kernel import CpuExpertKernel
 from freetoken.kernels.gguf_dequant import fused
@@ -61,8 +62,8 @@ PHASES = {  # (object, attribute) wrapped with a profiler range of the same name
     # the block store's path (FREETOKEN_EXPERIMENTAL=block-store): its bookkeeping, copies, index and launches
     "store_copies": (ExpertCopier, "_store_copies"),
     "store_place": (BlockStore, "place"),
-    "block_copies": (ExpertCopier, "_block_copies"),
-    "slot_index": (ExpertCopier, "_slot_index"),
+    "block_copies": (RowDequantizer, "block_copies"),
+    "slot_index": (RowDequantizer, "_slot_index"),
     "dequant_rows": (ExpertCopier, "_dequantize_rows"),
 }
 

@@ -36,6 +36,7 @@ from freetoken.engine.generator import Generator
 from freetoken.engine.offload import cpu_experts, prefill
 from freetoken.engine.offload.block_store import BlockStore
 from freetoken.engine.offload.executor import OffloadedExpertExecutor
+from freetoken.engine.offload.row_dequant import RowDequantizer
 from freetoken.engine.offload.transfer import ExpertCopier
 from freetoken.engine.sampling import SamplingParams
 from freetoken.kernels.gguf_dequant import fused
@@ -64,8 +65,8 @@ PHASES = {  # (object, attribute) → label; inclusive, so nested phases are als
     "queue_copies": (ExpertCopier, "_queue_copies"),  # the runtime calls of a batch's copies
     "store_copies": (ExpertCopier, "_store_copies"),
     "store_place": (BlockStore, "place"),
-    "block_copies": (ExpertCopier, "_block_copies"),
-    "slot_index": (ExpertCopier, "_slot_index"),
+    "block_copies": (RowDequantizer, "block_copies"),
+    "slot_index": (RowDequantizer, "_slot_index"),
     "dequant_rows": (ExpertCopier, "_dequantize_rows"),
     "wait_all": (ExpertCopier, "wait_all"),
 }
