@@ -87,6 +87,10 @@ EXPERIMENTAL: dict[str, str] = {
                          "(d1-copy-batch-h200.md): Q8_0 auto 0.98x and 1.17x at budget 0, 0.88x and 0.96x at 16 GiB; "
                          "a 500-token turn streamed over the block store 0.92-0.94x the time, its copies at 50 "
                          "against 46 GB/s (70ebb4b, H100; reuse-qwen3-30b-a3b-20k-h200.md)",
+    "copy-batch-prefill": "GPU path copy-batch-blocks for the copies of offloaded prefill chunks only (decode's "
+                          "block-format copies stay one runtime call each): copy-batch-blocks cut a 500-token turn "
+                          "streamed over the block store to 0.92-0.94x the time but ran decode at 0.88-0.96x at 16 "
+                          "GiB (70ebb4b, d1-copy-batch-h200.md). Unmeasured on its own",
     "cpu-caller-waits": "the thread that drives the GPU only waits for a layer's CPU share instead of running the "
                         "CPU kernel's tasks too, and the kernel's pool gets a worker more, so the weights it would "
                         "stream cannot push its own working set out of its caches before the next layer-step's "

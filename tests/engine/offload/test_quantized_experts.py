@@ -176,6 +176,24 @@ def test_on_cuda_batched_copies_give_the_resident_tokens(tensor_type, tmp_path, 
         assert max(batches) >= 6  # two experts' three projections, or more, in one call
 
 
+@pytest.mark.parametrize(("paths", "in_decode", "in_prefill"), [
+    ((), False, False), (("copy-batch-prefill",), False, True), (("copy-batch-blocks",), True, True)])
+def test_block_format_copies_are_batched_where_their_path_says(paths, in_decode, in_prefill, tmp_path, monkeypatch):
+    """"copy-batch-blocks" batches every block-format copy into one runtime call, "copy-batch-prefill" only a
+    prefill chunk's (decode measured slower batched). The runtime's batch call is a CUDA one: the copier is told
+    it has it."""
+    lm = load_model(_tiny_gguf(tmp_path), device="cpu", dtype=torch.float32, progress=False, expert_cache=0)
+    copier = lm.experts.copier
+    monkeypatch.setattr(copier, "_can_batch", True)
+    with _experimental(monkeypatch, *paths):
+        copier.begin(prefill=False)
+        assert copier._batches_copies() is in_decode
+        copier.end()
+        copier.begin(prefill=True)
+        assert copier._batches_copies() is in_prefill
+        copier.end()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_cuda_graphed_dequantization_writes_each_batch_into_its_own_slots(tmp_path):
     """From the second batch of a size on, the fused launch replays from a CUDA graph: the slot numbers and the
