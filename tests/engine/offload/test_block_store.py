@@ -20,6 +20,7 @@ from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.sampling import SamplingParams
 from freetoken.engine.stats import snapshot
 from support.checkpoints import PARITY_CASES, prompt_ids, write_gguf_from_hf, write_hf_checkpoint
+from support.offload_cases import EVEN_SPLIT
 from support.servers import start_server
 
 try:
@@ -95,7 +96,7 @@ def test_experts_from_the_block_store_give_the_resident_tokens(q8_gguf, expected
     lm = _offloaded(q8_gguf, slots, rows)
     ex = lm.experts
     ex.miss_path, ex.gather_small_batches = miss_path, gathered
-    ex.planner = MissPlanner(20, 20, copy_fixed_s=0, cpu_fixed_s=0, learn=False)  # an even, fixed split
+    ex.planner = EVEN_SPLIT()
     assert Generator(lm).generate_ids(prompt_ids(), GREEDY) == expected
     c, per_expert = ex.counters, ex.expert_bytes
     assert c.bytes_copied // per_expert + c.store_hits + c.cpu_experts == c.misses

@@ -9,10 +9,10 @@ import torch
 
 from freetoken.engine.generator import Generator
 from freetoken.engine.loader import load_model
-from freetoken.engine.offload.planner import MissPlanner
 from freetoken.engine.offload.quantized import QuantizedExperts
 from freetoken.engine.sampling import SamplingParams
 from support.checkpoints import PARITY_CASES, prompt_ids, write_gguf_from_hf, write_hf_checkpoint
+from support.offload_cases import EVEN_SPLIT
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -33,7 +33,7 @@ def test_quantized_host_experts_give_the_resident_tokens_with_fewer_bytes(family
     spec = resident.moe_spec
     lm = load_model(gguf, progress=False, expert_cache=3 * spec.bytes_per_expert(torch.float32))
     lm.experts.miss_path = miss_path
-    lm.experts.planner = MissPlanner(20, 20, copy_fixed_s=0, cpu_fixed_s=0, learn=False)  # an even, fixed split
+    lm.experts.planner = EVEN_SPLIT()
     host = next(iter(lm.experts.host.values()))
     assert isinstance(host, QuantizedExperts) and host.type_names["gate_proj"] == "Q8_0"
     assert lm.experts.expert_bytes == spec.bytes_per_expert("Q8_0") < spec.bytes_per_expert(torch.float32) / 3

@@ -11,15 +11,15 @@ import torch
 from freetoken.engine import experts
 from freetoken.engine.loader import load_model
 from freetoken.engine.offload import prefill
-from freetoken.engine.offload.planner import MissPlanner
 from support.checkpoints import PARITY_CASES, write_hf_checkpoint
+from support.offload_cases import EVEN_SPLIT
 
 # three MoE layers or more: the middle ones stream early (the first has nothing streamed for it, the last no next)
 DEEPER = {"qwen3_moe": dict(num_hidden_layers=4, mlp_only_layers=[1]), "mixtral": dict(num_hidden_layers=3)}
 
 
 @pytest.fixture(scope="module", params=sorted(DEEPER))
-def checkpoint(request, tmp_path_factory):
+def deeper(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_hf_checkpoint(path=path, **PARITY_CASES[request.param], **DEEPER[request.param])
     return path, load_model(path, progress=False)
@@ -28,8 +28,8 @@ def checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("slots", [0, 6])
 @pytest.mark.parametrize("miss_path", ["copy", "auto"])
 @pytest.mark.parametrize("sorted_pass", [False, True])
-def test_the_next_layer_streams_before_this_layers_routing(checkpoint, slots, miss_path, sorted_pass, monkeypatch):
-    path, resident = checkpoint
+def test_the_next_layer_streams_before_this_layers_routing(deeper, slots, miss_path, sorted_pass, monkeypatch):
+    path, resident = deeper
     on = {"stream-short-chunks", "ahead-batches", "stream-early"}
     monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name in on)
     monkeypatch.setattr(prefill, "grouped_mm_available", lambda hidden: sorted_pass)
@@ -39,7 +39,7 @@ def test_the_next_layer_streams_before_this_layers_routing(checkpoint, slots, mi
     per_expert = resident.moe_spec.bytes_per_expert(torch.float32)
     lm = load_model(path, progress=False, expert_cache=slots * per_expert, prefill_ahead=True)
     ex = lm.experts
-    ex.miss_path, ex.planner = miss_path, MissPlanner(20, 20, copy_fixed_s=0, cpu_fixed_s=0, learn=False)
+    ex.miss_path, ex.planner = miss_path, EVEN_SPLIT()
     ex.AHEAD_BATCH = 2  # several batches a layer, so that the last one's mark is what the sorted pass waits for
     chunk = max(ex.PREFILL_TOKENS, ex.num_experts * ex.AHEAD_TOKENS_PER_EXPERT // ex._top_k)
     ids = torch.randint(0, resident.args.decoder.vocab_size, (2 * chunk,),
@@ -73,8 +73,8 @@ def test_the_next_layer_streams_before_this_layers_routing(checkpoint, slots, mi
     assert events == 2 * per_chunk
 
 
-def test_without_the_path_the_next_layer_streams_after_the_routing(checkpoint, monkeypatch):
-    path, resident = checkpoint
+def test_without_the_path_the_next_layer_streams_after_the_routing(deeper, monkeypatch):
+    path, resident = deeper
     monkeypatch.setattr(prefill.gpu_paths, "enabled", lambda name: name in {"stream-short-chunks"})
     lm = load_model(path, progress=False, expert_cache=0, prefill_ahead=True)
     ex = lm.experts
