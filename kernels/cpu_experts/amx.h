@@ -27,6 +27,15 @@ static int amx_dequant_prefetch = 4096;
    tokens BF16 1.09x, Q8_0 0.96x (its dequantization dominates) on an H200 host (8c5b29f,
    evals/results/cpu-expert-kernel-h200.md). */
 static int amx_tile_pairs = 1;
+/* Block-format gate/up rows of a one-pass expert (up to two token tiles) dequantized this many weights a row at a
+   time (0: each 16-row block whole first, ~64 KiB a projection, which the tiles then load from L2): a chunk of both
+   projections lands in an L1-sized buffer while the tiles work through the chunk before it (two buffers), so the
+   dequantization's stores and the tile loads overlap and the loads hit L1; each row is prefetched two chunks
+   ahead. Off by default (ft_set_amx_dequant_chunk): on a 2-core Sapphire Rapids-class VM, Q8_0 at 6-8 tokens per
+   expert, chunks of 128 weights read 1.05-1.10x whole rows, 64 and 256 0.92x, 512 0.79x (16 short row streams
+   prefetch worse than one long run); not yet measured on the test machine's 15 threads. */
+enum { AMX_CHUNK_MAX = 256 };
+static int amx_dequant_chunk;
 
 INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
     for (int r = 0; r < 16; r++) __builtin_prefetch(w + r * stride, 0, 3);
@@ -173,6 +182,71 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
     TILE_RELEASE();
 }
 
+/* Weights [c0, c0 + cw) of 16 block-format rows (stride bytes apart) as bf16 rows `cw` elements apart at `dst`,
+   prefetching the same columns `ahead` bytes further on in each row. */
+static void amx_dequant_chunk_rows(int type, const uint8_t *w, size_t stride, int c0, int cw, size_t ahead,
+                                   uint16_t *dst) {
+    size_t bytes = block_bytes(type), from = (size_t)(c0 / 32) * bytes, span = (size_t)(cw / 32) * bytes;
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *row = w + r * stride + from;
+        if (ahead)
+            for (size_t at = 0; at < span; at += 64) __builtin_prefetch(row + ahead + at, 0, 3);
+        for (int kc = 0; kc < cw / 32; kc++) {
+            vf w0, w1;
+            block_weights(type, row + (size_t)kc * bytes, &w0, &w1);
+            _mm512_storeu_si512(dst + (size_t)r * cw + (size_t)kc * 32,
+                                (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0));
+        }
+    }
+}
+
+/* amx_rows_x_tokens2 for block-format gate and up rows of one pass (tiles <= 2), dequantized a chunk of `cw`
+   weights at a time one chunk ahead of the tile products (see amx_dequant_chunk); k a multiple of cw. The same
+   bf16 weights and products in the same order as dequantizing the whole rows first: the same bits. */
+static void amx_chunked_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
+                                       const uint16_t *packed, int tiles, int k, int cw, float *out0, float *out1) {
+    static __thread uint16_t buf[2][2][16 * AMX_CHUNK_MAX] __attribute__((aligned(64)));  /* [chunk parity][proj] */
+    const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
+    int chunks = k / cw, per = cw / 32;
+    size_t ahead0 = (size_t)(cw / 32) * block_bytes(t0) * 2, ahead1 = (size_t)(cw / 32) * block_bytes(t1) * 2;
+    if (!amx_dequant_prefetch) ahead0 = ahead1 = 0;
+    amx_configure();
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(5);
+    TILE_ZERO(6);
+    amx_dequant_chunk_rows(t0, w0, s0, 0, cw, ahead0, buf[0][0]);
+    amx_dequant_chunk_rows(t1, w1, s1, 0, cw, ahead1, buf[0][1]);
+    for (int c = 0; c < chunks; c++) {
+        if (c + 1 < chunks) {  /* the next chunk's stores, while the tiles below load this one's */
+            int far = c + 2 < chunks;  /* nothing to prefetch past the last chunk */
+            amx_dequant_chunk_rows(t0, w0, s0, (c + 1) * cw, cw, far ? ahead0 : 0, buf[(c + 1) & 1][0]);
+            amx_dequant_chunk_rows(t1, w1, s1, (c + 1) * cw, cw, far ? ahead1 : 0, buf[(c + 1) & 1][1]);
+        }
+        const uint16_t *g = buf[c & 1][0], *u = buf[c & 1][1];
+        for (int i = 0; i < per; i++) {
+            int kc = c * per + i;
+            TILE_LOAD(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+            TILE_LOAD(2, g + i * 32, (size_t)cw * 2);
+            TILE_LOAD(3, u + i * 32, (size_t)cw * 2);
+            TILE_BF16(0, 2, 4);
+            TILE_BF16(1, 3, 4);
+            if (tiles > 1) {
+                TILE_LOAD(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+                TILE_BF16(5, 2, 7);
+                TILE_BF16(6, 3, 7);
+            }
+        }
+    }
+    TILE_STORE(0, out0, 64);
+    TILE_STORE(1, out1, 64);
+    if (tiles > 1) {
+        TILE_STORE(5, out0 + 256, 64);
+        TILE_STORE(6, out1 + 256, 64);
+    }
+    TILE_RELEASE();
+}
+
 /* How many of an expert's token tiles, from `tile` of `tiles`, the next pass takes. */
 static inline int amx_pass_tiles(int tile, int tiles) { return amx_tile_pairs && tiles - tile >= 2 ? 2 : 1; }
 
@@ -190,16 +264,24 @@ static const uint8_t *amx_block_rows(const uint8_t *w, int *type, size_t *stride
 static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, const int32_t *tile_base, int task) {
     int blocks = j->inter / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK, expert = j->experts[e];
     int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
-    int gt = j->gate_type, ut = j->up_type;
+    int gt = j->gate_type, ut = j->up_type, cw = amx_dequant_chunk;
     size_t gb = row_bytes(gt, j->hidden), ub = row_bytes(ut, j->hidden);
-    const uint8_t *gate = amx_block_rows(j->gate + expert * j->gate_stride + r0 * gb, &gt, &gb, j->hidden, 0);
-    const uint8_t *up = amx_block_rows(j->up + expert * j->up_stride + r0 * ub, &ut, &ub, j->hidden, 1);
+    const uint8_t *gate = j->gate + expert * j->gate_stride + r0 * gb, *up = j->up + expert * j->up_stride + r0 * ub;
+    int chunked = cw > 0 && gt != FT_BF16 && ut != FT_BF16 && amx_pass_tiles(0, tiles) == tiles && j->hidden % cw == 0;
+    if (!chunked) {
+        gate = amx_block_rows(gate, &gt, &gb, j->hidden, 0);
+        up = amx_block_rows(up, &ut, &ub, j->hidden, 1);
+    }
     float g[2][16][16], u[2][16][16];
     for (int tile = 0, now; tile < tiles; tile += now) {
         now = amx_pass_tiles(tile, tiles);
         size_t base = (size_t)(tile_base[e] + tile);
-        amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, now, j->hidden,
-                           &g[0][0][0], &u[0][0][0]);
+        if (chunked)
+            amx_chunked_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, now, j->hidden,
+                                       cw, &g[0][0][0], &u[0][0][0]);
+        else
+            amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, now, j->hidden,
+                               &g[0][0][0], &u[0][0][0]);
         for (int i = 0; i < now; i++) {
             uint16_t *dst = actp + (base + i) * j->inter * AMX_TOKENS;
             int valid = n - (tile + i) * AMX_TOKENS < AMX_TOKENS ? n - (tile + i) * AMX_TOKENS : AMX_TOKENS;

@@ -101,6 +101,7 @@ def load(build_dir: Path, emulate_amx: bool = False) -> ctypes.CDLL | None:
     lib.ft_set_amx_q8_rows.argtypes, lib.ft_set_amx_q8_rows.restype = [i], None
     lib.ft_set_amx_prefetch.argtypes, lib.ft_set_amx_prefetch.restype = [i], None
     lib.ft_set_amx_dequant_prefetch.argtypes, lib.ft_set_amx_dequant_prefetch.restype = [i], i
+    lib.ft_set_amx_dequant_chunk.argtypes, lib.ft_set_amx_dequant_chunk.restype = [i], i
     lib.ft_set_amx_tile_pairs.argtypes, lib.ft_set_amx_tile_pairs.restype = [i], i
     lib.ft_set_vector_act.argtypes, lib.ft_set_vector_act.restype = [i], i
     lib.ft_set_q16.argtypes, lib.ft_set_q16.restype = [i], None

@@ -95,6 +95,20 @@ void ft_set_amx_prefetch(int chunks) {
 #endif
 }
 
+/* Block-format gate/up rows of a one-pass expert dequantized for the bf16 tiles this many weights a row at a time,
+   one chunk ahead of the tiles (amx.h amx_dequant_chunk; 0: whole rows first, the default; a multiple of 32 up to
+   256); returns the setting it replaces (-1 where the build has no tiles). */
+int ft_set_amx_dequant_chunk(int weights) {
+#if HAVE_AMX
+    int before = amx_dequant_chunk;
+    amx_dequant_chunk = weights > 0 && weights % 32 == 0 && weights <= AMX_CHUNK_MAX ? weights : 0;
+    return before;
+#else
+    (void)weights;
+    return -1;
+#endif
+}
+
 /* Software prefetch distance in bytes while block-format rows are dequantized for the bf16 tiles (0: off; 4 KiB by
    default); returns the distance it replaces. */
 int ft_set_amx_dequant_prefetch(int bytes) {

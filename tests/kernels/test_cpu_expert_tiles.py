@@ -87,6 +87,35 @@ def test_the_dequantization_prefetch_changes_no_result(tiles):
     assert default == 4096 and torch.equal(none, ahead) and torch.equal(near, ahead)
 
 
+def test_dequantizing_in_chunks_changes_no_result(tiles):
+    """ft_set_amx_dequant_chunk: a one-pass expert's Q8_0 gate/up rows dequantized a chunk of weights at a time,
+    one chunk ahead of the tiles, instead of whole rows first: the same bf16 weights and products in the same
+    order, so the same bits (experts of 1 and 2 token tiles, one pass; 3 tiles, two passes, keep whole rows; a
+    chunk that does not divide the rows, or is no multiple of 32, leaves whole rows too)."""
+    kernel = tiles
+    gen = torch.Generator().manual_seed(12)
+    gate, up = (expert_matrix("Q8_0", 3, 64, 256, gen) for _ in range(2))
+    down = expert_matrix("Q8_0", 3, 256, 64, gen)
+    x = torch.randn(40, 256, generator=gen).bfloat16().float()
+    counts = [8, 20, 40]
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    routing = (torch.arange(3, dtype=torch.int32), offsets,
+               torch.cat([torch.randperm(40, generator=gen)[:n].sort().values for n in counts]).int(),
+               torch.rand(sum(counts), generator=gen))
+    whole = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    chunked = {}
+    try:
+        for weights, kept in ((64, 64), (128, 128), (256, 256), (96, 96), (48, 0), (1024, 0)):
+            kernel.lib.ft_set_amx_dequant_chunk(weights)
+            assert kernel.lib.ft_set_amx_dequant_chunk(weights) == kept
+            chunked[weights] = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    finally:
+        kernel.lib.ft_set_amx_dequant_chunk(0)
+    want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    assert all(torch.equal(got, whole) for got in chunked.values())
+    assert (whole - want).norm() / want.norm() < 2e-2
+
+
 def test_amx_tiles_cover_long_calls(tiles):
     """A prefill-sized call on tiles: an expert with 17 token tiles (272 tokens) beside 35 experts of 5-6 tokens
     (each down task walks 52 token tiles); the result equals the reference's as the short calls' do."""
