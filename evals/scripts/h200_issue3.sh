@@ -358,7 +358,8 @@ deepseek-v3 8 Q8_0 1024 resident-graphs,copy,cpu,auto}" ;;
     # Q8_0 gate/up rows dequantized for the tiles in chunks of 128 weights ahead of them (ft_set_amx_dequant_chunk),
     # then the tile tests on real tiles
     kernel-chunks) (cd /tmp && python3 "$OLDPWD/evals/scripts/kernel_variants.py" --rounds ${ROUNDS:-7} --formats Q8_0 \
-               --batches 5 6 8 16 --variants default "Q8_0 tiles, dequant chunks of 128" "Q8_0 tiles, dequant chunks of 256" \
+               --batches 4 5 6 8 16 --variants default "Q8_0 tiles, dequant chunks of 128" "Q8_0 tiles, dequant chunks of 256" \
+               "Q8_0 tiles from 4, dequant chunks of 128" \
                | grep -v "^round" | tee "$OUT/kernel-variants-chunks.md"
              python3 -P -m pytest -q -p no:cacheprovider --rootdir "$OLDPWD" "$OLDPWD/tests/kernels/test_cpu_expert_tiles.py" \
                2>&1 | tail -3 | tee -a "$OUT/tests.txt") ;;

@@ -67,6 +67,8 @@ VARIANTS = {
     "tiles, prefetch 8": Variant(prefetch=8, batches=(2, 4, 8, 16, 32)),
     "Q8_0 tiles, dequant chunks of 128": Variant(dequant_chunk=128, formats=("Q8_0",), batches=(6, 8, 16)),
     "Q8_0 tiles, dequant chunks of 256": Variant(dequant_chunk=256, formats=("Q8_0",), batches=(6, 8, 16)),
+    "Q8_0 tiles from 4, dequant chunks of 128": Variant(dequant_chunk=128, q8_tiles_from=4, formats=("Q8_0",),
+                                                        batches=(4, 5)),
     "Q8_0 tiles, no dequant prefetch": Variant(dequant_prefetch=0, formats=("Q8_0",), batches=(6, 8, 16)),
     "Q8_0 tiles, dequant prefetch 16 KiB": Variant(dequant_prefetch=16384, formats=("Q8_0",), batches=(6, 8, 16)),
     "tiles, one token tile a pass": Variant(tile_pairs=0, batches=(32, 48, 64)),
