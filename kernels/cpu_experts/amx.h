@@ -147,32 +147,34 @@ static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const u
     TILE_RELEASE();
 }
 
-/* The same for two weight blocks (gate and up) against the same token tiles: out0 and out1 as out above. */
-static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
-                               const uint16_t *packed, int tiles, int k, float *out0, float *out1) {
-    uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
-    const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
+/* Two weight blocks (gate and up) against the same one or two token tiles: sums in tiles 0 and 1 (first token tile)
+   and 5 and 6 (second). Begin, a step per k-chunk of 32 weights in order, end. */
+INLINE void amx_pair_begin(void) {
     amx_configure();
     TILE_ZERO(0);
     TILE_ZERO(1);
     TILE_ZERO(5);
     TILE_ZERO(6);
-    for (int kc = 0; kc < k / 32; kc++) {
-        if (amx_prefetch && t0 == FT_BF16 && t1 == FT_BF16 && kc + amx_prefetch < k / 32) {
-            amx_prefetch_rows(w0 + (size_t)(kc + amx_prefetch) * 64, s0);
-            amx_prefetch_rows(w1 + (size_t)(kc + amx_prefetch) * 64, s1);
-        }
-        TILE_LOAD(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-        amx_load_weights(2, t0, w0, s0, kc, scratch0);
-        amx_load_weights(3, t1, w1, s1, kc, scratch1);
-        TILE_BF16(0, 2, 4);
-        TILE_BF16(1, 3, 4);
-        if (tiles > 1) {
-            TILE_LOAD(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-            TILE_BF16(5, 2, 7);
-            TILE_BF16(6, 3, 7);
-        }
+}
+
+/* k-chunk kc of the token tiles (packed, and second where tiles > 1) against the weight tiles of rows w0 and w1 at
+   their k-chunk wkc (kc itself, or its place in a chunk's buffer). */
+INLINE void amx_pair_step(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1, int wkc,
+                          const uint16_t *packed, const uint16_t *second, int kc, int tiles, uint16_t *scratch0,
+                          uint16_t *scratch1) {
+    TILE_LOAD(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+    amx_load_weights(2, t0, w0, s0, wkc, scratch0);
+    amx_load_weights(3, t1, w1, s1, wkc, scratch1);
+    TILE_BF16(0, 2, 4);
+    TILE_BF16(1, 3, 4);
+    if (tiles > 1) {
+        TILE_LOAD(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+        TILE_BF16(5, 2, 7);
+        TILE_BF16(6, 3, 7);
     }
+}
+
+INLINE void amx_pair_end(int tiles, float *out0, float *out1) {
     TILE_STORE(0, out0, 64);
     TILE_STORE(1, out1, 64);
     if (tiles > 1) {
@@ -180,6 +182,22 @@ static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, con
         TILE_STORE(6, out1 + 256, 64);
     }
     TILE_RELEASE();
+}
+
+/* amx_rows_x_tokens for two weight blocks (gate and up) against the same token tiles: out0 and out1 as out there. */
+static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
+                               const uint16_t *packed, int tiles, int k, float *out0, float *out1) {
+    uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
+    const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
+    amx_pair_begin();
+    for (int kc = 0; kc < k / 32; kc++) {
+        if (amx_prefetch && t0 == FT_BF16 && t1 == FT_BF16 && kc + amx_prefetch < k / 32) {
+            amx_prefetch_rows(w0 + (size_t)(kc + amx_prefetch) * 64, s0);
+            amx_prefetch_rows(w1 + (size_t)(kc + amx_prefetch) * 64, s1);
+        }
+        amx_pair_step(t0, w0, s0, t1, w1, s1, kc, packed, second, kc, tiles, scratch0, scratch1);
+    }
+    amx_pair_end(tiles, out0, out1);
 }
 
 /* Weights [c0, c0 + cw) of 16 block-format rows (stride bytes apart) as bf16 rows `cw` elements apart at `dst`,
@@ -210,11 +228,7 @@ static void amx_chunked_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int
     int chunks = k / cw, per = cw / 32;
     size_t ahead0 = (size_t)(cw / 32) * block_bytes(t0) * 2, ahead1 = (size_t)(cw / 32) * block_bytes(t1) * 2;
     if (!amx_dequant_prefetch) ahead0 = ahead1 = 0;
-    amx_configure();
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    TILE_ZERO(5);
-    TILE_ZERO(6);
+    amx_pair_begin();
     amx_dequant_chunk_rows(t0, w0, s0, 0, cw, ahead0, buf[0][0]);
     amx_dequant_chunk_rows(t1, w1, s1, 0, cw, ahead1, buf[0][1]);
     for (int c = 0; c < chunks; c++) {
@@ -223,28 +237,12 @@ static void amx_chunked_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int
             amx_dequant_chunk_rows(t0, w0, s0, (c + 1) * cw, cw, far ? ahead0 : 0, buf[(c + 1) & 1][0]);
             amx_dequant_chunk_rows(t1, w1, s1, (c + 1) * cw, cw, far ? ahead1 : 0, buf[(c + 1) & 1][1]);
         }
-        const uint16_t *g = buf[c & 1][0], *u = buf[c & 1][1];
-        for (int i = 0; i < per; i++) {
-            int kc = c * per + i;
-            TILE_LOAD(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-            TILE_LOAD(2, g + i * 32, (size_t)cw * 2);
-            TILE_LOAD(3, u + i * 32, (size_t)cw * 2);
-            TILE_BF16(0, 2, 4);
-            TILE_BF16(1, 3, 4);
-            if (tiles > 1) {
-                TILE_LOAD(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-                TILE_BF16(5, 2, 7);
-                TILE_BF16(6, 3, 7);
-            }
-        }
+        const uint8_t *g = (const uint8_t *)buf[c & 1][0], *u = (const uint8_t *)buf[c & 1][1];
+        for (int i = 0; i < per; i++)
+            amx_pair_step(FT_BF16, g, (size_t)cw * 2, FT_BF16, u, (size_t)cw * 2, i, packed, second, c * per + i,
+                          tiles, NULL, NULL);
     }
-    TILE_STORE(0, out0, 64);
-    TILE_STORE(1, out1, 64);
-    if (tiles > 1) {
-        TILE_STORE(5, out0 + 256, 64);
-        TILE_STORE(6, out1 + 256, 64);
-    }
-    TILE_RELEASE();
+    amx_pair_end(tiles, out0, out1);
 }
 
 /* How many of an expert's token tiles, from `tile` of `tiles`, the next pass takes. */
