@@ -44,7 +44,7 @@ class Variant:
     rows: int = 16            # ft_set_amx_q8_rows: weight rows a pass of the int8 tiles takes
     prefetch: int = 0         # ft_set_amx_prefetch: the tile paths' software prefetch distance (32-weight chunks)
     dequant_prefetch: int = 4096  # ft_set_amx_dequant_prefetch: bytes ahead while block formats dequantize for tiles
-    dequant_chunk: int = 0    # ft_set_amx_dequant_chunk: weights a row dequantized at a time, ahead of the tiles
+    dequant_streams: int = 4  # ft_set_amx_dequant_streams: interleaved runs of rows a 16-row block is dequantized as
     tile_pairs: int = 1       # ft_set_amx_tile_pairs: two of an expert's token tiles a bf16 tile pass (17+ tokens)
     vector_act: int = 1       # ft_set_vector_act: the epilogues (activations, pair outputs) 16 values at a time
     avx2_dots: int | None = None  # ft_set_avx2_dots: 8-lane dot products (1) or 16-lane (0); None: the build's
@@ -65,10 +65,10 @@ VARIANTS = {
     "Q8_0 int8 tiles, 32 rows": Variant(int8_tiles=(2, 32), rows=32, formats=("Q8_0",), batches=(2, 4, 8, 16, 32)),
     "tiles, prefetch 4": Variant(prefetch=4, batches=(2, 4, 8, 16, 32)),
     "tiles, prefetch 8": Variant(prefetch=8, batches=(2, 4, 8, 16, 32)),
-    "Q8_0 tiles, dequant chunks of 128": Variant(dequant_chunk=128, formats=("Q8_0",), batches=(6, 8, 16)),
-    "Q8_0 tiles, dequant chunks of 256": Variant(dequant_chunk=256, formats=("Q8_0",), batches=(6, 8, 16)),
-    "Q8_0 tiles from 4, dequant chunks of 128": Variant(dequant_chunk=128, q8_tiles_from=4, formats=("Q8_0",),
-                                                        batches=(4, 5)),
+    "Q8_0 tiles, dequantized as one run": Variant(dequant_streams=1, formats=("Q8_0",), batches=(5, 6, 8, 16)),
+    "Q8_0 tiles, dequantized as 2 runs": Variant(dequant_streams=2, formats=("Q8_0",), batches=(6, 8, 16)),
+    "Q8_0 tiles, dequantized as 8 runs": Variant(dequant_streams=8, formats=("Q8_0",), batches=(6, 8, 16)),
+    "Q8_0 tiles from 4": Variant(q8_tiles_from=4, formats=("Q8_0",), batches=(4, 5)),
     "Q8_0 tiles, no dequant prefetch": Variant(dequant_prefetch=0, formats=("Q8_0",), batches=(6, 8, 16)),
     "Q8_0 tiles, dequant prefetch 16 KiB": Variant(dequant_prefetch=16384, formats=("Q8_0",), batches=(6, 8, 16)),
     "tiles, one token tile a pass": Variant(tile_pairs=0, batches=(32, 48, 64)),
@@ -159,7 +159,7 @@ def main() -> int:
             kernel.lib.ft_set_amx_q8(*v.int8_tiles)
             kernel.lib.ft_set_amx_prefetch(v.prefetch)
             kernel.lib.ft_set_amx_dequant_prefetch(v.dequant_prefetch)
-            kernel.lib.ft_set_amx_dequant_chunk(v.dequant_chunk)
+            kernel.lib.ft_set_amx_dequant_streams(v.dequant_streams)
             kernel.lib.ft_set_amx_q8_rows(v.rows)
             kernel.lib.ft_set_amx_tile_pairs(v.tile_pairs)
             kernel.lib.ft_set_vector_act(v.vector_act)
@@ -178,7 +178,7 @@ def main() -> int:
     kernel.lib.ft_set_amx_q8(2, 0)
     kernel.lib.ft_set_amx_prefetch(0)
     kernel.lib.ft_set_amx_dequant_prefetch(Variant.dequant_prefetch)
-    kernel.lib.ft_set_amx_dequant_chunk(Variant.dequant_chunk)
+    kernel.lib.ft_set_amx_dequant_streams(Variant.dequant_streams)
     kernel.lib.ft_set_amx_q8_rows(16)
     kernel.lib.ft_set_amx_tile_pairs(1)
     kernel.lib.ft_set_vector_act(1)

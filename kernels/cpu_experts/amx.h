@@ -20,22 +20,20 @@ static int amx_prefetch;
    off): the block is one run of ~35 KB (Q8_0 gate/up rows), and the L2 streamer stops at each 4 KiB page, where the
    loop then waits on DRAM; one core computes that block 2.4x faster from L2 than the pool reads it. 4 KiB ahead
    read Q8_0 at 6/8/16 tokens 1.18/1.20/1.16x faster than none on an H100 host (57d4689,
-   evals/results/cpu-expert-kernel-h200.md); 1 KiB 1.12/1.13/1.11x. */
+   evals/results/cpu-expert-kernel-h200.md); 1 KiB 1.12/1.13/1.11x. Shared among the runs of amx_dequant_streams
+   (4: 1 KiB ahead in each). */
 static int amx_dequant_prefetch = 4096;
 /* Two token tiles a pass (17+ tokens per expert, a prefill chunk's share): both multiply the weight tiles of one
    load, where a pass per token tile loaded the whole 16-row block again from L2 for each (0: one a pass). At 32
    tokens BF16 1.09x, Q8_0 0.96x (its dequantization dominates) on an H200 host (8c5b29f,
    evals/results/cpu-expert-kernel-h200.md). */
 static int amx_tile_pairs = 1;
-/* Block-format gate/up rows of a one-pass expert (up to two token tiles) dequantized this many weights a row at a
-   time (0: each 16-row block whole first, ~64 KiB a projection, which the tiles then load from L2): a chunk of both
-   projections lands in an L1-sized buffer while the tiles work through the chunk before it (two buffers), so the
-   dequantization's stores and the tile loads overlap and the loads hit L1; each row is prefetched two chunks
-   ahead. Off by default (ft_set_amx_dequant_chunk): on a 2-core Sapphire Rapids-class VM, Q8_0 at 6-8 tokens per
-   expert, chunks of 128 weights read 1.05-1.10x whole rows, 64 and 256 0.92x, 512 0.79x (16 short row streams
-   prefetch worse than one long run); not yet measured on the test machine's 15 threads. */
-enum { AMX_CHUNK_MAX = 256 };
-static int amx_dequant_chunk;
+/* A 16-row block of block-format rows is dequantized as this many interleaved runs of consecutive rows (1, 2, 4, 8
+   or 16), the prefetch distance shared among them: one core then has several independent DRAM streams in flight
+   where one run kept too few, as the dequantization's arithmetic filled its window. On a 2-core Sapphire
+   Rapids-class VM, Q8_0 at 6-16 tokens per expert: 4 runs (1 KiB ahead each) read 1.13-1.16x one run (4 KiB
+   ahead), 2 runs 1.10x, 8 1.05x, 16 0.9x (evals/results/cpu-kernel-dequant-streams-ci-class.md). */
+static int amx_dequant_streams = 4;
 
 INLINE void amx_prefetch_rows(const uint8_t *w, size_t stride) {
     for (int r = 0; r < 16; r++) __builtin_prefetch(w + r * stride, 0, 3);
@@ -80,7 +78,8 @@ static void amx_block_tile(int type, const uint8_t *w, size_t stride, int kc, ui
 }
 
 /* A 16-row block of block-format weights over k columns as bf16 rows (a per-thread buffer, `which` of two), each
-   block dequantized once whatever the number of token tiles. Row by row: one sequential stream per row (walking
+   block dequantized once whatever the number of token tiles, as amx_dequant_streams interleaved runs of rows. Row by
+   row within a run: one sequential stream per run (walking
    the 16 rows block column by block column stalled on every load: 1.4x slower at 6-8 tokens on a Sapphire
    Rapids-class core), and the tiles then load rows that were stored long before (a tile loaded right after the
    stores that wrote it waits for them). Returns the rows; their stride is k * 2 bytes. */
@@ -94,19 +93,23 @@ static const uint8_t *amx_dequant_rows(int type, const uint8_t *w, size_t stride
         capacity[which] = buf[which] ? need : 0;
         if (!buf[which]) return NULL;
     }
-    size_t bytes = block_bytes(type);
-    const uint8_t *end = w + 15 * stride + (size_t)(k / 32) * bytes;  /* the block's last byte, exclusive */
-    size_t ahead = (size_t)amx_dequant_prefetch;
-    for (size_t at = 0; at < ahead && w + at < end; at += 64) __builtin_prefetch(w + at, 0, 3);
-    for (int r = 0; r < 16; r++)
-        for (int kc = 0; kc < k / 32; kc++) {
-            vf w0, w1;
-            const uint8_t *blk = w + r * stride + (size_t)kc * bytes;
-            if (ahead && blk + ahead < end) __builtin_prefetch(blk + ahead, 0, 3);
-            block_weights(type, blk, &w0, &w1);
-            _mm512_storeu_si512(buf[which] + (size_t)r * k + (size_t)kc * 32,
-                                (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0));
-        }
+    int streams = amx_dequant_streams, per = 16 / streams, nb = k / 32;
+    size_t bytes = block_bytes(type), ahead = (size_t)amx_dequant_prefetch / streams / 64 * 64;
+    const uint8_t *from[16], *end[16];  /* run s: rows s * per .. s * per + per - 1, one run of bytes */
+    for (int s = 0; s < streams; s++) {
+        from[s] = w + (size_t)s * per * stride, end[s] = from[s] + (size_t)(per - 1) * stride + (size_t)nb * bytes;
+        for (size_t at = 0; at < ahead && from[s] + at < end[s]; at += 64) __builtin_prefetch(from[s] + at, 0, 3);
+    }
+    for (int ri = 0; ri < per; ri++)
+        for (int kc = 0; kc < nb; kc++)
+            for (int s = 0; s < streams; s++) {
+                vf w0, w1;
+                const uint8_t *blk = from[s] + ri * stride + (size_t)kc * bytes;
+                if (ahead && blk + ahead < end[s]) __builtin_prefetch(blk + ahead, 0, 3);
+                block_weights(type, blk, &w0, &w1);
+                _mm512_storeu_si512(buf[which] + (size_t)(s * per + ri) * k + (size_t)kc * 32,
+                                    (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0));
+            }
     return (const uint8_t *)buf[which];
 }
 
@@ -147,34 +150,32 @@ static void amx_rows_x_tokens(int type, const uint8_t *w, size_t stride, const u
     TILE_RELEASE();
 }
 
-/* Two weight blocks (gate and up) against the same one or two token tiles: sums in tiles 0 and 1 (first token tile)
-   and 5 and 6 (second). Begin, a step per k-chunk of 32 weights in order, end. */
-INLINE void amx_pair_begin(void) {
+/* The same for two weight blocks (gate and up) against the same token tiles: out0 and out1 as out above. */
+static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
+                               const uint16_t *packed, int tiles, int k, float *out0, float *out1) {
+    uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
+    const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
     amx_configure();
     TILE_ZERO(0);
     TILE_ZERO(1);
     TILE_ZERO(5);
     TILE_ZERO(6);
-}
-
-/* k-chunk kc of the token tiles (packed, and second where tiles > 1) against the weight tiles of rows w0 and w1 at
-   their k-chunk wkc (kc itself, or its place in a chunk's buffer). */
-INLINE void amx_pair_step(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1, int wkc,
-                          const uint16_t *packed, const uint16_t *second, int kc, int tiles, uint16_t *scratch0,
-                          uint16_t *scratch1) {
-    TILE_LOAD(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-    amx_load_weights(2, t0, w0, s0, wkc, scratch0);
-    amx_load_weights(3, t1, w1, s1, wkc, scratch1);
-    TILE_BF16(0, 2, 4);
-    TILE_BF16(1, 3, 4);
-    if (tiles > 1) {
-        TILE_LOAD(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
-        TILE_BF16(5, 2, 7);
-        TILE_BF16(6, 3, 7);
+    for (int kc = 0; kc < k / 32; kc++) {
+        if (amx_prefetch && t0 == FT_BF16 && t1 == FT_BF16 && kc + amx_prefetch < k / 32) {
+            amx_prefetch_rows(w0 + (size_t)(kc + amx_prefetch) * 64, s0);
+            amx_prefetch_rows(w1 + (size_t)(kc + amx_prefetch) * 64, s1);
+        }
+        TILE_LOAD(4, packed + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+        amx_load_weights(2, t0, w0, s0, kc, scratch0);
+        amx_load_weights(3, t1, w1, s1, kc, scratch1);
+        TILE_BF16(0, 2, 4);
+        TILE_BF16(1, 3, 4);
+        if (tiles > 1) {
+            TILE_LOAD(7, second + (size_t)kc * 16 * AMX_TOKENS * 2, 64);
+            TILE_BF16(5, 2, 7);
+            TILE_BF16(6, 3, 7);
+        }
     }
-}
-
-INLINE void amx_pair_end(int tiles, float *out0, float *out1) {
     TILE_STORE(0, out0, 64);
     TILE_STORE(1, out1, 64);
     if (tiles > 1) {
@@ -182,67 +183,6 @@ INLINE void amx_pair_end(int tiles, float *out0, float *out1) {
         TILE_STORE(6, out1 + 256, 64);
     }
     TILE_RELEASE();
-}
-
-/* amx_rows_x_tokens for two weight blocks (gate and up) against the same token tiles: out0 and out1 as out there. */
-static void amx_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
-                               const uint16_t *packed, int tiles, int k, float *out0, float *out1) {
-    uint16_t scratch0[16 * 32] __attribute__((aligned(64))), scratch1[16 * 32] __attribute__((aligned(64)));
-    const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
-    amx_pair_begin();
-    for (int kc = 0; kc < k / 32; kc++) {
-        if (amx_prefetch && t0 == FT_BF16 && t1 == FT_BF16 && kc + amx_prefetch < k / 32) {
-            amx_prefetch_rows(w0 + (size_t)(kc + amx_prefetch) * 64, s0);
-            amx_prefetch_rows(w1 + (size_t)(kc + amx_prefetch) * 64, s1);
-        }
-        amx_pair_step(t0, w0, s0, t1, w1, s1, kc, packed, second, kc, tiles, scratch0, scratch1);
-    }
-    amx_pair_end(tiles, out0, out1);
-}
-
-/* Weights [c0, c0 + cw) of 16 block-format rows (stride bytes apart) as bf16 rows `cw` elements apart at `dst`,
-   prefetching the same columns `ahead` bytes further on in each row. */
-static void amx_dequant_chunk_rows(int type, const uint8_t *w, size_t stride, int c0, int cw, size_t ahead,
-                                   uint16_t *dst) {
-    size_t bytes = block_bytes(type), from = (size_t)(c0 / 32) * bytes, span = (size_t)(cw / 32) * bytes;
-    for (int r = 0; r < 16; r++) {
-        const uint8_t *row = w + r * stride + from;
-        if (ahead)
-            for (size_t at = 0; at < span; at += 64) __builtin_prefetch(row + ahead + at, 0, 3);
-        for (int kc = 0; kc < cw / 32; kc++) {
-            vf w0, w1;
-            block_weights(type, row + (size_t)kc * bytes, &w0, &w1);
-            _mm512_storeu_si512(dst + (size_t)r * cw + (size_t)kc * 32,
-                                (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0));
-        }
-    }
-}
-
-/* amx_rows_x_tokens2 for block-format gate and up rows of one pass (tiles <= 2), dequantized a chunk of `cw`
-   weights at a time one chunk ahead of the tile products (see amx_dequant_chunk); k a multiple of cw. The same
-   bf16 weights and products in the same order as dequantizing the whole rows first: the same bits. */
-static void amx_chunked_rows_x_tokens2(int t0, const uint8_t *w0, size_t s0, int t1, const uint8_t *w1, size_t s1,
-                                       const uint16_t *packed, int tiles, int k, int cw, float *out0, float *out1) {
-    static __thread uint16_t buf[2][2][16 * AMX_CHUNK_MAX] __attribute__((aligned(64)));  /* [chunk parity][proj] */
-    const uint16_t *second = packed + (size_t)k * AMX_TOKENS;
-    int chunks = k / cw, per = cw / 32;
-    size_t ahead0 = (size_t)(cw / 32) * block_bytes(t0) * 2, ahead1 = (size_t)(cw / 32) * block_bytes(t1) * 2;
-    if (!amx_dequant_prefetch) ahead0 = ahead1 = 0;
-    amx_pair_begin();
-    amx_dequant_chunk_rows(t0, w0, s0, 0, cw, ahead0, buf[0][0]);
-    amx_dequant_chunk_rows(t1, w1, s1, 0, cw, ahead1, buf[0][1]);
-    for (int c = 0; c < chunks; c++) {
-        if (c + 1 < chunks) {  /* the next chunk's stores, while the tiles below load this one's */
-            int far = c + 2 < chunks;  /* nothing to prefetch past the last chunk */
-            amx_dequant_chunk_rows(t0, w0, s0, (c + 1) * cw, cw, far ? ahead0 : 0, buf[(c + 1) & 1][0]);
-            amx_dequant_chunk_rows(t1, w1, s1, (c + 1) * cw, cw, far ? ahead1 : 0, buf[(c + 1) & 1][1]);
-        }
-        const uint8_t *g = (const uint8_t *)buf[c & 1][0], *u = (const uint8_t *)buf[c & 1][1];
-        for (int i = 0; i < per; i++)
-            amx_pair_step(FT_BF16, g, (size_t)cw * 2, FT_BF16, u, (size_t)cw * 2, i, packed, second, c * per + i,
-                          tiles, NULL, NULL);
-    }
-    amx_pair_end(tiles, out0, out1);
 }
 
 /* How many of an expert's token tiles, from `tile` of `tiles`, the next pass takes. */
@@ -262,24 +202,16 @@ static const uint8_t *amx_block_rows(const uint8_t *w, int *type, size_t *stride
 static void amx_gate_up(const moe_job *j, const uint16_t *xp, uint16_t *actp, const int32_t *tile_base, int task) {
     int blocks = j->inter / ROW_BLOCK, e = task / blocks, r0 = (task % blocks) * ROW_BLOCK, expert = j->experts[e];
     int p0 = j->pair_offsets[e], n = j->pair_offsets[e + 1] - p0, tiles = tile_base[e + 1] - tile_base[e];
-    int gt = j->gate_type, ut = j->up_type, cw = amx_dequant_chunk;
+    int gt = j->gate_type, ut = j->up_type;
     size_t gb = row_bytes(gt, j->hidden), ub = row_bytes(ut, j->hidden);
-    const uint8_t *gate = j->gate + expert * j->gate_stride + r0 * gb, *up = j->up + expert * j->up_stride + r0 * ub;
-    int chunked = cw > 0 && gt != FT_BF16 && ut != FT_BF16 && amx_pass_tiles(0, tiles) == tiles && j->hidden % cw == 0;
-    if (!chunked) {
-        gate = amx_block_rows(gate, &gt, &gb, j->hidden, 0);
-        up = amx_block_rows(up, &ut, &ub, j->hidden, 1);
-    }
+    const uint8_t *gate = amx_block_rows(j->gate + expert * j->gate_stride + r0 * gb, &gt, &gb, j->hidden, 0);
+    const uint8_t *up = amx_block_rows(j->up + expert * j->up_stride + r0 * ub, &ut, &ub, j->hidden, 1);
     float g[2][16][16], u[2][16][16];
     for (int tile = 0, now; tile < tiles; tile += now) {
         now = amx_pass_tiles(tile, tiles);
         size_t base = (size_t)(tile_base[e] + tile);
-        if (chunked)
-            amx_chunked_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, now, j->hidden,
-                                       cw, &g[0][0][0], &u[0][0][0]);
-        else
-            amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, now, j->hidden,
-                               &g[0][0][0], &u[0][0][0]);
+        amx_rows_x_tokens2(gt, gate, gb, ut, up, ub, xp + base * j->hidden * AMX_TOKENS, now, j->hidden,
+                           &g[0][0][0], &u[0][0][0]);
         for (int i = 0; i < now; i++) {
             uint16_t *dst = actp + (base + i) * j->inter * AMX_TOKENS;
             int valid = n - (tile + i) * AMX_TOKENS < AMX_TOKENS ? n - (tile + i) * AMX_TOKENS : AMX_TOKENS;

@@ -95,16 +95,16 @@ void ft_set_amx_prefetch(int chunks) {
 #endif
 }
 
-/* Block-format gate/up rows of a one-pass expert dequantized for the bf16 tiles this many weights a row at a time,
-   one chunk ahead of the tiles (amx.h amx_dequant_chunk; 0: whole rows first, the default; a multiple of 32 up to
-   256); returns the setting it replaces (-1 where the build has no tiles). */
-int ft_set_amx_dequant_chunk(int weights) {
+/* The interleaved runs of rows a 16-row block of block-format rows is dequantized as for the bf16 tiles (amx.h
+   amx_dequant_streams: 1, 2, 4 (default), 8 or 16; other values change nothing); returns the setting it replaces (-1
+   where the build has no tiles). */
+int ft_set_amx_dequant_streams(int streams) {
 #if HAVE_AMX
-    int before = amx_dequant_chunk;
-    amx_dequant_chunk = weights > 0 && weights % 32 == 0 && weights <= AMX_CHUNK_MAX ? weights : 0;
+    int before = amx_dequant_streams;
+    if (streams > 0 && streams <= 16 && 16 % streams == 0) amx_dequant_streams = streams;
     return before;
 #else
-    (void)weights;
+    (void)streams;
     return -1;
 #endif
 }

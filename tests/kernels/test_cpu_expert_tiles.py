@@ -87,11 +87,10 @@ def test_the_dequantization_prefetch_changes_no_result(tiles):
     assert default == 4096 and torch.equal(none, ahead) and torch.equal(near, ahead)
 
 
-def test_dequantizing_in_chunks_changes_no_result(tiles):
-    """ft_set_amx_dequant_chunk: a one-pass expert's Q8_0 gate/up rows dequantized a chunk of weights at a time,
-    one chunk ahead of the tiles, instead of whole rows first: the same bf16 weights and products in the same
-    order, so the same bits (experts of 1 and 2 token tiles, one pass; 3 tiles, two passes, keep whole rows; a
-    chunk that does not divide the rows, or is no multiple of 32, leaves whole rows too)."""
+def test_dequantizing_as_interleaved_runs_of_rows_changes_no_result(tiles):
+    """ft_set_amx_dequant_streams: a 16-row block of Q8_0 rows dequantized for the tiles as 1, 2, 4 (default), 8 or
+    16 interleaved runs of rows: the same bf16 rows whatever the order, so the same bits; other values change
+    nothing."""
     kernel = tiles
     gen = torch.Generator().manual_seed(12)
     gate, up = (expert_matrix("Q8_0", 3, 64, 256, gen) for _ in range(2))
@@ -102,18 +101,18 @@ def test_dequantizing_in_chunks_changes_no_result(tiles):
     routing = (torch.arange(3, dtype=torch.int32), offsets,
                torch.cat([torch.randperm(40, generator=gen)[:n].sort().values for n in counts]).int(),
                torch.rand(sum(counts), generator=gen))
-    whole = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    chunked = {}
+    default = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+    runs = {}
     try:
-        for weights, kept in ((64, 64), (128, 128), (256, 256), (96, 96), (48, 0), (1024, 0)):
-            kernel.lib.ft_set_amx_dequant_chunk(weights)
-            assert kernel.lib.ft_set_amx_dequant_chunk(weights) == kept
-            chunked[weights] = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
+        for streams, kept in ((1, 1), (2, 2), (8, 8), (16, 16), (3, 16), (0, 16), (32, 16)):
+            kernel.lib.ft_set_amx_dequant_streams(streams)
+            assert kernel.lib.ft_set_amx_dequant_streams(streams) == kept
+            runs[streams] = kernel.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
     finally:
-        kernel.lib.ft_set_amx_dequant_chunk(0)
+        assert kernel.lib.ft_set_amx_dequant_streams(4) == 16
     want = reference.moe_forward(x, gate, up, down, *routing, round_to=torch.bfloat16)
-    assert all(torch.equal(got, whole) for got in chunked.values())
-    assert (whole - want).norm() / want.norm() < 2e-2
+    assert all(torch.equal(got, default) for got in runs.values())
+    assert (default - want).norm() / want.norm() < 2e-2
 
 
 def test_amx_tiles_cover_long_calls(tiles):
