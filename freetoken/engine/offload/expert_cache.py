@@ -71,7 +71,7 @@ class ExpertCache:
 
     def lookup(self, key: Hashable) -> int | None:
         """The key's slot on a hit (counted, and the policy told), None on a miss (counted)."""
-        self.record_uses(key[0] if type(key) is tuple else None, (key,))
+        self.record_uses(_layer_of(key), (key,))
         return self.slot_of.get(key)
 
     def record_uses(self, layer, keys: Iterable[Hashable]) -> None:

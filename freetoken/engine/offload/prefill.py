@@ -263,7 +263,7 @@ class PrefillPath:
         # "ahead-batches": copies go AHEAD_BATCH experts at a time, since the host's cost per expert (runtime
         # calls, a dequantizing launch for block formats) may bound a layer of small (Q8_0) experts below the link.
         batch, done = self._ahead_batch(), None
-        copier.begin(wait_compute=False, prefill=True, store_evicts=False)
+        copier.begin(wait_compute=False, prefill=True, store_evicts=False, store_spread=self._spread())
         for i in range(0, len(cached), batch):
             part = cached[i:i + batch]
             done = copier.to_slots_marked(target, [e for e, _ in part], self.slots, [slot for _, slot in part])
@@ -329,14 +329,13 @@ class PrefillPath:
         # paced by compute freeing staging slots: the prefill planner's copy sample. Only a chunk that may evict
         # waits for the compute queued so far (a victim's slot may still be read); free slots and staging slots
         # (their own release events) need no wait, which would hold the link behind this layer's experts.
-        copier.begin(wait_compute=evict, prefill=True, store_evicts=evict)
-        cached, staged = [], []
+        copier.begin(wait_compute=evict, prefill=True, store_evicts=evict, store_spread=self._spread())
+        cached, staged, spread = [], [], self._spread()
         for g in to_copy:
             # a prefill chunk takes free slots only: it touches nearly every expert once, so evicting for it would
             # churn the cache (the next chunk, turn or decode step would find none of what it held); the rest
             # streams through staging, and the policy has still counted every use (lookup) for decode's admissions
-            admitted = self.cache.admit((layer, g.expert)) if evict or self.cache.fillable(layer, self._spread()) \
-                else None
+            admitted = self.cache.admit((layer, g.expert)) if evict or self.cache.fillable(layer, spread) else None
             if admitted is None:
                 staged.append(g)
             else:

@@ -71,6 +71,7 @@ class ExpertCopier:
             raise ValueError("a block store keeps quantized experts' block bytes; these experts are dense")
         self.store = BlockStore(store_rows, self.expert_bytes, device, store_policy) if store_rows else None
         self._store_evicts = True  # this batch's copies may displace the store's rows (see `begin`)
+        self._store_spread: int | None = None  # else: how many layers share the free rows evenly (see `begin`)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # pinned experts (dense ones of the slots' dtype): raw byte copies through the runtime, no torch dispatch
         sources = [t for le in host.values() for t in (le.raw.values() if self.quantized else
@@ -149,15 +150,16 @@ class ExpertCopier:
     # -- one layer-step: begin, any number of copies, end --
 
     def begin(self, wait_compute: bool = True, sample: bool = True, prefill: bool = False,
-              store_evicts: bool = True) -> None:
+              store_evicts: bool = True, store_spread: int | None = None) -> None:
         """Before the step's copies: slots about to be overwritten may still be read by queued compute.
         `wait_compute=False` when every copy goes to staging slots (their release events order them) or the
         caller orders them itself. `sample=False`: copies whose timing says nothing about the link.
         `prefill=True`: a prefill chunk's copies, paced by its staging ring and compute — what the copy path
         costs a prefill, not the link's speed; reported apart (see `finished_timings`). `store_evicts=False`:
-        experts new to the block store take free rows only (a prefill chunk's, see `BlockStore.place`)."""
+        experts new to the block store take free rows only (a prefill chunk's, see `BlockStore.place`), with
+        `store_spread` (the layers sharing them: GPU path "prefill-spread") up to an even share per layer."""
         self._batch = _Batch(sample=sample, prefill=prefill)
-        self._store_evicts = store_evicts
+        self._store_evicts, self._store_spread = store_evicts, store_spread
         if self.stream is None or not wait_compute:
             return
         if self._direct:
@@ -284,9 +286,7 @@ class ExpertCopier:
         there. The held ones' launch comes first and outside the batch's timing: it needs no link, so the GPU
         runs it while the host still queues the copies, and a link sample counts only link bytes and their
         dequantizing (with it inside, a batch of store hits read as a slow link to the planner)."""
-        # GPU path "prefill-spread": a chunk's rows spread evenly over the layers (see ExpertCache.fillable)
-        spread = None if self._store_evicts or not gpu_paths.enabled("prefill-spread") else len(self.host)
-        placed = self.store.place(layer, experts, self._store_evicts, spread)
+        placed = self.store.place(layer, experts, self._store_evicts, self._store_spread)
         near = [i for i, (_, fetch) in enumerate(placed) if not fetch]
         far = [i for i, (_, fetch) in enumerate(placed) if fetch]
         if near:
